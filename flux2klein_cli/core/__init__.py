@@ -1,0 +1,1 @@
+"""Everything the commands share; importable without Typer."""

@@ -1,0 +1,17 @@
+"""Errors the CLI turns into exit codes: 2 for bad input, 1 for runtime failures."""
+
+
+class Flux2KleinError(Exception):
+    """A failure with a message meant for the user (exit code 1)."""
+
+    exit_code = 1
+
+
+class UserInputError(Flux2KleinError):
+    """Bad usage or bad input: a readable one-line message, exit code 2."""
+
+    exit_code = 2
+
+
+class CheckpointError(UserInputError):
+    """A checkpoint on disk is incomplete, corrupt or does not fit the model config."""

@@ -1,0 +1,1 @@
+"""Checkpoint reading: safetensors (and later Orbax) straight into NNX modules."""

@@ -1,0 +1,171 @@
+"""Safetensors -> Flax NNX: strict key and shape checks, direct dtype conversion, sharded placement.
+
+A model says where each of its parameters comes from with a *key plan*: for every
+NNX parameter path, the checkpoint key (or one key per layer for scanned, stacked
+blocks) and the layout change from torch to JAX. The model is built abstractly
+(`nnx.eval_shape`, no initialisation, no memory); each parameter is then created with
+`jax.make_array_from_callback`, so every device reads only its own slice of the
+memory-mapped file and the whole model never sits twice in host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.mesh import default_mesh
+from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint, _first
+
+Path_ = tuple[str, ...]
+M = TypeVar("M", bound=nnx.Module)
+# "linear": torch (out, in) -> (in, out); "conv": torch OIHW -> HWIO; "none": as stored.
+Layout = Literal["none", "linear", "conv"]
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one NNX parameter comes from: one key, or one key per layer (stacked on axis 0)."""
+
+    keys: tuple[str, ...]
+    layout: Layout = "none"
+    stacked: bool = False
+
+
+@dataclass(frozen=True)
+class KeyPlan:
+    """Every NNX parameter's source, plus the checkpoint keys that are deliberately not read."""
+
+    sources: Mapping[Path_, TensorSource]
+    ignore: Callable[[str], bool] = lambda key: False
+
+
+def single(key: str, layout: Layout = "none") -> TensorSource:
+    return TensorSource((key,), layout)
+
+
+def stacked(keys: Iterable[str], layout: Layout = "none") -> TensorSource:
+    return TensorSource(tuple(keys), layout, stacked=True)
+
+
+def _to_jax_layout(array: np.ndarray, layout: Layout) -> np.ndarray:
+    if layout == "linear":
+        return array.T
+    if layout == "conv":
+        return array.transpose(2, 3, 1, 0)
+    return array
+
+
+def _layout_shape(shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
+    if layout == "linear" and len(shape) == 2:
+        return (shape[1], shape[0])
+    if layout == "conv" and len(shape) == 4:
+        return (shape[2], shape[3], shape[1], shape[0])
+    return shape
+
+
+ShardingRule = Callable[[Path_, tuple[int, ...]], PartitionSpec]
+
+
+def _replicate(path: Path_, shape: tuple[int, ...]) -> PartitionSpec:
+    return PartitionSpec()
+
+
+def check_plan(
+    checkpoint: SafetensorsCheckpoint, plan: KeyPlan, abstract: Mapping[Path_, jax.ShapeDtypeStruct]
+) -> None:
+    """Raise a CheckpointError naming missing, unexpected and wrongly shaped keys."""
+    if set(abstract) != set(plan.sources):
+        raise AssertionError(  # a bug in a model's key plan, not in the checkpoint
+            f"key plan does not cover the model: {_first(set(abstract) ^ set(plan.sources))}"
+        )
+    wanted = {key for source in plan.sources.values() for key in source.keys}
+    have = checkpoint.keys()
+    missing = wanted - have
+    unexpected = {k for k in have - wanted if not plan.ignore(k)}
+    where = checkpoint.directory
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_first(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_first(unexpected)}")
+    if problems:
+        raise CheckpointError(f"{where}: checkpoint does not match the model config; " + "; ".join(problems))
+
+    wrong = []
+    for path, source in plan.sources.items():
+        target = tuple(abstract[path].shape)
+        per_key = target[1:] if source.stacked else target
+        if source.stacked and target[0] != len(source.keys):
+            raise AssertionError(f"{'.'.join(path)}: {target[0]} layers but {len(source.keys)} keys")
+        for key in source.keys:
+            got = _layout_shape(checkpoint.tensors[key].shape, source.layout)
+            if got != per_key:
+                stored = checkpoint.tensors[key].shape
+                wrong.append(f"{key} in {checkpoint.describe(key)} is {stored}, model expects {per_key}")
+    if wrong:
+        more = f" (and {len(wrong) - 10} more)" if len(wrong) > 10 else ""
+        raise CheckpointError(f"{where}: wrongly shaped keys: " + "; ".join(wrong[:10]) + more)
+
+
+def _read_slice(
+    checkpoint: SafetensorsCheckpoint, source: TensorSource, index: tuple[slice, ...], dtype: np.dtype
+) -> np.ndarray:
+    """The host bytes of one device's slice, converted once, straight to the target dtype."""
+
+    def one(key: str, idx: tuple[slice, ...]) -> np.ndarray:
+        view = _to_jax_layout(checkpoint.view(key), source.layout)[idx]
+        return np.asarray(view, dtype=dtype) if view.dtype != dtype else np.array(view)
+
+    if not source.stacked:
+        return one(source.keys[0], index)
+    layers = range(len(source.keys))[index[0]] if index else range(len(source.keys))
+    rest = index[1:] if index else ()
+    return np.stack([one(source.keys[i], rest) for i in layers])
+
+
+def load_state(
+    checkpoint: SafetensorsCheckpoint,
+    plan: KeyPlan,
+    abstract_state: nnx.State,
+    mesh: Mesh | None = None,
+    sharding_rule: ShardingRule = _replicate,
+) -> nnx.State:
+    """Fill an abstract NNX state from the checkpoint, each leaf in its abstract dtype."""
+    mesh = mesh or default_mesh()
+    flat = dict(nnx.to_flat_state(abstract_state))
+    abstract = {path: var.get_value() for path, var in flat.items()}
+    check_plan(checkpoint, plan, abstract)
+    filled = []
+    for path, var in flat.items():
+        spec = abstract[path]
+        source = plan.sources[path]
+        sharding = NamedSharding(mesh, sharding_rule(path, tuple(spec.shape)))
+        dtype = np.dtype(spec.dtype)
+        array = jax.make_array_from_callback(
+            tuple(spec.shape), sharding, lambda idx, s=source, d=dtype: _read_slice(checkpoint, s, idx, d)
+        )
+        filled.append((path, var.replace(array)))
+    return nnx.from_flat_state(filled)
+
+
+def load_module(
+    build: Callable[[], M],
+    plan_for: Callable[[M], KeyPlan],
+    directory: str | Path,
+    mesh: Mesh | None = None,
+    sharding_rule: ShardingRule = _replicate,
+) -> M:
+    """Build a module abstractly, then load its weights from a component directory."""
+    abstract_model = nnx.eval_shape(build)
+    graphdef, abstract_state = nnx.split(abstract_model)
+    checkpoint = SafetensorsCheckpoint.open(directory)
+    state = load_state(checkpoint, plan_for(abstract_model), abstract_state, mesh, sharding_rule)
+    return nnx.merge(graphdef, state)

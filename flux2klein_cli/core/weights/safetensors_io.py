@@ -1,0 +1,168 @@
+"""Memory-mapped reading of safetensors checkpoints, single-file or sharded with an index.
+
+The format is an 8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the raw bytes. Reading it ourselves gives
+numpy views straight onto the page cache in the stored dtype (bf16 included, through
+ml_dtypes), so a tensor is converted once, to its target dtype, and never detours
+through float32.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from flux2klein_cli.core.errors import CheckpointError
+
+SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives and what it looks like on disk."""
+
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse one .safetensors header; a truncated or corrupt file is a CheckpointError."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file (no header)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > min(_MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(f"{path}: truncated or corrupt safetensors file (bad header length)")
+            header = json.loads(f.read(header_len))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read safetensors file ({e.strerror or e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not JSON)") from None
+
+    data_start = 8 + header_len
+    tensors: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(meta.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {meta.get('dtype')!r}")
+        begin, end = meta["data_offsets"]
+        shape = tuple(int(d) for d in meta["shape"])
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} has a byte size that does not match its shape")
+        tensors[name] = TensorInfo(path, dtype, shape, data_start + begin, data_start + end)
+    data_end = max((t.end for t in tensors.values()), default=data_start)
+    if data_end > size:
+        raise CheckpointError(
+            f"{path}: truncated safetensors file ({size} bytes on disk, header needs {data_end})"
+        )
+    return tensors
+
+
+class SafetensorsCheckpoint:
+    """All tensors of one component directory, memory-mapped lazily, file by file."""
+
+    def __init__(self, directory: Path, tensors: dict[str, TensorInfo]):
+        self.directory = directory
+        self.tensors = tensors
+        self._maps: dict[Path, mmap.mmap] = {}
+
+    @classmethod
+    def open(cls, directory: str | Path) -> SafetensorsCheckpoint:
+        directory = Path(directory)
+        files = _weight_files(directory)
+        tensors: dict[str, TensorInfo] = {}
+        for file in files:
+            tensors.update(read_header(file))
+        index = _read_index(directory)
+        if index is not None:
+            # The index names the file of every key; a key it names must really be there.
+            wrong = [k for k, f in index.items() if k not in tensors or tensors[k].file.name != f]
+            if wrong:
+                raise CheckpointError(
+                    f"{directory}: index lists keys not found in their shards: {_first(wrong)}"
+                )
+        return cls(directory, tensors)
+
+    def keys(self) -> set[str]:
+        return set(self.tensors)
+
+    def describe(self, key: str) -> str:
+        """The file that holds a key, for error messages."""
+        return self.tensors[key].file.name
+
+    def view(self, key: str) -> np.ndarray:
+        """A read-only view of the stored tensor, in its stored dtype; no bytes are copied."""
+        info = self.tensors[key]
+        buf = self._maps.get(info.file)
+        if buf is None:
+            with info.file.open("rb") as f:
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[info.file] = buf
+        count = int(np.prod(info.shape, dtype=np.int64))
+        return np.frombuffer(buf, dtype=info.dtype, count=count, offset=info.start).reshape(info.shape)
+
+
+def _first(names: list[str] | set[str], n: int = 10) -> str:
+    names = sorted(names)
+    more = f" (and {len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def _index_path(directory: Path) -> Path | None:
+    found = sorted(directory.glob("*.safetensors.index.json"))
+    return found[0] if found else None
+
+
+def _read_index(directory: Path) -> dict[str, str] | None:
+    path = _index_path(directory)
+    if path is None:
+        return None
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: unreadable safetensors index (expected a 'weight_map')") from None
+    return {str(k): str(v) for k, v in weight_map.items()}
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: component directory not found")
+    index = _read_index(directory)
+    if index is not None:
+        files = [directory / name for name in sorted(set(index.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(
+                f"{directory}: shard(s) listed in {_index_path(directory).name} are missing: {_first(missing)}"
+            )
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no .safetensors weights found")
+    return files
