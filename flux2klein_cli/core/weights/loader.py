@@ -169,3 +169,35 @@ def load_module(
     checkpoint = SafetensorsCheckpoint.open(directory)
     state = load_state(checkpoint, plan_for(abstract_model), abstract_state, mesh, sharding_rule)
     return nnx.merge(graphdef, state)
+
+
+def plan_from_names(
+    abstract_state: nnx.State,
+    stacked_counts: Mapping[str, int] | None = None,
+    rename: Callable[[str], str] = lambda name: name,
+) -> dict[Path_, TensorSource]:
+    """Sources for modules whose attribute paths mirror the checkpoint's key names.
+
+    `kernel` leaves come from torch's `weight` (transposed for Linear, OIHW->HWIO for
+    Conv), `embedding` from `weight`; a path starting with a name in `stacked_counts`
+    is a scanned stack whose layer i comes from `<name>.<i>.<rest>`. `rename` maps a
+    dotted module path onto the checkpoint's where the two differ (e.g. `to_out.0`).
+    """
+    stacked_counts = stacked_counts or {}
+    sources: dict[Path_, TensorSource] = {}
+    for path, var in nnx.to_flat_state(abstract_state):
+        *modules, leaf = (str(p) for p in path)
+        ndim = len(var.get_value().shape)
+        layout: Layout = "none"
+        if leaf == "kernel":
+            leaf, layout = "weight", ("conv" if ndim - (modules[0] in stacked_counts) == 4 else "linear")
+        elif leaf == "embedding":
+            leaf = "weight"
+        name = rename(".".join([*modules, leaf]))
+        if modules and modules[0] in stacked_counts:
+            rest = name.removeprefix(modules[0] + ".")
+            keys = [f"{modules[0]}.{i}.{rest}" for i in range(stacked_counts[modules[0]])]
+            sources[tuple(path)] = stacked(keys, layout)
+        else:
+            sources[tuple(path)] = single(name, layout)
+    return sources

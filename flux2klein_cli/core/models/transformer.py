@@ -1,0 +1,316 @@
+"""The FLUX.2 transformer (`Flux2Transformer2DModel`) in Flax NNX.
+
+Shapes: B batch, T text tokens, N image tokens (output image, then any reference
+tokens), S = T + N, D model width = heads x head_dim. Attribute names mirror the
+diffusers checkpoint keys so the key plan is mechanical; the double and single
+blocks are each stacked on a leading layer axis and run with a scan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from flux2klein_cli.core.models.layers import RMSNorm, layer_norm, linear, run_blocks, stack_blocks
+from flux2klein_cli.core.weights.configs import read_config
+from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
+
+Rope = tuple[jax.Array, jax.Array]  # cos, sin: (S, head_dim) float32
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    in_channels: int = 128
+    out_channels: int = 128
+    num_layers: int = 5
+    num_single_layers: int = 20
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 7680
+    timestep_channels: int = 256
+    mlp_ratio: float = 3.0
+    axes_dims_rope: tuple[int, ...] = (32, 32, 32, 32)
+    rope_theta: float = 2000.0
+    eps: float = 1e-6
+    guidance_embeds: bool = False
+
+    @property
+    def dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def mlp_hidden(self) -> int:
+        return int(self.dim * self.mlp_ratio)
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> TransformerConfig:
+        if config.get("patch_size", 1) != 1:
+            raise ValueError("only patch_size 1 transformers exist for FLUX.2; got " + str(config["patch_size"]))
+        in_channels = int(config.get("in_channels", 128))
+        return cls(
+            in_channels=in_channels,
+            out_channels=int(config.get("out_channels") or in_channels),
+            num_layers=int(config.get("num_layers", 8)),
+            num_single_layers=int(config.get("num_single_layers", 48)),
+            attention_head_dim=int(config.get("attention_head_dim", 128)),
+            num_attention_heads=int(config.get("num_attention_heads", 48)),
+            joint_attention_dim=int(config.get("joint_attention_dim", 15360)),
+            timestep_channels=int(config.get("timestep_guidance_channels", 256)),
+            mlp_ratio=float(config.get("mlp_ratio", 3.0)),
+            axes_dims_rope=tuple(int(d) for d in config.get("axes_dims_rope", (32, 32, 32, 32))),
+            rope_theta=float(config.get("rope_theta", 2000)),
+            eps=float(config.get("eps", 1e-6)),
+            guidance_embeds=bool(config.get("guidance_embeds", True)),
+        )
+
+
+def rope_tables(ids: np.ndarray, axes_dims: tuple[int, ...], theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos / sin tables (S, sum(axes_dims)) for position ids (S, len(axes_dims)).
+
+    Angles are computed in float64 on the host, as the reference does; ids depend only on
+    shapes, so the tables are compile-time constants of the denoise program."""
+    ids = np.asarray(ids, dtype=np.float64)
+    cos, sin = [], []
+    for axis, dim in enumerate(axes_dims):
+        freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+        angles = np.repeat(np.outer(ids[:, axis], freqs), 2, axis=1)  # interleaved pairs
+        cos.append(np.cos(angles))
+        sin.append(np.sin(angles))
+    return np.concatenate(cos, -1).astype(np.float32), np.concatenate(sin, -1).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
+    """Rotate interleaved (even, odd) pairs of x (B, S, H, Dh) in float32."""
+    cos, sin = (t[None, :, None, :] for t in rope)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Unmasked attention, (B, S, H, Dh) -> (B, S, H*Dh); padded text is attended to, as in the reference."""
+    out = jax.nn.dot_product_attention(q, k, v)
+    return out.reshape(*out.shape[:2], -1)
+
+
+def timestep_embedding(t: jax.Array, channels: int) -> jax.Array:
+    """Sinusoidal embedding, cos half first, frequencies exp(-ln(1e4) * i / half), in float32."""
+    half = channels // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    args = t.astype(jnp.float32)[:, None] * freqs[None]
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    return (1 + scale) * layer_norm(x, eps) + shift
+
+
+def swiglu(x: jax.Array) -> jax.Array:
+    gate, value = jnp.split(x, 2, axis=-1)
+    return jax.nn.silu(gate) * value
+
+
+class Linear2(nnx.Module):
+    """Two linears with an activation between, as diffusers' TimestepEmbedding."""
+
+    def __init__(self, d_in: int, d: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.linear_1 = linear(d_in, d, dtype=dtype, rngs=rngs)
+        self.linear_2 = linear(d, d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class FeedForward(nnx.Module):
+    def __init__(self, dim: int, hidden: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.linear_in = linear(dim, 2 * hidden, dtype=dtype, rngs=rngs)
+        self.linear_out = linear(hidden, dim, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear_out(swiglu(self.linear_in(x)))
+
+
+class JointAttention(nnx.Module):
+    """Projections of the double block: image stream (to_*) and text stream (add_*)."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        d, hd = cfg.dim, cfg.attention_head_dim
+        self.heads = cfg.num_attention_heads
+        self.to_q, self.to_k, self.to_v = (linear(d, d, dtype=dtype, rngs=rngs) for _ in range(3))
+        self.add_q_proj, self.add_k_proj, self.add_v_proj = (linear(d, d, dtype=dtype, rngs=rngs) for _ in range(3))
+        self.norm_q, self.norm_k = RMSNorm(hd, cfg.eps, dtype=dtype), RMSNorm(hd, cfg.eps, dtype=dtype)
+        self.norm_added_q = RMSNorm(hd, cfg.eps, dtype=dtype)
+        self.norm_added_k = RMSNorm(hd, cfg.eps, dtype=dtype)
+        self.to_out = linear(d, d, dtype=dtype, rngs=rngs)
+        self.to_add_out = linear(d, d, dtype=dtype, rngs=rngs)
+
+    def heads_of(self, x: jax.Array) -> jax.Array:
+        return x.reshape(*x.shape[:2], self.heads, -1)
+
+    def __call__(self, img: jax.Array, txt: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
+        q = jnp.concatenate([self.norm_added_q(self.heads_of(self.add_q_proj(txt))),
+                             self.norm_q(self.heads_of(self.to_q(img)))], axis=1)
+        k = jnp.concatenate([self.norm_added_k(self.heads_of(self.add_k_proj(txt))),
+                             self.norm_k(self.heads_of(self.to_k(img)))], axis=1)
+        v = jnp.concatenate([self.heads_of(self.add_v_proj(txt)), self.heads_of(self.to_v(img))], axis=1)
+        out = attention(apply_rope(q, rope), apply_rope(k, rope), v)
+        n_txt = txt.shape[1]
+        return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
+
+
+class DoubleBlock(nnx.Module):
+    """Separate image and text weights, one joint attention over [txt, img]."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        self.eps = cfg.eps
+        self.attn = JointAttention(cfg, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(cfg.dim, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
+        self.ff_context = FeedForward(cfg.dim, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self, img: jax.Array, txt: jax.Array, mod_img: list[jax.Array], mod_txt: list[jax.Array], rope: Rope
+    ) -> tuple[jax.Array, jax.Array]:
+        shift, scale, gate, shift2, scale2, gate2 = mod_img
+        c_shift, c_scale, c_gate, c_shift2, c_scale2, c_gate2 = mod_txt
+        img_attn, txt_attn = self.attn(
+            modulate(img, shift, scale, self.eps), modulate(txt, c_shift, c_scale, self.eps), rope
+        )
+        img = img + gate * img_attn
+        img = img + gate2 * self.ff(modulate(img, shift2, scale2, self.eps))
+        txt = txt + c_gate * txt_attn
+        txt = txt + c_gate2 * self.ff_context(modulate(txt, c_shift2, c_scale2, self.eps))
+        return img, txt
+
+
+class ParallelAttention(nnx.Module):
+    """The single block's fused projection: qkv and the MLP input in one matmul, one output matmul."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        d, hd = cfg.dim, cfg.attention_head_dim
+        self.heads, self.dim = cfg.num_attention_heads, d
+        self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * cfg.mlp_hidden, dtype=dtype, rngs=rngs)
+        self.norm_q, self.norm_k = RMSNorm(hd, cfg.eps, dtype=dtype), RMSNorm(hd, cfg.eps, dtype=dtype)
+        self.to_out = linear(d + cfg.mlp_hidden, d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rope: Rope) -> jax.Array:
+        proj = self.to_qkv_mlp_proj(x)
+        q, k, v = (p.reshape(*x.shape[:2], self.heads, -1) for p in jnp.split(proj[..., : 3 * self.dim], 3, -1))
+        out = attention(apply_rope(self.norm_q(q), rope), apply_rope(self.norm_k(k), rope), v)
+        return self.to_out(jnp.concatenate([out, swiglu(proj[..., 3 * self.dim :])], axis=-1))
+
+
+class SingleBlock(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        self.eps = cfg.eps
+        self.attn = ParallelAttention(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, mod: list[jax.Array], rope: Rope) -> jax.Array:
+        shift, scale, gate = mod
+        return x + gate * self.attn(modulate(x, shift, scale, self.eps), rope)
+
+
+class Flux2Transformer(nnx.Module):
+    def __init__(
+        self, cfg: TransformerConfig, *, dtype: Any = jnp.bfloat16, scan_layers: bool = True, rngs: nnx.Rngs
+    ):
+        if cfg.guidance_embeds:
+            raise ValueError("guidance-embedding transformers are FLUX.2 [dev], not [klein]")
+        if sum(cfg.axes_dims_rope) != cfg.attention_head_dim:
+            raise ValueError(f"axes_dims_rope {cfg.axes_dims_rope} must add up to {cfg.attention_head_dim}")
+        d = cfg.dim
+        self.cfg, self.dtype, self.scan_layers = cfg, dtype, scan_layers
+        self.timestep_embedder = Linear2(cfg.timestep_channels, d, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_img = linear(d, 6 * d, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_txt = linear(d, 6 * d, dtype=dtype, rngs=rngs)
+        self.single_stream_modulation = linear(d, 3 * d, dtype=dtype, rngs=rngs)
+        self.x_embedder = linear(cfg.in_channels, d, dtype=dtype, rngs=rngs)
+        self.context_embedder = linear(cfg.joint_attention_dim, d, dtype=dtype, rngs=rngs)
+        self.transformer_blocks = stack_blocks(
+            lambda r: DoubleBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers, rngs
+        )
+        self.single_transformer_blocks = stack_blocks(
+            lambda r: SingleBlock(cfg, dtype=dtype, rngs=r), cfg.num_single_layers, rngs
+        )
+        self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
+        self.proj_out = linear(d, cfg.out_channels, dtype=dtype, rngs=rngs)
+
+    def rope(self, txt_ids: np.ndarray, img_ids: np.ndarray) -> Rope:
+        """RoPE tables for the joint sequence [txt, img] from (T, 4) and (N, 4) position ids."""
+        cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.cfg.axes_dims_rope, self.cfg.rope_theta)
+        return jnp.asarray(cos), jnp.asarray(sin)
+
+    def __call__(self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope) -> jax.Array:
+        """Velocity for the image tokens: img (B, N, in), txt (B, T, joint), sigma (B,) in [0, 1]."""
+        dt, eps = self.dtype, self.cfg.eps
+        # The reference casts sigma to the model dtype before scaling it to the 0..1000 range.
+        t = sigma.astype(dt).astype(jnp.float32) * 1000
+        temb = self.timestep_embedder(timestep_embedding(t, self.cfg.timestep_channels).astype(dt))
+        silu_temb = jax.nn.silu(temb)
+
+        def chunks(mod: jax.Array, n: int) -> list[jax.Array]:
+            return jnp.split(mod[:, None, :], n, axis=-1)
+
+        mod_img = chunks(self.double_stream_modulation_img(silu_temb), 6)
+        mod_txt = chunks(self.double_stream_modulation_txt(silu_temb), 6)
+        mod_single = chunks(self.single_stream_modulation(silu_temb), 3)
+
+        img = self.x_embedder(img.astype(dt))
+        txt = self.context_embedder(txt.astype(dt))
+        n_txt = txt.shape[1]
+
+        def double_step(block: DoubleBlock, carry: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
+            return block(*carry, mod_img, mod_txt, rope), None
+
+        (img, txt), _ = run_blocks(self.transformer_blocks, (img, txt), double_step, scan=self.scan_layers)
+
+        def single_step(block: SingleBlock, x: jax.Array) -> tuple[jax.Array, None]:
+            return block(x, mod_single, rope), None
+
+        x, _ = run_blocks(
+            self.single_transformer_blocks, jnp.concatenate([txt, img], axis=1), single_step,
+            scan=self.scan_layers,
+        )
+        scale, shift = chunks(self.norm_out(silu_temb), 2)
+        out = layer_norm(x[:, n_txt:], eps) * (1 + scale) + shift
+        return self.proj_out(out)
+
+
+def _checkpoint_name(name: str) -> str:
+    """Our dotted parameter names -> diffusers' keys, where the two differ."""
+    name = name.replace("timestep_embedder.", "time_guidance_embed.timestep_embedder.")
+    # Only the double blocks keep `to_out` in a ModuleList (with dropout at index 1).
+    if name.startswith("transformer_blocks.attn.to_out."):
+        name = name.replace(".to_out.", ".to_out.0.")
+    head, _, leaf = name.rpartition(".")
+    if head in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation",
+                "norm_out"):
+        name = f"{head}.linear.{leaf}"
+    return name
+
+
+def transformer_key_plan(model: Flux2Transformer) -> KeyPlan:
+    counts = {
+        "transformer_blocks": model.cfg.num_layers,
+        "single_transformer_blocks": model.cfg.num_single_layers,
+    }
+    return KeyPlan(plan_from_names(nnx.split(model)[1], counts, _checkpoint_name))
+
+
+def load_transformer(
+    directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None, scan_layers: bool = True
+) -> Flux2Transformer:
+    cfg = TransformerConfig.from_dict(read_config(directory))
+    return load_module(
+        lambda: Flux2Transformer(cfg, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
+        transformer_key_plan,
+        directory,
+        mesh,
+    )

@@ -1,0 +1,25 @@
+"""Session fixtures: tiny checkpoints in the exact Hugging Face diffusers layout, built once."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Tests measure float32 parity: keep XLA from using reduced-precision matmuls.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+
+import pytest  # noqa: E402
+
+from tests.fixtures.checkpoint import build_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A distilled `Flux2KleinPipeline` snapshot (like `4b`)."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "flux2-klein-tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_kv_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `Flux2KleinKVPipeline` snapshot (like `9b-kv`), with weights of its own."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "flux2-klein-tiny-kv", kv=True, seed=1)
