@@ -13,9 +13,16 @@ B = TypeVar("B", bound=nnx.Module)
 Carry = TypeVar("Carry")
 
 
+# Parameters always come from a checkpoint; the initialiser is only traced (by nnx.eval_shape)
+# to learn shapes, and zeros trace far faster than random draws.
+ZEROS = nnx.initializers.zeros_init()
+
+
 def linear(d_in: int, d_out: int, *, dtype: Any, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
     """A torch-style Linear; the kernel is (in, out), loaded from torch's (out, in)."""
-    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return nnx.Linear(
+        d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs
+    )
 
 
 def rms_norm(x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:

@@ -1,0 +1,43 @@
+"""The `flux2klein` command line: one Typer app, one small module per command."""
+
+from __future__ import annotations
+
+import typer
+
+from flux2klein_cli import __version__
+from flux2klein_cli.cli import bench_cmd, inspect_cmd
+
+app = typer.Typer(
+    name="flux2klein",
+    help=(
+        "Run Black Forest Labs' FLUX.2 [klein] image models on JAX.\n\n"
+        "Exit codes: 0 done, 1 runtime failure, 2 bad usage or bad input."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"flux2klein {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Run Black Forest Labs' FLUX.2 [klein] image models on JAX."""
+
+
+app.command("inspect")(inspect_cmd.inspect)
+app.command("bench")(bench_cmd.bench)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,53 @@
+"""`flux2klein inspect`: load every component of a checkpoint with strict checks and report it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.table import Table
+
+from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+
+
+def inspect(
+    model: Path = typer.Argument(..., help="A local snapshot directory in the diffusers layout."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype to load into: bf16 or fp32."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Load transformer, text encoder and VAE of a checkpoint, checking every key and shape.
+
+    A missing shard, a truncated file, a missing or unexpected key, a wrong shape or a
+    missing config is exit code 2 with a message that names the file and keys.
+
+    Example: flux2klein inspect ~/models/FLUX.2-klein-4B --dtype bf16
+    """
+    with user_errors():
+        from flux2klein_cli.core.checkpoint import Snapshot, load_models, parameter_stats, parse_dtype
+
+        target = parse_dtype(dtype)
+        snapshot = Snapshot.open(model)
+        log = (lambda name, s: None) if as_json else (lambda name, s: stderr.print(f"loaded {name} in {s:.2f} s"))
+        models = load_models(snapshot, dtype=target, on_loaded=log)
+
+    components = {}
+    for name in ("transformer", "text_encoder", "vae"):
+        count, nbytes = parameter_stats(getattr(models, name))
+        components[name] = dict(parameters=count, bytes=nbytes, load_seconds=round(models.seconds[name], 4))
+    result = dict(
+        model=str(snapshot.root),
+        pipeline=snapshot.pipeline_class,
+        is_distilled=snapshot.is_distilled,
+        kv=snapshot.kv,
+        dtype=dtype,
+        components=components,
+    )
+    if as_json:
+        emit_json(result)
+        return
+    table = Table(title=f"{snapshot.root.name} ({snapshot.pipeline_class}, {dtype})")
+    for column in ("component", "parameters", "MiB", "load s"):
+        table.add_column(column, justify="left" if column == "component" else "right")
+    for name, c in components.items():
+        table.add_row(name, f"{c['parameters']:,}", f"{c['bytes'] / 2**20:.1f}", f"{c['load_seconds']:.2f}")
+    stdout.print(table)

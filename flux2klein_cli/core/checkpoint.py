@@ -1,0 +1,104 @@
+"""A local FLUX.2 [klein] snapshot in the diffusers layout, and loading its three models."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from flux2klein_cli.core.errors import CheckpointError, UserInputError
+from flux2klein_cli.core.weights.configs import read_json
+
+PIPELINE_CLASSES = ("Flux2KleinPipeline", "Flux2KleinKVPipeline")
+COMPONENTS = ("transformer", "text_encoder", "vae", "tokenizer", "scheduler")
+DTYPES: dict[str, Any] = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+
+
+def parse_dtype(name: str) -> Any:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise UserInputError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}") from None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What `model_index.json` says about a snapshot directory."""
+
+    root: Path
+    pipeline_class: str
+    is_distilled: bool
+
+    @property
+    def kv(self) -> bool:
+        """Trained for the reference KV cache (9B-KV)."""
+        return self.pipeline_class == "Flux2KleinKVPipeline"
+
+    @classmethod
+    def open(cls, root: str | Path) -> Snapshot:
+        root = Path(root)
+        if not root.is_dir():
+            raise UserInputError(f"{root}: no such model directory")
+        index = read_json(root / "model_index.json")
+        name = index.get("_class_name")
+        if name not in PIPELINE_CLASSES:
+            raise CheckpointError(
+                f"{root / 'model_index.json'}: pipeline {name!r} is not FLUX.2 [klein] "
+                f"(expected one of {', '.join(PIPELINE_CLASSES)})"
+            )
+        missing = [c for c in COMPONENTS if not (root / c).is_dir()]
+        if missing:
+            raise CheckpointError(f"{root}: component folder(s) missing: {', '.join(missing)}")
+        # The KV pipeline's default is distilled; the plain one's is not.
+        return cls(root, name, bool(index.get("is_distilled", name == "Flux2KleinKVPipeline")))
+
+    def component(self, name: str) -> Path:
+        return self.root / name
+
+
+@dataclass
+class LoadedModels:
+    transformer: Any
+    text_encoder: Any
+    vae: Any
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+def parameter_stats(module: nnx.Module) -> tuple[int, int]:
+    """(parameter count, bytes) of every array in a module's state."""
+    leaves = jax.tree.leaves(nnx.state(module))
+    return sum(int(np.prod(a.shape)) for a in leaves), sum(a.nbytes for a in leaves)
+
+
+def load_models(
+    snapshot: Snapshot,
+    *,
+    dtype: Any = jnp.bfloat16,
+    mesh: Mesh | None = None,
+    on_loaded: Callable[[str, float], None] | None = None,
+) -> LoadedModels:
+    """Load transformer, text encoder and VAE, each straight into `dtype` on the mesh."""
+    from flux2klein_cli.core.models.qwen3 import load_qwen3
+    from flux2klein_cli.core.models.transformer import load_transformer
+    from flux2klein_cli.core.models.vae import load_vae
+
+    loaders = {"transformer": load_transformer, "text_encoder": load_qwen3, "vae": load_vae}
+    loaded: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    for name, load in loaders.items():
+        start = time.perf_counter()
+        module = load(snapshot.component(name), dtype=dtype, mesh=mesh)
+        jax.block_until_ready(nnx.state(module))
+        seconds[name] = time.perf_counter() - start
+        loaded[name] = module
+        if on_loaded:
+            on_loaded(name, seconds[name])
+    return LoadedModels(**loaded, seconds=seconds)

@@ -1,0 +1,62 @@
+"""Model aliases: hub repo ids, sampling defaults and the published geometries.
+
+The geometries let compile-only work (benchmarks, TPU capacity checks) build the real
+models abstractly without any weights on disk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from flux2klein_cli.core.errors import UserInputError
+
+_SHARED_TRANSFORMER = dict(
+    patch_size=1, in_channels=128, out_channels=None, attention_head_dim=128, timestep_guidance_channels=256,
+    mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32], rope_theta=2000, eps=1e-6, guidance_embeds=False,
+)
+TRANSFORMER_4B = dict(_SHARED_TRANSFORMER, num_layers=5, num_single_layers=20, num_attention_heads=24,
+                      joint_attention_dim=7680)
+TRANSFORMER_9B = dict(_SHARED_TRANSFORMER, num_layers=8, num_single_layers=24, num_attention_heads=32,
+                      joint_attention_dim=12288)
+_SHARED_QWEN3 = dict(num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1_000_000.0, max_position_embeddings=40960)
+QWEN3_4B = dict(_SHARED_QWEN3, hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True)
+QWEN3_8B = dict(_SHARED_QWEN3, hidden_size=4096, intermediate_size=12288, tie_word_embeddings=False)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    alias: str
+    repo_id: str
+    distilled: bool
+    kv: bool
+    transformer: dict[str, Any] = field(repr=False)
+    text_encoder: dict[str, Any] = field(repr=False)
+
+    @property
+    def steps(self) -> int:
+        return 4 if self.distilled else 50
+
+    @property
+    def guidance(self) -> float:
+        return 1.0 if self.distilled else 4.0
+
+
+MODELS: dict[str, ModelSpec] = {
+    spec.alias: spec
+    for spec in (
+        ModelSpec("4b", "black-forest-labs/FLUX.2-klein-4B", True, False, TRANSFORMER_4B, QWEN3_4B),
+        ModelSpec("9b", "black-forest-labs/FLUX.2-klein-9B", True, False, TRANSFORMER_9B, QWEN3_8B),
+        ModelSpec("9b-kv", "black-forest-labs/FLUX.2-klein-9b-kv", True, True, TRANSFORMER_9B, QWEN3_8B),
+        ModelSpec("base-4b", "black-forest-labs/FLUX.2-klein-base-4B", False, False, TRANSFORMER_4B, QWEN3_4B),
+        ModelSpec("base-9b", "black-forest-labs/FLUX.2-klein-base-9B", False, False, TRANSFORMER_9B, QWEN3_8B),
+    )
+}
+
+
+def spec_for(alias: str) -> ModelSpec:
+    try:
+        return MODELS[alias.lower()]
+    except KeyError:
+        raise UserInputError(f"unknown model {alias!r}: known models are {', '.join(MODELS)}") from None
