@@ -1,0 +1,414 @@
+"""The FLUX.2 VAE (diffusers' `AutoencoderKLFlux2`) in Flax NNX, images NHWC.
+
+`encode` gives exactly what the pipeline feeds the transformer before packing to tokens:
+the posterior mean, 2x2-patchified and normalised by the checkpoint's batch-norm running
+statistics. `decode` undoes both and runs the decoder. The module tree mirrors the
+diffusers checkpoint's key names, so the key plan is derived from the NNX paths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.models.layers import ZEROS, linear
+from flux2klein_cli.core.weights.configs import read_config
+from flux2klein_cli.core.weights.loader import KeyPlan, Layout, TensorSource, load_module, single
+
+# diffusers hard-codes these for every norm inside the VAE (the config's batch_norm_eps is
+# only for the latent statistics).
+GROUP_NORM_EPS = 1e-6
+_DOWN_BLOCK = "DownEncoderBlock2D"
+_UP_BLOCK = "UpDecoderBlock2D"
+
+
+def _ints(value: Any, field: str) -> tuple[int, ...]:
+    if not isinstance(value, Sequence) or isinstance(value, str) or not value:
+        raise CheckpointError(f"vae config: {field!r} must be a non-empty list of integers, got {value!r}")
+    return tuple(int(v) for v in value)
+
+
+@dataclass(frozen=True)
+class VAEConfig:
+    """The fields of the diffusers `AutoencoderKLFlux2` config.json that shape the model."""
+
+    in_channels: int = 3
+    out_channels: int = 3
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
+    decoder_block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
+    layers_per_block: int = 2
+    latent_channels: int = 32
+    norm_num_groups: int = 32
+    use_quant_conv: bool = True
+    use_post_quant_conv: bool = True
+    mid_block_add_attention: bool = True
+    batch_norm_eps: float = 1e-4
+    patch_size: tuple[int, int] = (2, 2)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> VAEConfig:
+        """Read a diffusers config dict; missing fields take diffusers' defaults."""
+        defaults = cls()
+        blocks = _ints(d.get("block_out_channels", defaults.block_out_channels), "block_out_channels")
+        dec = d.get("decoder_block_out_channels")
+        dec_blocks = blocks if dec is None else _ints(dec, "decoder_block_out_channels")
+        act = d.get("act_fn", "silu")
+        if act not in ("silu", "swish"):
+            raise CheckpointError(f"vae config: act_fn {act!r} is not supported (FLUX.2 uses 'silu')")
+        # Block types decide the block count in diffusers; only the plain KL blocks exist here.
+        for field, kind, count in (
+            ("down_block_types", _DOWN_BLOCK, len(blocks)),
+            ("up_block_types", _UP_BLOCK, len(dec_blocks)),
+        ):
+            types = d.get(field)
+            if types is not None and (list(types) != [kind] * count):
+                raise CheckpointError(
+                    f"vae config: {field} must be {count} x {kind!r} to match the block widths, got {types!r}"
+                )
+        if len(dec_blocks) != len(blocks):
+            # Both sides must scale by the same factor or decode(encode(x)) changes size.
+            raise CheckpointError(
+                f"vae config: decoder_block_out_channels {list(dec_blocks)} and block_out_channels "
+                f"{list(blocks)} must have the same length"
+            )
+        patch = _ints(d.get("patch_size", defaults.patch_size), "patch_size")
+        if patch != (2, 2):
+            # The pipeline's patchify is hard-coded 2x2, whatever the config says.
+            raise CheckpointError(f"vae config: patch_size must be [2, 2], got {list(patch)}")
+        cfg = cls(
+            in_channels=int(d.get("in_channels", defaults.in_channels)),
+            out_channels=int(d.get("out_channels", defaults.out_channels)),
+            block_out_channels=blocks,
+            decoder_block_out_channels=dec_blocks,
+            layers_per_block=int(d.get("layers_per_block", defaults.layers_per_block)),
+            latent_channels=int(d.get("latent_channels", defaults.latent_channels)),
+            norm_num_groups=int(d.get("norm_num_groups", defaults.norm_num_groups)),
+            use_quant_conv=bool(d.get("use_quant_conv", defaults.use_quant_conv)),
+            use_post_quant_conv=bool(d.get("use_post_quant_conv", defaults.use_post_quant_conv)),
+            mid_block_add_attention=bool(d.get("mid_block_add_attention", defaults.mid_block_add_attention)),
+            batch_norm_eps=float(d.get("batch_norm_eps", defaults.batch_norm_eps)),
+            patch_size=(2, 2),
+        )
+        bad = [c for c in (*blocks, *dec_blocks) if c % cfg.norm_num_groups]
+        if bad:
+            raise CheckpointError(
+                f"vae config: block widths {bad} are not divisible by norm_num_groups {cfg.norm_num_groups}"
+            )
+        return cfg
+
+    @property
+    def spatial_factor(self) -> int:
+        """Pixels per latent token side: one halving per encoder block but the last, then the patch."""
+        return 2 ** (len(self.block_out_channels) - 1) * self.patch_size[0]
+
+    @property
+    def patched_channels(self) -> int:
+        return math.prod(self.patch_size) * self.latent_channels
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def conv(
+    d_in: int, d_out: int, kernel: int, *, dtype: Any, rngs: nnx.Rngs, stride: int = 1, padding: Any = None
+) -> nnx.Conv:
+    """A torch-style Conv2d with bias on NHWC input; `padding` defaults to 'same' for odd kernels."""
+    pad = padding if padding is not None else ((kernel // 2, kernel // 2),) * 2
+    return nnx.Conv(
+        d_in, d_out, (kernel, kernel), stride, padding=pad, use_bias=True, dtype=dtype, param_dtype=dtype,
+        kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs,
+    )
+
+
+class GroupNorm(nnx.Module):
+    """torch.nn.GroupNorm over the last (channel) axis of NHWC, statistics in float32.
+
+    With `silu` the activation that always follows is applied before casting back, so it is
+    computed in float32 too and fuses into the same pass."""
+
+    def __init__(self, channels: int, groups: int, *, dtype: Any, eps: float = GROUP_NORM_EPS):
+        self.weight = nnx.Param(jnp.ones((channels,), dtype))
+        self.bias = nnx.Param(jnp.zeros((channels,), dtype))
+        self.groups = groups
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, *, silu: bool = False) -> jax.Array:
+        b, *_, c = x.shape
+        g = self.groups
+        x32 = x.astype(jnp.float32).reshape(b, -1, g, c // g)  # (B, positions, groups, channels/group)
+        mean = jnp.mean(x32, axis=(1, 3), keepdims=True)
+        # Two-pass variance: E[x^2] - E[x]^2 cancels badly for large activations.
+        var = jnp.mean(jnp.square(x32 - mean), axis=(1, 3), keepdims=True)
+        # Fold the affine weight into the per-group scale: one multiply-add per element.
+        scale = jax.lax.rsqrt(var + self.eps) * self.weight[...].astype(jnp.float32).reshape(g, c // g)
+        y = (x32 - mean) * scale + self.bias[...].astype(jnp.float32).reshape(g, c // g)
+        if silu:
+            y = jax.nn.silu(y)
+        return y.reshape(x.shape).astype(x.dtype)
+
+
+class ResnetBlock(nnx.Module):
+    """diffusers' ResnetBlock2D without a time embedding: norm-silu-conv twice, plus a skip."""
+
+    def __init__(self, d_in: int, d_out: int, groups: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.norm1 = GroupNorm(d_in, groups, dtype=dtype)
+        self.conv1 = conv(d_in, d_out, 3, dtype=dtype, rngs=rngs)
+        self.norm2 = GroupNorm(d_out, groups, dtype=dtype)
+        self.conv2 = conv(d_out, d_out, 3, dtype=dtype, rngs=rngs)
+        # A 1x1 projection only when the width changes, as in the checkpoint.
+        self.conv_shortcut = conv(d_in, d_out, 1, dtype=dtype, rngs=rngs) if d_in != d_out else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = self.conv1(self.norm1(x, silu=True))
+        h = self.conv2(self.norm2(h, silu=True))
+        skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
+        return skip + h
+
+
+class SpatialAttention(nnx.Module):
+    """The mid-block attention: one head as wide as the channels, over all H*W positions,
+    group-normed input, biased projections, residual add."""
+
+    def __init__(self, channels: int, groups: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.group_norm = GroupNorm(channels, groups, dtype=dtype)
+        self.to_q = linear(channels, channels, dtype=dtype, rngs=rngs, bias=True)
+        self.to_k = linear(channels, channels, dtype=dtype, rngs=rngs, bias=True)
+        self.to_v = linear(channels, channels, dtype=dtype, rngs=rngs, bias=True)
+        # A list so the path reads to_out.0 like the checkpoint (index 1 there is a dropout).
+        self.to_out = nnx.List([linear(channels, channels, dtype=dtype, rngs=rngs, bias=True)])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, h, w, c = x.shape
+        seq = self.group_norm(x).reshape(b, h * w, 1, c)  # (B, T, heads=1, C)
+        # Logits and softmax run in float32 inside dot_product_attention, whatever the dtype.
+        out = jax.nn.dot_product_attention(self.to_q(seq), self.to_k(seq), self.to_v(seq))
+        return x + self.to_out[0](out.reshape(b, h, w, c))
+
+
+class Downsample(nnx.Module):
+    def __init__(self, channels: int, *, dtype: Any, rngs: nnx.Rngs):
+        # diffusers pads right and bottom by one, then a stride-2 unpadded conv; the same
+        # numbers as a conv with asymmetric padding, without a separate pad op.
+        self.conv = conv(channels, channels, 3, dtype=dtype, rngs=rngs, stride=2, padding=((0, 1), (0, 1)))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.conv(x)
+
+
+class Upsample(nnx.Module):
+    def __init__(self, channels: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.conv = conv(channels, channels, 3, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Nearest 2x as broadcast + reshape: identical to an image resize, far cheaper to compile.
+        b, h, w, c = x.shape
+        x = jnp.broadcast_to(x[:, :, None, :, None, :], (b, h, 2, w, 2, c)).reshape(b, 2 * h, 2 * w, c)
+        return self.conv(x)
+
+
+class DownBlock(nnx.Module):
+    def __init__(
+        self, d_in: int, d_out: int, layers: int, groups: int, downsample: bool, *, dtype: Any, rngs: nnx.Rngs
+    ):
+        widths = [d_in] + [d_out] * (layers - 1)
+        self.resnets = nnx.List([ResnetBlock(c, d_out, groups, dtype=dtype, rngs=rngs) for c in widths])
+        self.downsamplers = nnx.List([Downsample(d_out, dtype=dtype, rngs=rngs)]) if downsample else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.downsamplers is not None:
+            x = self.downsamplers[0](x)
+        return x
+
+
+class UpBlock(nnx.Module):
+    def __init__(self, d_in: int, d_out: int, layers: int, groups: int, upsample: bool, *, dtype: Any, rngs: nnx.Rngs):
+        widths = [d_in] + [d_out] * (layers - 1)
+        self.resnets = nnx.List([ResnetBlock(c, d_out, groups, dtype=dtype, rngs=rngs) for c in widths])
+        self.upsamplers = nnx.List([Upsample(d_out, dtype=dtype, rngs=rngs)]) if upsample else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for resnet in self.resnets:
+            x = resnet(x)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0](x)
+        return x
+
+
+class MidBlock(nnx.Module):
+    """resnet, (attention, resnet): the optional attention sits between two resnets."""
+
+    def __init__(self, channels: int, groups: int, attention: bool, *, dtype: Any, rngs: nnx.Rngs):
+        self.resnets = nnx.List([ResnetBlock(channels, channels, groups, dtype=dtype, rngs=rngs) for _ in range(2)])
+        self.attentions = nnx.List([SpatialAttention(channels, groups, dtype=dtype, rngs=rngs)]) if attention else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.resnets[0](x)
+        if self.attentions is not None:
+            x = self.attentions[0](x)
+        return self.resnets[1](x)
+
+
+class Encoder(nnx.Module):
+    def __init__(self, cfg: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
+        widths, groups = cfg.block_out_channels, cfg.norm_num_groups
+        self.conv_in = conv(cfg.in_channels, widths[0], 3, dtype=dtype, rngs=rngs)
+        self.down_blocks = nnx.List(
+            [
+                DownBlock(
+                    widths[max(i - 1, 0)], w, cfg.layers_per_block, groups, i < len(widths) - 1, dtype=dtype, rngs=rngs
+                )
+                for i, w in enumerate(widths)
+            ]
+        )
+        self.mid_block = MidBlock(widths[-1], groups, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
+        self.conv_norm_out = GroupNorm(widths[-1], groups, dtype=dtype)
+        # Mean and log-variance: twice the latent channels.
+        self.conv_out = conv(widths[-1], 2 * cfg.latent_channels, 3, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        x = self.mid_block(x)
+        return self.conv_out(self.conv_norm_out(x, silu=True))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, cfg: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
+        widths, groups = cfg.decoder_block_out_channels[::-1], cfg.norm_num_groups
+        self.conv_in = conv(cfg.latent_channels, widths[0], 3, dtype=dtype, rngs=rngs)
+        self.mid_block = MidBlock(widths[0], groups, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
+        # The decoder has one more resnet per block than the encoder.
+        self.up_blocks = nnx.List(
+            [
+                UpBlock(
+                    widths[max(i - 1, 0)],
+                    w,
+                    cfg.layers_per_block + 1,
+                    groups,
+                    i < len(widths) - 1,
+                    dtype=dtype,
+                    rngs=rngs,
+                )
+                for i, w in enumerate(widths)
+            ]
+        )
+        self.conv_norm_out = GroupNorm(widths[-1], groups, dtype=dtype)
+        self.conv_out = conv(widths[-1], cfg.out_channels, 3, dtype=dtype, rngs=rngs)
+
+    def __call__(self, z: jax.Array) -> jax.Array:
+        x = self.mid_block(self.conv_in(z))
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(self.conv_norm_out(x, silu=True))
+
+
+class LatentStats(nnx.Module):
+    """The checkpoint's `bn` (a BatchNorm2d without affine): only its running statistics are
+    used, to normalise patchified latents. Always float32, whatever the model dtype."""
+
+    def __init__(self, channels: int, eps: float):
+        self.running_mean = nnx.BatchStat(jnp.zeros((channels,), jnp.float32))
+        self.running_var = nnx.BatchStat(jnp.ones((channels,), jnp.float32))
+        self.eps = eps
+
+    def normalize(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        return (x - self.running_mean[...]) / jnp.sqrt(self.running_var[...] + self.eps)
+
+    def denormalize(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)
+        return x * jnp.sqrt(self.running_var[...] + self.eps) + self.running_mean[...]
+
+
+def patchify(z: jax.Array) -> jax.Array:
+    """(B, h, w, C) -> (B, h/2, w/2, 4C), channel c*4 + ph*2 + pw as in the pipeline's NCHW code."""
+    b, h, w, c = z.shape
+    z = z.reshape(b, h // 2, 2, w // 2, 2, c).transpose(0, 1, 3, 5, 2, 4)
+    return z.reshape(b, h // 2, w // 2, c * 4)
+
+
+def unpatchify(x: jax.Array) -> jax.Array:
+    """The exact inverse of `patchify`."""
+    b, h, w, c4 = x.shape
+    x = x.reshape(b, h, w, c4 // 4, 2, 2).transpose(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, h * 2, w * 2, c4 // 4)
+
+
+class Flux2VAE(nnx.Module):
+    """AutoencoderKLFlux2 on NHWC images, with the pipeline's latent patchify and normalisation."""
+
+    def __init__(self, config: VAEConfig, *, dtype: Any = jnp.bfloat16, rngs: nnx.Rngs):
+        self.config = config
+        self.dtype = dtype
+        self.encoder = Encoder(config, dtype=dtype, rngs=rngs)
+        self.decoder = Decoder(config, dtype=dtype, rngs=rngs)
+        lat = config.latent_channels
+        self.quant_conv = conv(2 * lat, 2 * lat, 1, dtype=dtype, rngs=rngs) if config.use_quant_conv else None
+        self.post_quant_conv = conv(lat, lat, 1, dtype=dtype, rngs=rngs) if config.use_post_quant_conv else None
+        self.bn = LatentStats(config.patched_channels, config.batch_norm_eps)
+
+    def encode(self, pixels: jax.Array) -> jax.Array:
+        """(B, H, W, in_channels) in [-1, 1] -> normalised patchified latents
+        (B, H/16, W/16, 4 * latent_channels), float32: the posterior mean, no sampling."""
+        _, h, w, _ = pixels.shape
+        f = self.config.spatial_factor
+        if h % f or w % f:
+            raise ValueError(f"VAE encode needs height and width divisible by {f}, got {h}x{w}")
+        moments = self.encoder(pixels.astype(self.dtype))
+        if self.quant_conv is not None:
+            moments = self.quant_conv(moments)
+        mean = moments[..., : self.config.latent_channels]  # the rest is the log-variance
+        return self.bn.normalize(patchify(mean))
+
+    def decode(self, latents: jax.Array) -> jax.Array:
+        """Normalised patchified latents (B, h, w, 4 * latent_channels) -> images
+        (B, 16h, 16w, out_channels), float32, roughly in [-1, 1] and not clipped."""
+        if latents.shape[-1] != self.config.patched_channels:
+            raise ValueError(
+                f"VAE decode expects {self.config.patched_channels} latent channels, got {latents.shape[-1]}"
+            )
+        z = unpatchify(self.bn.denormalize(latents)).astype(self.dtype)
+        if self.post_quant_conv is not None:
+            z = self.post_quant_conv(z)
+        return self.decoder(z).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _source(path: tuple[Any, ...], ndim: int) -> TensorSource:
+    """The checkpoint key of one NNX path: the same names joined by dots, with NNX's
+    `kernel` called `weight` and its layout changed back from torch's."""
+    *parents, leaf = (str(p) for p in path)
+    layout: Layout = "none"
+    if leaf == "kernel":
+        leaf = "weight"
+        layout = "conv" if ndim == 4 else "linear"
+    return single(".".join([*parents, leaf]), layout)
+
+
+def vae_key_plan(model: Flux2VAE) -> KeyPlan:
+    """Every parameter and running statistic of the model, mapped to its diffusers key."""
+    flat = nnx.to_flat_state(nnx.state(model))
+    sources = {path: _source(path, len(var.get_value().shape)) for path, var in flat}
+    # The step counter of the batch norm is training state, meaningless here.
+    return KeyPlan(sources, ignore=lambda key: key == "bn.num_batches_tracked")
+
+
+def load_vae(directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> Flux2VAE:
+    """Build the VAE of a `vae/` component folder abstractly and load its weights in `dtype`
+    (the latent statistics stay float32)."""
+    config = VAEConfig.from_dict(read_config(directory))
+    return load_module(lambda: Flux2VAE(config, dtype=dtype, rngs=nnx.Rngs(0)), vae_key_plan, directory, mesh)
