@@ -1,0 +1,110 @@
+"""The safetensors loader on its own: dtypes, stacking, shardings and index problems."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec
+from safetensors.torch import save_file
+
+from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.models.layers import linear, stack_blocks
+from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
+from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
+
+
+class Block(nnx.Module):
+    def __init__(self, dtype, rngs: nnx.Rngs):
+        self.proj = linear(3, 5, dtype=dtype, rngs=rngs)
+
+
+class Tiny(nnx.Module):
+    def __init__(self, dtype, rngs: nnx.Rngs):
+        self.embed = linear(4, 3, dtype=dtype, rngs=rngs)
+        self.blocks = stack_blocks(lambda r: Block(dtype, r), 2, rngs)
+
+
+def plan(model: Tiny) -> KeyPlan:
+    return KeyPlan(plan_from_names(nnx.split(model)[1], {"blocks": 2}))
+
+
+@pytest.fixture
+def bf16_checkpoint(tmp_path: Path) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    tensors = {
+        "embed.weight": torch.randn(3, 4, dtype=torch.bfloat16),
+        "blocks.0.proj.weight": torch.randn(5, 3, dtype=torch.bfloat16),
+        "blocks.1.proj.weight": torch.randn(5, 3, dtype=torch.bfloat16),
+    }
+    # Two shards and an index, as save_pretrained writes them.
+    save_file({"embed.weight": tensors["embed.weight"]}, tmp_path / "model-00001-of-00002.safetensors")
+    blocks = {k: v for k, v in tensors.items() if k.startswith("blocks")}
+    save_file(blocks, tmp_path / "model-00002-of-00002.safetensors")
+    weight_map = {k: f"model-0000{1 if k == 'embed.weight' else 2}-of-00002.safetensors" for k in tensors}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors
+
+
+def as_bits(t: torch.Tensor) -> np.ndarray:
+    return t.view(torch.int16).numpy()
+
+
+def test_bf16_tensors_load_bit_exact_and_stacked(tmp_path: Path, bf16_checkpoint) -> None:
+    model = load_module(lambda: Tiny(jnp.bfloat16, nnx.Rngs(0)), plan, tmp_path)
+    kernel = np.asarray(model.embed.kernel[...])
+    assert kernel.dtype == ml_dtypes.bfloat16
+    # Same bits: bf16 on disk goes to bf16 on device without any float32 round trip or rounding.
+    assert np.array_equal(kernel.view(np.int16), as_bits(bf16_checkpoint["embed.weight"].T.contiguous()))
+    stacked = np.asarray(model.blocks.proj.kernel[...])
+    assert stacked.shape == (2, 3, 5)
+    for i in range(2):
+        expected = as_bits(bf16_checkpoint[f"blocks.{i}.proj.weight"].T.contiguous())
+        assert np.array_equal(stacked[i].view(np.int16), expected)
+
+
+def test_fp32_on_request_is_exact_upcast(tmp_path: Path, bf16_checkpoint) -> None:
+    model = load_module(lambda: Tiny(jnp.float32, nnx.Rngs(0)), plan, tmp_path)
+    kernel = np.asarray(model.embed.kernel[...])
+    assert kernel.dtype == np.float32
+    assert np.array_equal(kernel, bf16_checkpoint["embed.weight"].float().T.numpy())
+
+
+def test_parameters_are_placed_with_the_mesh_and_rule(tmp_path: Path, bf16_checkpoint) -> None:
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "fsdp"))
+    seen = []
+
+    def rule(path, shape):
+        seen.append(path)
+        return PartitionSpec("fsdp") if len(shape) == 3 else PartitionSpec()
+
+    model = load_module(lambda: Tiny(jnp.bfloat16, nnx.Rngs(0)), plan, tmp_path, mesh=mesh, sharding_rule=rule)
+    sharding = model.blocks.proj.kernel[...].sharding
+    assert sharding.mesh.axis_names == ("data", "fsdp") and sharding.spec == PartitionSpec("fsdp")
+    assert len(seen) == 2
+
+
+def test_index_naming_a_key_that_is_not_in_its_shard(tmp_path: Path, bf16_checkpoint) -> None:
+    index_path = tmp_path / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    index["weight_map"]["ghost.weight"] = "model-00001-of-00002.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="ghost.weight"):
+        SafetensorsCheckpoint.open(tmp_path)
+
+
+def test_long_key_lists_are_cut_at_ten(tmp_path: Path) -> None:
+    save_file({f"extra.{i:02d}": torch.zeros(1) for i in range(15)} | {"embed.weight": torch.zeros(3, 4)},
+              tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError) as err:
+        load_module(lambda: Tiny(jnp.float32, nnx.Rngs(0)), plan, tmp_path)
+    message = str(err.value)
+    assert "missing keys: blocks.0.proj.weight, blocks.1.proj.weight" in message
+    assert "extra.09" in message and "extra.10" not in message and "(and 5 more)" in message
