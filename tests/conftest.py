@@ -23,3 +23,9 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_kv_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `Flux2KleinKVPipeline` snapshot (like `9b-kv`), with weights of its own."""
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "flux2-klein-tiny-kv", kv=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_base_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An undistilled `Flux2KleinPipeline` snapshot (like `base-4b`): real classifier-free guidance."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "flux2-klein-tiny-base", distilled=False, seed=2)

@@ -36,8 +36,8 @@ def test_inspect_reports_every_component(tiny_checkpoint: Path, tiny_kv_checkpoi
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["pipeline"] == "Flux2KleinPipeline" and report["kv"] is False
-    ref_t = Flux2Transformer2DModel.from_pretrained(tiny_checkpoint / "transformer", torch_dtype=torch.float32)
-    ref_v = AutoencoderKLFlux2.from_pretrained(tiny_checkpoint / "vae", torch_dtype=torch.float32)
+    ref_t = Flux2Transformer2DModel.from_pretrained(tiny_checkpoint / "transformer", dtype=torch.float32)
+    ref_v = AutoencoderKLFlux2.from_pretrained(tiny_checkpoint / "vae", dtype=torch.float32)
     assert report["components"]["transformer"]["parameters"] == sum(p.numel() for p in ref_t.parameters())
     assert report["components"]["transformer"]["bytes"] == 4 * report["components"]["transformer"]["parameters"]
     # The VAE also holds its 2 x 128 batch-norm statistics (buffers in torch).

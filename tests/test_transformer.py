@@ -51,7 +51,7 @@ def inputs() -> dict[str, np.ndarray]:
 def reference(tiny_checkpoint: Path):
     from diffusers import Flux2Transformer2DModel
 
-    return Flux2Transformer2DModel.from_pretrained(tiny_checkpoint / "transformer", torch_dtype=torch.float32).eval()
+    return Flux2Transformer2DModel.from_pretrained(tiny_checkpoint / "transformer", dtype=torch.float32).eval()
 
 
 def run_reference(model, x: dict[str, np.ndarray], sigma: np.ndarray) -> np.ndarray:

@@ -1,0 +1,46 @@
+"""`flux2klein edit`: an image from a prompt and one or more reference images."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from flux2klein_cli.cli import image_options as o
+
+
+def edit(
+    prompt: str = typer.Argument(None, help="The edit to make. Or use --prompt-file."),
+    image: list[Path] = typer.Option(..., "--image", "-i", help="Reference image; repeat for several (up to 4)."),
+    prompt_file: Path = o.PROMPT_FILE,
+    model: str = o.MODEL,
+    output: Path = o.OUTPUT,
+    height: int = o.HEIGHT,
+    width: int = o.WIDTH,
+    steps: int = o.STEPS,
+    guidance: float = o.GUIDANCE,
+    negative_prompt: str = o.NEGATIVE,
+    seed: int = o.SEED,
+    num_images: int = o.NUM_IMAGES,
+    dtype: str = o.DTYPE,
+    latents: Path = o.LATENTS,
+    force: bool = o.FORCE,
+    as_json: bool = o.JSON,
+) -> None:
+    """Edit or combine reference images following a prompt.
+
+    References are checked (sides >= 64 px, aspect <= 8), scaled down to 1024x1024 area if
+    larger, cropped to multiples of 16; the output takes the first reference's size unless
+    --height/--width are given.
+
+    Examples:
+
+      flux2klein edit "put both cats on the sofa" --image a.png --image b.png -o cats.png
+
+      flux2klein edit "make it night" -i day.png --model 9b --seed 3 --json
+    """
+    o.run(prompt, prompt_file, dict(
+        model=model, output=output, references=list(image), height=height, width=width, steps=steps,
+        guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype,
+        latents=latents, force=force,
+    ), as_json)

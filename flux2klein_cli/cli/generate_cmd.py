@@ -1,0 +1,42 @@
+"""`flux2klein generate`: text to image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from flux2klein_cli.cli import image_options as o
+
+
+def generate(
+    prompt: str = typer.Argument(None, help="What to draw. Or use --prompt-file."),
+    prompt_file: Path = o.PROMPT_FILE,
+    model: str = o.MODEL,
+    output: Path = o.OUTPUT,
+    height: int = o.HEIGHT,
+    width: int = o.WIDTH,
+    steps: int = o.STEPS,
+    guidance: float = o.GUIDANCE,
+    negative_prompt: str = o.NEGATIVE,
+    seed: int = o.SEED,
+    num_images: int = o.NUM_IMAGES,
+    dtype: str = o.DTYPE,
+    latents: Path = o.LATENTS,
+    force: bool = o.FORCE,
+    as_json: bool = o.JSON,
+) -> None:
+    """Generate images from a text prompt.
+
+    Examples:
+
+      flux2klein generate "a lighthouse at dawn" --model 4b -o out.png
+
+      flux2klein generate --prompt-file prompts.txt -n 2 --seed 7 -o batch.png --json
+
+      flux2klein generate "a red fox in snow" --model tiny -o fox.png   (random weights: noise, for testing)
+    """
+    o.run(prompt, prompt_file, dict(
+        model=model, output=output, height=height, width=width, steps=steps, guidance=guidance,
+        negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype, latents=latents, force=force,
+    ), as_json)

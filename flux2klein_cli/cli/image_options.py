@@ -1,0 +1,49 @@
+"""Options shared by `generate` and `edit`, declared once, and the code that runs them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
+
+PROMPT_FILE = typer.Option(None, "--prompt-file", help="One prompt per line; each gets --num-images images.")
+MODEL = typer.Option("4b", "--model", "-m", help="Alias (4b, 9b, 9b-kv, base-4b, base-9b, tiny), repo id or dir.")
+OUTPUT = typer.Option(Path("out.png"), "--output", "-o",
+                      help="PNG path; several images become NAME-0.png, NAME-1.png, ...")
+HEIGHT = typer.Option(None, "--height", help="Output height in pixels, a multiple of 16 [default: 1024, or "
+                      "the first reference's]")
+WIDTH = typer.Option(None, "--width", help="Output width in pixels, a multiple of 16 [default: as height]")
+STEPS = typer.Option(None, "--steps", help="Denoising steps [default: 4 distilled, 50 base]")
+GUIDANCE = typer.Option(None, "--guidance", help="Guidance scale; real CFG on base models only "
+                        "[default: 1.0 distilled, 4.0 base]")
+NEGATIVE = typer.Option("", "--negative-prompt", help="What to steer away from (base models with guidance > 1).")
+SEED = typer.Option(0, "--seed", help="Noise seed; image i uses seed + i.")
+NUM_IMAGES = typer.Option(1, "--num-images", "-n", help="Images per prompt.")
+DTYPE = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32.")
+LATENTS = typer.Option(None, "--latents", help="Initial noise .npy, shape (B, 128, H/16, W/16) as diffusers' latents=.")
+FORCE = typer.Option(False, "--force", help="Overwrite existing output files.")
+JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
+
+
+def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bool) -> None:
+    """Build the options, run, and report: paths on stdout, or one JSON object."""
+    from flux2klein_cli.core.snapshot import resolve_model
+
+    with user_errors():
+        opts = GenerateOptions(prompts=read_prompts(prompt, prompt_file), **options)
+        if as_json:
+            report = run_generate(opts, resolve_model)
+        else:
+            with stderr.status("starting") as status:
+                report = run_generate(opts, resolve_model, on_phase=lambda phase: status.update(phase))
+    if as_json:
+        emit_json(report)
+        return
+    seconds = report["seconds"]
+    stderr.print(f"{len(report['outputs'])} image(s) {report['width']}x{report['height']}, {report['steps']} steps, "
+                 f"in {seconds['total']:.1f} s (load {seconds['load']:.1f} s, denoise {seconds['denoise']:.1f} s)")
+    for path in report["outputs"]:
+        stdout.print(path, highlight=False, soft_wrap=True)

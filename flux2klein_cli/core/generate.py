@@ -1,0 +1,131 @@
+"""What `generate` and `edit` do, from validated options to PNG files and a report.
+
+Everything that can be checked without the model (prompts, sizes, outputs, reference
+images, the noise file) is checked first, so bad input fails in a second with nothing
+written, not after minutes of loading.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flux2klein_cli import __version__
+from flux2klein_cli.core.checkpoint import Snapshot, parse_dtype
+from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.images import load_reference, postprocess, preprocess_reference, validate_size
+from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
+from flux2klein_cli.core.pipeline.pipeline import DEFAULT_SIZE, LATENT_CHANNELS, PIXELS_PER_TOKEN, Request
+
+
+@dataclass
+class GenerateOptions:
+    model: str
+    prompts: list[str]
+    output: Path
+    references: list[Path] = field(default_factory=list)
+    height: int | None = None
+    width: int | None = None
+    steps: int | None = None  # None: the model's default (4 distilled, 50 base)
+    guidance: float | None = None  # None: the model's default (1.0 distilled, 4.0 base)
+    negative_prompt: str = ""
+    seed: int = 0
+    num_images: int = 1
+    dtype: str = "bf16"
+    latents: Path | None = None
+    force: bool = False
+    max_sequence_length: int = 512
+
+
+def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
+    """The positional prompt and/or one prompt per non-empty line of a file."""
+    prompts = [prompt] if prompt is not None else []
+    if prompt_file is not None:
+        try:
+            lines = prompt_file.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserInputError(f"{prompt_file}: cannot read prompt file ({e})") from None
+        prompts += [line.strip() for line in lines if line.strip()]
+    if not prompts:
+        raise UserInputError("no prompt given: pass PROMPT or --prompt-file")
+    if any(not p.strip() for p in prompts):
+        raise UserInputError("empty prompt: give the image a description")
+    return prompts
+
+
+def _check_options(opts: GenerateOptions) -> None:
+    if opts.steps is not None and opts.steps < 1:
+        raise UserInputError(f"--steps must be at least 1, got {opts.steps}")
+    if opts.num_images < 1:
+        raise UserInputError(f"--num-images must be at least 1, got {opts.num_images}")
+    if opts.guidance is not None and opts.guidance < 0:
+        raise UserInputError(f"--guidance must not be negative, got {opts.guidance}")
+    if opts.seed < 0:
+        raise UserInputError(f"--seed must not be negative, got {opts.seed}")
+    if opts.max_sequence_length < 1:
+        raise UserInputError("--max-sequence-length must be at least 1")
+    validate_size(opts.height, opts.width)
+
+
+def run_generate(
+    opts: GenerateOptions,
+    resolve: Callable[[str], Path],
+    on_phase: Callable[[str], None] = lambda phase: None,
+) -> dict[str, Any]:
+    """Validate, load, run, write. Returns the report that `--json` prints."""
+    start = time.perf_counter()
+    _check_options(opts)
+    dtype = parse_dtype(opts.dtype)
+    references = [preprocess_reference(load_reference(path)) for path in opts.references]
+    first = references[0].shape[:2] if references else (DEFAULT_SIZE, DEFAULT_SIZE)
+    height, width = opts.height or int(first[0]), opts.width or int(first[1])
+    validate_size(height, width)
+    batch = len(opts.prompts) * opts.num_images
+    outputs = plan_outputs(opts.output, batch, force=opts.force)
+    noise = None
+    if opts.latents is not None:
+        shape = (batch, LATENT_CHANNELS, height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN)
+        noise = load_latents(opts.latents, shape)
+
+    on_phase("loading model")
+    model_dir = resolve(opts.model)
+    snapshot = Snapshot.open(model_dir)
+    steps = opts.steps or (4 if snapshot.is_distilled else 50)
+    guidance = opts.guidance if opts.guidance is not None else (1.0 if snapshot.is_distilled else 4.0)
+    load_start = time.perf_counter()
+    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
+
+    pipeline = KleinPipeline.load(model_dir, dtype=dtype)
+    load_seconds = time.perf_counter() - load_start
+
+    on_phase(f"generating {batch} image(s), {steps} steps")
+    request = Request(
+        prompts=opts.prompts, steps=steps, guidance=guidance, height=height, width=width,
+        num_images=opts.num_images, negative_prompt=opts.negative_prompt, seed=opts.seed, latents=noise,
+        references=references, max_sequence_length=opts.max_sequence_length,
+    )
+    result = pipeline(request)
+    images = postprocess(result.images)
+
+    on_phase("writing")
+    write_start = time.perf_counter()
+    for i, (path, image) in enumerate(zip(outputs, images, strict=True)):
+        write_png(path, image, dict(
+            prompt=opts.prompts[i // opts.num_images],
+            negative_prompt=opts.negative_prompt if result.guidance_used else "",
+            seed=result.seeds[i] if noise is None else f"latents:{opts.latents}",
+            steps=steps, guidance=guidance, size=f"{width}x{height}", model=opts.model,
+            references=[str(p) for p in opts.references], dtype=opts.dtype, version=__version__,
+        ), force=opts.force)
+    seconds = dict(load=load_seconds, **result.seconds, write=time.perf_counter() - write_start)
+    seconds["total"] = time.perf_counter() - start
+    return dict(
+        outputs=[str(p) for p in outputs],
+        seeds=result.seeds if noise is None else None,
+        model=opts.model, model_path=str(model_dir), height=height, width=width, steps=steps, guidance=guidance,
+        cfg=result.guidance_used, references=[str(p) for p in opts.references], dtype=opts.dtype,
+        seconds={k: round(v, 4) for k, v in seconds.items()},
+    )

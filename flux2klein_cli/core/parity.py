@@ -1,0 +1,150 @@
+"""flux2klein beside diffusers' own pipeline: same checkpoint, prompt and initial noise, image metrics.
+
+torch and diffusers are imported only here (the `parity` extra), never on the model path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.images import postprocess
+from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+
+@dataclass
+class ImageMetrics:
+    ssim: float  # worst image of the batch
+    psnr: float  # worst image; inf when identical
+    max_diff: int  # largest absolute pixel difference, in 1/255 steps
+
+
+def compare(ours: np.ndarray, reference: np.ndarray) -> ImageMetrics:
+    """Metrics over (B, H, W, 3) uint8 batches; the worst image decides."""
+    from skimage.metrics import peak_signal_noise_ratio, structural_similarity
+
+    if ours.shape != reference.shape:
+        raise Flux2KleinError(f"image shapes differ: {ours.shape} vs {reference.shape}")
+    ssim, psnr = [], []
+    side = min(ours.shape[1], ours.shape[2], 7)
+    window = side if side % 2 else side - 1  # odd and no larger than the image
+    for a, b in zip(ours, reference, strict=True):
+        ssim.append(structural_similarity(a, b, channel_axis=-1, data_range=255, win_size=window))
+        psnr.append(math.inf if np.array_equal(a, b) else peak_signal_noise_ratio(a, b, data_range=255))
+    diff = int(np.abs(ours.astype(np.int16) - reference.astype(np.int16)).max())
+    return ImageMetrics(float(min(ssim)), float(min(psnr)), diff)
+
+
+def difference_image(ours: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """|ours - reference| per pixel, stretched so the largest difference is white."""
+    diff = np.abs(ours.astype(np.int16) - reference.astype(np.int16)).astype(np.float32)
+    peak = max(float(diff.max()), 1.0)
+    return (diff * (255.0 / peak)).round().astype(np.uint8)
+
+
+def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
+    """diffusers' pipeline class named by the snapshot, loaded from the same files."""
+    try:
+        import diffusers
+        import torch
+    except ImportError:
+        raise Flux2KleinError("parity needs torch and diffusers: pip install 'flux2klein-cli[parity]'") from None
+    cls = getattr(diffusers, pipeline.snapshot.pipeline_class)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[torch_dtype]
+    return cls.from_pretrained(pipeline.snapshot.root, dtype=dtype)
+
+
+def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_references: list[Any]) -> np.ndarray:
+    """The diffusers pipeline on the same request and noise; (B, H, W, 3) uint8."""
+    import torch
+
+    kwargs: dict[str, Any] = {}
+    if pil_references:
+        kwargs["image"] = pil_references
+    if not reference.config.is_distilled and request.guidance > 1.0:
+        # diffusers has no negative-prompt argument; its embeddings are the documented way in.
+        negative, _ = reference.encode_prompt(
+            prompt=[request.negative_prompt] * len(request.prompts), max_sequence_length=request.max_sequence_length
+        )
+        kwargs["negative_prompt_embeds"] = negative
+    out = reference(
+        prompt=request.prompts,
+        height=request.height,
+        width=request.width,
+        num_inference_steps=request.steps,
+        guidance_scale=request.guidance,
+        num_images_per_prompt=request.num_images,
+        latents=torch.from_numpy(noise_nchw).to(reference.transformer.dtype),
+        max_sequence_length=request.max_sequence_length,
+        output_type="np",
+        **kwargs,
+    ).images
+    return postprocess(out * 2 - 1)  # diffusers' [0, 1] floats back through the same rounding
+
+
+@dataclass
+class ParityRun:
+    ours: np.ndarray  # (B, H, W, 3) uint8
+    reference: np.ndarray
+    metrics: ImageMetrics
+    request: Request
+
+
+def run_parity(pipeline: KleinPipeline, request: Request, pil_references: list[Any], torch_dtype: str) -> ParityRun:
+    """Both pipelines on the same initial noise (drawn from the request's seed unless given)."""
+    height, width = pipeline.output_size(request)
+    noise, _ = pipeline.initial_noise(request, (height // 16, width // 16))
+    request.latents, request.height, request.width = noise, height, width
+    ours = postprocess(pipeline(request).images)
+    reference = run_reference(reference_pipeline(pipeline, torch_dtype), request, noise, pil_references)
+    return ParityRun(ours, reference, compare(ours, reference), request)
+
+
+def parity_check(
+    *,
+    model: str,
+    resolve: Any,
+    prompt: str,
+    references: list[Any],
+    height: int | None,
+    width: int | None,
+    steps: int | None,
+    guidance: float | None,
+    seed: int,
+    dtype: str,
+    out_dir: Any,
+    force: bool,
+) -> dict[str, Any]:
+    """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk."""
+    from pathlib import Path
+
+    from flux2klein_cli.core.checkpoint import parse_dtype
+    from flux2klein_cli.core.images import load_reference, preprocess_reference
+    from flux2klein_cli.core.output import plan_outputs, write_png
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    targets = {name: plan_outputs(out_dir / f"{name}.png", 1, force=force)[0] for name in ("ours", "diffusers", "diff")}
+    pil = [load_reference(p) for p in references]
+    processed = [preprocess_reference(image) for image in pil]
+    pipeline = KleinPipeline.load(resolve(model), dtype=parse_dtype(dtype))
+    distilled = pipeline.snapshot.is_distilled
+    request = Request(prompts=[prompt], steps=steps or (4 if distilled else 50),
+                      guidance=guidance if guidance is not None else (1.0 if distilled else 4.0),
+                      height=height, width=width, seed=seed, references=processed)
+    run = run_parity(pipeline, request, pil, dtype)
+    meta = dict(prompt=prompt, seed=seed, steps=request.steps, guidance=request.guidance, model=model)
+    for name, image in (("ours", run.ours[0]), ("diffusers", run.reference[0]),
+                        ("diff", difference_image(run.ours[0], run.reference[0]))):
+        write_png(targets[name], image, meta, force=force)
+    psnr = run.metrics.psnr
+    return dict(
+        model=model, height=request.height, width=request.width, steps=request.steps, guidance=request.guidance,
+        seed=seed, dtype=dtype, references=[str(p) for p in references], ssim=run.metrics.ssim,
+        psnr=psnr if math.isfinite(psnr) else None, max_diff=run.metrics.max_diff,
+        files={name: str(path) for name, path in targets.items()},
+    )

@@ -1,0 +1,70 @@
+"""The whole denoising loop as one program: a scan over steps of transformer + Euler update.
+
+Shapes: B images, N output image tokens, R reference tokens (0 for text-to-image), T text
+tokens, C = 128 latent channels. Latents stay float32 between steps (the Euler update is
+float32 in the reference too); the transformer runs in its parameter dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flux2klein_cli.core.models.transformer import Flux2Transformer
+
+
+@dataclass(frozen=True)
+class DenoiseInputs:
+    latents: jax.Array  # (B, N, C) float32 initial noise
+    text: jax.Array  # (B, T, joint) prompt features
+    negative_text: jax.Array | None  # (B, T, joint) for classifier-free guidance, else None
+    references: jax.Array | None  # (B, R, C) packed reference latents, else None
+    rope_cos: jax.Array  # (T + N + R, head_dim)
+    rope_sin: jax.Array
+    timesteps: jax.Array  # (S,) float32, sigma as the transformer sees it
+    sigmas: jax.Array  # (S + 1,) float32
+    guidance: jax.Array  # () float32, used only with negative_text
+
+
+def denoise(model: Flux2Transformer, x: DenoiseInputs) -> jax.Array:
+    """Run every step; returns the final (B, N, C) float32 latents."""
+    n_img = x.latents.shape[1]
+    cfg = x.negative_text is not None
+    rope = (x.rope_cos, x.rope_sin)
+    # With guidance, the positive and negative branches run as one batch of 2B.
+    text = jnp.concatenate([x.text, x.negative_text]) if cfg else x.text
+
+    def step(latents: jax.Array, schedule: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
+        t, sigma, sigma_next = schedule
+        tokens = latents if x.references is None else jnp.concatenate([latents, x.references], axis=1)
+        if cfg:
+            tokens = jnp.concatenate([tokens, tokens])
+        velocity = model(tokens, text, jnp.full((tokens.shape[0],), t), rope)[:, :n_img]
+        if cfg:
+            positive, negative = jnp.split(velocity, 2)
+            velocity = negative + x.guidance.astype(velocity.dtype) * (positive - negative)
+        return latents + (sigma_next - sigma) * velocity.astype(jnp.float32), None
+
+    final, _ = jax.lax.scan(step, x.latents, (x.timesteps, x.sigmas[:-1], x.sigmas[1:]))
+    return final
+
+
+def denoise_fn(graphdef: nnx.GraphDef) -> jax.stages.Wrapped:
+    """A jitted function of (transformer state, inputs), so the same program can be lowered
+    ahead of time from abstract shapes and called with real arrays."""
+
+    def run(state: nnx.State, x: DenoiseInputs) -> jax.Array:
+        return denoise(nnx.merge(graphdef, state), x)
+
+    return jax.jit(run)
+
+
+jax.tree_util.register_dataclass(
+    DenoiseInputs,
+    data_fields=["latents", "text", "negative_text", "references", "rope_cos", "rope_sin", "timesteps", "sigmas",
+                 "guidance"],
+    meta_fields=[],
+)

@@ -1,0 +1,181 @@
+"""Text-to-image and multi-reference editing: one pipeline, one code path.
+
+prompt -> Qwen3 features; references -> VAE latents at their own sizes; noise -> denoise
+loop (one compiled scan) -> VAE decode. An edit is text-to-image with reference tokens
+appended to the image tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from flux2klein_cli.core.checkpoint import LoadedModels, Snapshot, load_models
+from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.models.qwen3 import encode_prompts
+from flux2klein_cli.core.pipeline import tokens
+from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn
+from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
+from flux2klein_cli.core.weights.configs import read_json
+
+LATENT_CHANNELS = 128
+PIXELS_PER_TOKEN = 16  # 8x VAE downsampling, then 2x2 patches
+DEFAULT_SIZE = 1024
+
+
+@dataclass
+class Request:
+    """One run: every prompt x num_images images, all of one size, sharing the references."""
+
+    prompts: list[str]
+    steps: int
+    guidance: float
+    height: int | None = None  # None: the first reference's size, else DEFAULT_SIZE
+    width: int | None = None
+    num_images: int = 1
+    negative_prompt: str = ""
+    seed: int = 0
+    latents: np.ndarray | None = None  # (B, 128, H/16, W/16) initial noise, diffusers' convention
+    references: list[np.ndarray] = field(default_factory=list)  # preprocessed (H, W, 3) in [-1, 1]
+    max_sequence_length: int = 512
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts) * self.num_images
+
+
+@dataclass
+class Result:
+    images: np.ndarray  # (B, H, W, 3) float32, about [-1, 1]
+    seeds: list[int]  # the seed of each image's noise (None-free even with --latents: the base seed)
+    height: int
+    width: int
+    guidance_used: bool
+    seconds: dict[str, float]
+
+
+def _timed(seconds: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+    return out
+
+
+def _jit_module_call(module: nnx.Module, method: str = "__call__") -> Callable[..., Any]:
+    """jit a module method as a function of (state, *args), so shapes alone decide recompiles."""
+    graphdef, _ = nnx.split(module)
+
+    def call(state: nnx.State, *args: Any) -> Any:
+        return getattr(nnx.merge(graphdef, state), method)(*args)
+
+    return jax.jit(call)
+
+
+class KleinPipeline:
+    def __init__(self, snapshot: Snapshot, models: LoadedModels, tokenizer: Any, scheduler: SchedulerConfig):
+        self.snapshot, self.models, self.tokenizer, self.scheduler = snapshot, models, tokenizer, scheduler
+        self.transformer_state = nnx.state(models.transformer)
+        self.text_state = nnx.state(models.text_encoder)
+        self.vae_state = nnx.state(models.vae)
+        self._text = _jit_module_call(models.text_encoder)
+        self._encode = _jit_module_call(models.vae, "encode")
+        self._decode = _jit_module_call(models.vae, "decode")
+        self._denoise = denoise_fn(nnx.split(models.transformer)[0])
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
+        from transformers import AutoTokenizer
+
+        snapshot = Snapshot.open(model_dir)
+        models = load_models(snapshot, dtype=dtype, mesh=mesh)
+        tokenizer = AutoTokenizer.from_pretrained(snapshot.component("tokenizer"))
+        scheduler = SchedulerConfig.from_dict(read_json(snapshot.component("scheduler") / "scheduler_config.json"))
+        return cls(snapshot, models, tokenizer, scheduler)
+
+    @property
+    def dtype(self) -> Any:
+        return self.models.transformer.dtype
+
+    def uses_guidance(self, guidance: float) -> bool:
+        """Real classifier-free guidance only for undistilled (base) models, as the reference does."""
+        return not self.snapshot.is_distilled and guidance > 1.0
+
+    def encode_text(self, prompts: list[str], max_length: int = 512) -> jax.Array:
+        ids, mask = encode_prompts(self.tokenizer, prompts, max_length=max_length)
+        return self._text(self.text_state, jnp.asarray(ids), jnp.asarray(mask))
+
+    def encode_references(self, references: list[np.ndarray]) -> tuple[jax.Array | None, list[tuple[int, int]]]:
+        """Each reference through the VAE at its own size; tokens concatenated in order, (1, R, 128)."""
+        if not references:
+            return None, []
+        packed, grids = [], []
+        for image in references:
+            latents = self._encode(self.vae_state, jnp.asarray(image, self.dtype)[None])
+            grids.append((latents.shape[1], latents.shape[2]))
+            packed.append(tokens.pack_nhwc(latents))
+        return jnp.concatenate(packed, axis=1), grids
+
+    def initial_noise(self, request: Request, grid: tuple[int, int]) -> tuple[np.ndarray, list[int]]:
+        """(B, 128, h, w) float32 noise in diffusers' layout (`--latents` if given); image i draws
+        from seed + i, so each image can be reproduced alone."""
+        shape = (request.batch, LATENT_CHANNELS, *grid)
+        seeds = [request.seed + i for i in range(request.batch)]
+        if request.latents is not None:
+            if tuple(request.latents.shape) != shape:
+                raise UserInputError(f"--latents has shape {tuple(request.latents.shape)}, expected {shape}")
+            return np.asarray(request.latents, np.float32), seeds
+        draws = [jax.random.normal(jax.random.key(s), shape[1:], jnp.float32) for s in seeds]
+        return np.stack([np.asarray(d) for d in draws]), seeds
+
+    def output_size(self, request: Request) -> tuple[int, int]:
+        first = request.references[0].shape[:2] if request.references else (DEFAULT_SIZE, DEFAULT_SIZE)
+        height, width = request.height or first[0], request.width or first[1]
+        if height % PIXELS_PER_TOKEN or width % PIXELS_PER_TOKEN or height <= 0 or width <= 0:
+            raise UserInputError(f"height and width must be positive multiples of 16, got {height}x{width}")
+        return height, width
+
+    def __call__(self, request: Request) -> Result:
+        if not request.prompts:
+            raise UserInputError("no prompt given")
+        if request.steps < 1:
+            raise UserInputError(f"--steps must be at least 1, got {request.steps}")
+        seconds: dict[str, float] = {}
+        height, width = self.output_size(request)
+        grid = (height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN)
+        cfg = self.uses_guidance(request.guidance)
+
+        # Features per prompt, repeated per image: image order is prompt-major, as in diffusers.
+        text = _timed(seconds, "text", lambda: self.encode_text(request.prompts, request.max_sequence_length))
+        text = jnp.repeat(text, request.num_images, axis=0)
+        negative = None
+        if cfg:
+            negative = _timed(seconds, "text", lambda: self.encode_text([request.negative_prompt],
+                                                                        request.max_sequence_length))
+            negative = jnp.broadcast_to(negative, text.shape)
+        refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references))
+        if refs is not None:
+            refs = jnp.broadcast_to(refs, (request.batch, *refs.shape[1:]))
+
+        noise, seeds = self.initial_noise(request, grid)
+        noise = tokens.pack_nchw(noise)
+        schedule = make_schedule(request.steps, grid[0] * grid[1], self.scheduler)
+        ids = np.concatenate([tokens.image_ids(*grid), tokens.reference_ids(grids)])
+        cos, sin = self.models.transformer.rope(tokens.text_ids(text.shape[1]), ids)
+        inputs = DenoiseInputs(
+            latents=jnp.asarray(noise), text=text, negative_text=negative, references=refs, rope_cos=cos,
+            rope_sin=sin, timesteps=jnp.asarray(schedule.timesteps), sigmas=jnp.asarray(schedule.sigmas),
+            guidance=jnp.float32(request.guidance),
+        )
+        latents = _timed(seconds, "denoise", lambda: self._denoise(self.transformer_state, inputs))
+        images = _timed(seconds, "decode", lambda: self._decode(
+            self.vae_state, tokens.unpack_nhwc(latents.astype(self.dtype), *grid)))
+        return Result(np.asarray(images, np.float32), seeds, height, width, cfg, seconds)
