@@ -55,3 +55,42 @@ def transformer_compile_seconds(
 
 def summarize(samples: list[float]) -> dict[str, float]:
     return {"min": float(np.min(samples)), "median": float(np.median(samples)), "n": len(samples)}
+
+
+def bench_pipeline(
+    model_dir: Any,
+    *,
+    height: int,
+    width: int,
+    batch: int,
+    steps: int | None,
+    reps: int,
+    dtype: Any = jnp.bfloat16,
+    references: int = 0,
+) -> dict[str, Any]:
+    """Load, first call and steady-state phases of a text-to-image (or edit) run.
+
+    `compile` is the first call's extra time over the steady-state median of each phase:
+    tracing and XLA compilation, what an operator waits for once per shape.
+    """
+    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+    start = time.perf_counter()
+    pipeline = KleinPipeline.load(model_dir, dtype=dtype)
+    load_s = time.perf_counter() - start
+    distilled = pipeline.snapshot.is_distilled
+    rng = np.random.default_rng(0)
+    refs = [rng.uniform(-1, 1, (height, width, 3)).astype(np.float32) for _ in range(references)]
+    request = Request(prompts=["a red fox in snow"] * batch, steps=steps or (4 if distilled else 50),
+                      guidance=1.0 if distilled else 4.0, height=height, width=width, references=refs)
+    first = pipeline(request).seconds
+    runs = [pipeline(request).seconds for _ in range(reps)]
+    phases = list(first)
+    steady = {p: summarize([r[p] for r in runs]) for p in phases}
+    compile_s = sum(max(first[p] - steady[p]["median"], 0.0) for p in phases)
+    total = {"min": sum(steady[p]["min"] for p in phases), "median": sum(steady[p]["median"] for p in phases)}
+    return dict(
+        load_s=load_s, load_components_s=pipeline.models.seconds, compile_s=compile_s, first_call_s=sum(first.values()),
+        phases=steady, run_s=total, steps=request.steps, batch=batch, height=height, width=width,
+        references=references, per_image_s=total["median"] / batch,
+    )

@@ -162,23 +162,10 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale:
     """Grouped-query attention. q: (B, L, H, D); k, v: (B, L, Hkv, D); mask: (B, Lq, Lk) bool.
     Query head h uses KV head h // (H / Hkv), as transformers' repeat_kv does.
 
-    Flash-attention arithmetic: scores and exponentials in float32, the unnormalised weights in
-    the model dtype for P @ V (accumulated in float32), then one division by the float32 sum.
-    In bf16 this rounds like torch's CPU SDPA kernel: on the tiny test model 4% of the attention
-    outputs differ from it by one bf16 step, against 42% when the probabilities are normalised first."""
-    b, n, heads, d = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(b, n, kv_heads, heads // kv_heads, d)
-    scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
-    allowed = mask[:, None, None, :, :]
-    peak = jnp.max(jnp.where(allowed, scores, -jnp.inf), axis=-1, keepdims=True)
-    # A row with no allowed key has peak -inf; it gets all-zero weights and, like SDPA's, a zero output.
-    weights = jnp.where(allowed, jnp.exp(scores - jnp.where(jnp.isfinite(peak), peak, 0.0)), 0.0)
-    total = jnp.sum(weights, axis=-1)  # (B, Hkv, G, Lq)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    total = jnp.transpose(total, (0, 3, 1, 2))[..., None]  # -> (B, Lq, Hkv, G, 1)
-    out = out / jnp.where(total > 0, total, 1.0)
-    return out.astype(v.dtype).reshape(b, n, heads, d)
+    XLA's fused attention (7x faster on CPU than an einsum-and-softmax spelled out). A query row
+    with no allowed key (only with left padding) gets a zero output, as torch's SDPA gives it."""
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
+    return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(v.dtype)
 
 
 class Qwen3TextEncoder(nnx.Module):
