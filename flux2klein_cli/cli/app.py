@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import typer
+from typer.completion import completion_init
 
 from flux2klein_cli import __version__
 from flux2klein_cli.cli import bench_cmd, inspect_cmd
+
+# add_completion=False skips this registration; the scripts in completions/ call back into the app.
+completion_init()
 
 app = typer.Typer(
     name="flux2klein",

@@ -1,0 +1,242 @@
+"""Files the commands write and read: PNGs with their parameters, output naming, initial-noise `.npy` files.
+
+Writes are atomic: a hidden temporary file in the target directory, fsync, then a rename, so a crash or a
+full disk never leaves a half-written PNG under the final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import secrets
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, PngImagePlugin, UnidentifiedImageError
+
+from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+
+PNG_SUFFIX = ".png"
+# One iTXt chunk holding the whole metadata dict as JSON, so reading it back gives the original types;
+# every key also gets a plain text chunk of its own for exiftool, `identify -verbose` and image viewers.
+JSON_KEY = "flux2klein"
+
+MetadataValue = str | int | float | bool | None | Sequence[Any] | Mapping[str, Any]
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    if hasattr(value, "tolist"):  # numpy arrays
+        return value.tolist()
+    return str(value)  # paths and the like
+
+
+def _to_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, default=_json_default)
+
+
+def _check_key(key: str) -> None:
+    # PNG keywords: 1-79 Latin-1 characters, no leading/trailing/double spaces.
+    ok = isinstance(key, str) and 0 < len(key) < 80 and key == key.strip() and "  " not in key
+    try:
+        key.encode("latin-1")
+    except (AttributeError, UnicodeEncodeError):
+        ok = False
+    if not ok or key == JSON_KEY:
+        raise ValueError(f"invalid PNG metadata key {key!r}")
+
+
+def _pnginfo(metadata: Mapping[str, Any]) -> PngImagePlugin.PngInfo:
+    info = PngImagePlugin.PngInfo()
+    for key, value in metadata.items():
+        _check_key(key)
+        # Strings as they are, everything else as JSON; Pillow picks tEXt, or iTXt (UTF-8) when needed.
+        info.add_text(key, value if isinstance(value, str) else _to_json(value))
+    info.add_itxt(JSON_KEY, _to_json(dict(metadata)))
+    return info
+
+
+def _temp_path(directory: Path, name: str) -> tuple[int, Path]:
+    while True:
+        tmp = directory / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            # 0o666 & ~umask: the final file gets the same permissions a plain open() would give it.
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            raise UserInputError(f"output directory {directory} does not exist") from None
+        except PermissionError:
+            raise UserInputError(f"cannot write to output directory {directory}: permission denied") from None
+        except NotADirectoryError:
+            raise UserInputError(f"{directory} is not a directory") from None
+
+
+def _commit(tmp: Path, path: Path, force: bool) -> None:
+    if force:
+        os.replace(tmp, path)
+        return
+    try:
+        # A hard link fails if the name exists: no window in which another writer could be clobbered.
+        os.link(tmp, path)
+    except FileExistsError:
+        raise UserInputError(f"{path} exists; pass --force to overwrite") from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+            raise
+        if os.path.lexists(path):  # a filesystem without hard links: check, then rename
+            raise UserInputError(f"{path} exists; pass --force to overwrite") from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Make the rename itself durable; not every platform can open a directory.
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_png(
+    path: str | os.PathLike[str], image: np.ndarray, metadata: Mapping[str, MetadataValue], *, force: bool
+) -> Path:
+    """Write an (H, W, 3) uint8 image as a PNG with `metadata` as text chunks, atomically.
+
+    Without `force` an existing file is an error and is left untouched. Returns the path written.
+    """
+    path = Path(path).expanduser()
+    pixels = np.asarray(image)
+    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
+        raise ValueError(f"expected an (H, W, 3) uint8 image, got {pixels.shape} {pixels.dtype}")
+    if path.suffix.lower() != PNG_SUFFIX:
+        raise UserInputError(f"output {path} must end in {PNG_SUFFIX}")
+    if path.is_dir():
+        raise UserInputError(f"output {path} is a directory")
+    if not force and os.path.lexists(path):
+        raise UserInputError(f"{path} exists; pass --force to overwrite")
+    info = _pnginfo(metadata)  # bad keys fail before any file exists
+    picture = Image.fromarray(pixels, "RGB")
+
+    fd, tmp = _temp_path(path.parent, path.name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            picture.save(f, format="PNG", pnginfo=info)
+            f.flush()
+            os.fsync(f.fileno())
+        _commit(tmp, path, force)
+    except BaseException as e:  # also Ctrl-C: never leave the temporary file behind
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):  # disk full, I/O error: a runtime failure (exit 1)
+            raise Flux2KleinError(f"could not write {path}: {e.strerror or e}") from e
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def read_png_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata `write_png` stored, with its original types; for other PNGs, their text chunks as strings."""
+    p = Path(path)
+    try:
+        with Image.open(p) as im:
+            if im.format != "PNG":
+                raise UserInputError(f"{p} is not a PNG file")
+            text = {k: str(v) for k, v in getattr(im, "text", {}).items()}  # iTXt values are str subclasses
+    except FileNotFoundError:
+        raise UserInputError(f"{p} does not exist") from None
+    except UnidentifiedImageError:
+        raise UserInputError(f"{p} is not a PNG file") from None
+    except OSError as e:
+        raise UserInputError(f"cannot read {p}: {e}") from None
+    if JSON_KEY in text:
+        with contextlib.suppress(ValueError):
+            decoded = json.loads(text[JSON_KEY])
+            if isinstance(decoded, dict):
+                return decoded
+    return text
+
+
+def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> list[Path]:
+    """The file names for `count` images from one `-o` path, checked before any work is done.
+
+    One image: `output` itself. Several: `stem-<i>.png` next to it, i from 0, zero-padded to the width of the
+    last index so that they sort (out-0 ... out-9; out-00 ... out-11). The directory must exist and be writable;
+    without `force` no target may exist.
+    """
+    if count < 1:
+        raise ValueError(f"count must be at least 1, got {count}")
+    output = Path(output).expanduser()
+    if output.is_dir():
+        raise UserInputError(f"output {output} is a directory; give a file name ending in {PNG_SUFFIX}")
+    if output.suffix.lower() != PNG_SUFFIX:
+        raise UserInputError(f"output {output} must end in {PNG_SUFFIX}")
+    parent = output.parent
+    if not parent.exists():
+        raise UserInputError(f"output directory {parent} does not exist")
+    if not parent.is_dir():
+        raise UserInputError(f"{parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UserInputError(f"output directory {parent} is not writable")
+
+    if count == 1:
+        paths = [output]
+    else:
+        width = len(str(count - 1))
+        paths = [parent / f"{output.stem}-{i:0{width}d}{output.suffix}" for i in range(count)]
+
+    for p in paths:
+        if p.is_dir():
+            raise UserInputError(f"output {p} is a directory")
+    existing = [p for p in paths if os.path.lexists(p)]
+    if existing and not force:
+        shown = ", ".join(str(p) for p in existing[:3])
+        more = f" and {len(existing) - 3} more" if len(existing) > 3 else ""
+        verb = "exists" if len(existing) == 1 else "exist"
+        raise UserInputError(f"{shown}{more} {verb}; pass --force to overwrite")
+    return paths
+
+
+def _shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+
+
+def load_latents(path: str | os.PathLike[str], expected_shape: Sequence[int]) -> np.ndarray:
+    """Initial noise for `--latents`: a `.npy` array of exactly `expected_shape`, diffusers' (B, C, H/16, W/16).
+
+    Returns float32; any float dtype on disk is accepted (diffusers casts `latents=` to the pipeline dtype too).
+    """
+    p = Path(path).expanduser()
+    expected = _shape(expected_shape)
+    if not p.exists():
+        raise UserInputError(f"latents file {p} does not exist")
+    if p.is_dir():
+        raise UserInputError(f"latents file {p} is a directory")
+    try:
+        loaded = np.load(p, allow_pickle=False)
+    except PermissionError:
+        raise UserInputError(f"cannot read latents file {p}: permission denied") from None
+    except (OSError, ValueError, EOFError) as e:
+        raise UserInputError(f"cannot read latents file {p} as a .npy array: {' '.join(str(e).split())}") from None
+    if isinstance(loaded, np.lib.npyio.NpzFile):
+        loaded.close()
+        raise UserInputError(f"latents file {p} is an .npz archive; save one array of shape {expected} with numpy.save")
+    if loaded.dtype.kind != "f":
+        raise UserInputError(f"latents in {p} have dtype {loaded.dtype}; expected a float array of shape {expected}")
+    if tuple(loaded.shape) != tuple(int(s) for s in expected_shape):
+        raise UserInputError(
+            f"latents in {p} have shape {_shape(loaded.shape)}; expected {expected} "
+            "(batch, channels, height/16, width/16)"
+        )
+    latents = np.ascontiguousarray(loaded, dtype=np.float32)
+    if not np.isfinite(latents).all():
+        raise UserInputError(f"latents in {p} contain NaN or infinite values")
+    return latents
