@@ -2,60 +2,113 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+from typing import Any
+
 import typer
 from rich.table import Table
 
 from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
 
-PHASES = ("transformer-compile",)
+PHASES = ("pipeline", "transformer-compile")
 
 
 def bench(
-    model: str = typer.Option("4b", "--model", "-m", help="Model alias whose geometry to use (4b, 9b, ...)."),
-    phase: str = typer.Option("transformer-compile", "--phase", help=f"What to time: {', '.join(PHASES)}."),
+    model: str = typer.Option("4b", "--model", "-m", help="Alias, repo id or local dir (geometry only for "
+                              "transformer-compile)."),
+    phase: str = typer.Option("pipeline", "--phase", help=f"What to time: {', '.join(PHASES)}."),
     height: int = typer.Option(1024, "--height", help="Image height in pixels (multiple of 16)."),
     width: int = typer.Option(1024, "--width", help="Image width in pixels (multiple of 16)."),
-    bs: int = typer.Option(1, "--bs", help="Batch size."),
-    reps: int = typer.Option(3, "--reps", help="Repetitions; min and median are reported."),
-    unrolled: bool = typer.Option(False, "--unrolled", help="Unroll the block loop instead of scanning it."),
+    bs: int = typer.Option(1, "--bs", help="Batch size (images per run)."),
+    steps: int = typer.Option(None, "--steps", help="Denoising steps [default: the model's]."),
+    reps: int = typer.Option(3, "--reps", help="Timed repetitions after the first call; min and median."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32."),
+    unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Time one phase of a run.
+    """Time the phases of a run: load, compile, text encoding, denoising, decoding.
 
+    pipeline loads the checkpoint, makes a first call (tracing and compilation) and then
+    --reps timed calls; compile is the first call's extra time over the steady state.
     transformer-compile lowers and compiles one transformer forward at the model's real
-    geometry from abstract shapes (no weights needed), with the blocks scanned or unrolled.
+    geometry from abstract shapes (no weights needed).
 
-    Example: flux2klein bench --model 4b --phase transformer-compile --reps 5 --json
+    Examples:
+
+      flux2klein bench --model 4b --height 1024 --width 1024 --bs 4 --reps 5
+
+      flux2klein bench --model tiny --height 256 --width 256 --json
+
+      flux2klein bench --model 9b --phase transformer-compile --reps 5 --json
     """
     with user_errors():
-        from flux2klein_cli.core.bench import summarize, transformer_compile_seconds
+        from flux2klein_cli.core.checkpoint import parse_dtype
         from flux2klein_cli.core.errors import UserInputError
-        from flux2klein_cli.core.registry import spec_for
+        from flux2klein_cli.core.images import validate_size
 
-        spec = spec_for(model)
         if phase not in PHASES:
             raise UserInputError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
-        if height % 16 or width % 16 or height < 16 or width < 16:
-            raise UserInputError(f"height and width must be positive multiples of 16, got {height}x{width}")
-        if bs < 1 or reps < 1:
-            raise UserInputError("--bs and --reps must be at least 1")
-        runs = []
-        for i in range(reps):
-            runs.append(transformer_compile_seconds(
-                spec.transformer, scan=not unrolled, batch=bs, height=height, width=width
-            ))
-            if not as_json:
-                stderr.print(f"rep {i + 1}/{reps}: {runs[-1]['total_s']:.2f} s")
-    result = dict(
-        model=spec.alias, phase=phase, layers="unrolled" if unrolled else "scan", height=height, width=width,
-        batch=bs, **{key: summarize([r[key] for r in runs]) for key in ("lower_s", "compile_s", "total_s")},
-    )
+        validate_size(height, width)
+        if bs < 1 or reps < 1 or (steps is not None and steps < 1):
+            raise UserInputError("--bs, --reps and --steps must be at least 1")
+        target = parse_dtype(dtype)
+        if phase == "transformer-compile":
+            result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
+        else:
+            from flux2klein_cli.core.bench import bench_pipeline
+            from flux2klein_cli.core.snapshot import resolve_model
+
+            path = resolve_model(model)
+            with stderr.status(f"benchmarking {model}") if not as_json else nullcontext():
+                result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
+                                        dtype=target)
+            result = dict(model=model, phase=phase, dtype=dtype, **result)
     if as_json:
         emit_json(result)
-        return
-    table = Table(title=f"{spec.alias} {phase} ({result['layers']}, {height}x{width}, batch {bs})")
+    elif phase == "transformer-compile":
+        _compile_table(result)
+    else:
+        _pipeline_table(result)
+
+
+def _transformer_compile(model: str, height: int, width: int, bs: int, reps: int, unrolled: bool,
+                         as_json: bool) -> dict[str, Any]:
+    from flux2klein_cli.core.bench import summarize, transformer_compile_seconds
+    from flux2klein_cli.core.registry import spec_for
+
+    spec = spec_for(model)
+    runs = []
+    for i in range(reps):
+        runs.append(transformer_compile_seconds(spec.transformer, scan=not unrolled, batch=bs, height=height,
+                                                width=width))
+        if not as_json:
+            stderr.print(f"rep {i + 1}/{reps}: {runs[-1]['total_s']:.2f} s")
+    return dict(
+        model=spec.alias, phase="transformer-compile", layers="unrolled" if unrolled else "scan", height=height,
+        width=width, batch=bs,
+        **{key: summarize([r[key] for r in runs]) for key in ("lower_s", "compile_s", "total_s")},
+    )
+
+
+def _compile_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"{result['model']} transformer-compile ({result['layers']}, {result['height']}x"
+                        f"{result['width']}, batch {result['batch']})")
     for column in ("step", "min s", "median s"):
         table.add_column(column, justify="left" if column == "step" else "right")
     for key in ("lower_s", "compile_s", "total_s"):
         table.add_row(key.removesuffix("_s"), f"{result[key]['min']:.2f}", f"{result[key]['median']:.2f}")
+    stdout.print(table)
+
+
+def _pipeline_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"{result['model']} {result['height']}x{result['width']}, batch {result['batch']}, "
+                        f"{result['steps']} steps, {result['dtype']}")
+    for column in ("phase", "min s", "median s"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    table.add_row("load", f"{result['load_s']:.2f}", "")
+    table.add_row("compile (first call extra)", f"{result['compile_s']:.2f}", "")
+    for name, t in result["phases"].items():
+        table.add_row(name, f"{t['min']:.3f}", f"{t['median']:.3f}")
+    table.add_row("run", f"{result['run_s']['min']:.3f}", f"{result['run_s']['median']:.3f}")
+    table.add_row("per image", "", f"{result['per_image_s']:.3f}")
     stdout.print(table)

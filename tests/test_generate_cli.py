@@ -1,0 +1,114 @@
+"""`generate` and `edit` as a script calls them: outputs, metadata, JSON, and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from flux2klein_cli.cli.app import app
+from flux2klein_cli.core.output import read_png_metadata
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def image_file(path: Path, width: int, height: int) -> Path:
+    rng = np.random.default_rng(width * height)
+    Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fox.png"
+    result = run("generate", "a red fox in snow", "--model", tiny_checkpoint, "-o", out, "--height", 48, "--width",
+                 64, "--num-images", 2, "--seed", 7, "--steps", 2, "--dtype", "fp32", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["outputs"] == [str(tmp_path / "fox-0.png"), str(tmp_path / "fox-1.png")]
+    assert report["seeds"] == [7, 8] and report["steps"] == 2 and report["cfg"] is False
+    for path, seed in zip(report["outputs"], (7, 8), strict=True):
+        image = Image.open(path)
+        assert image.size == (64, 48) and image.mode == "RGB"
+        meta = read_png_metadata(path)
+        assert meta["prompt"] == "a red fox in snow" and meta["seed"] == seed and meta["steps"] == 2
+        assert meta["size"] == "64x48" and meta["model"] == str(tiny_checkpoint) and "version" in meta
+    first, second = (np.asarray(Image.open(p)) for p in report["outputs"])
+    assert not np.array_equal(first, second)  # different seeds, different noise
+
+    # Seed 8 alone reproduces the second image of the batch exactly.
+    again = run("generate", "a red fox in snow", "--model", tiny_checkpoint, "-o", tmp_path / "again.png", "--height",
+                48, "--width", 64, "--seed", 8, "--steps", 2, "--dtype", "fp32")
+    assert again.exit_code == 0, again.stderr
+    assert again.stdout.strip() == str(tmp_path / "again.png")
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "again.png")), second)
+
+
+def test_edit_takes_the_first_reference_size(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    a = image_file(tmp_path / "a.png", 100, 75)  # processed to 96 x 64
+    b = image_file(tmp_path / "b.jpg", 64, 128)
+    out = tmp_path / "edit.png"
+    result = run("edit", "put both on the sofa", "--image", a, "--image", b, "--model", tiny_checkpoint, "-o", out,
+                 "--steps", 2, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["width"], report["height"]) == (96, 64)
+    assert Image.open(out).size == (96, 64)
+    assert read_png_metadata(out)["references"] == [str(a), str(b)]
+
+
+def test_prompt_file_gives_one_image_per_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox\n\na lighthouse at dawn\n")
+    result = run("generate", "--prompt-file", prompts, "--model", tiny_checkpoint, "-o", tmp_path / "p.png",
+                 "--height", 32, "--width", 32, "--steps", 1, "--json")
+    assert result.exit_code == 0, result.stderr
+    outputs = json.loads(result.stdout)["outputs"]
+    assert [read_png_metadata(p)["prompt"] for p in outputs] == ["a red fox", "a lighthouse at dawn"]
+
+
+BAD = {
+    "missing image": (["edit", "x", "--image", "{tmp}/nope.png"], "nope.png"),
+    "not an image": (["edit", "x", "--image", "{tmp}/notes.txt"], "notes.txt"),
+    "side under 64": (["edit", "x", "--image", "{tmp}/small.png"], "64"),
+    "aspect over 8": (["edit", "x", "--image", "{tmp}/wide.png"], "aspect"),
+    "height not multiple of 16": (["generate", "x", "--height", "100", "--width", "64"], "multiple of 16"),
+    "width not multiple of 16": (["generate", "x", "--height", "64", "--width", "70"], "multiple of 16"),
+    "empty prompt": (["generate", "  "], "empty prompt"),
+    "no prompt": (["generate"], "no prompt"),
+    "steps under 1": (["generate", "x", "--steps", "0"], "--steps"),
+    "latents of the wrong shape": (["generate", "x", "--height", "64", "--width", "64", "--latents",
+                                    "{tmp}/noise.npy"], "shape"),
+    "existing output without --force": (["generate", "x", "-o", "{tmp}/exists.png"], "--force"),
+    "unknown dtype": (["generate", "x", "--dtype", "fp8"], "dtype"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_exit_2_one_line_nothing_written(case: str, tiny_checkpoint: Path, tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a picture")
+    image_file(tmp_path / "small.png", 63, 200)
+    image_file(tmp_path / "wide.png", 900, 100)
+    np.save(tmp_path / "noise.npy", np.zeros((1, 128, 5, 4), np.float32))
+    (tmp_path / "exists.png").write_bytes(b"keep me")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    args, expected = BAD[case]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    if "-o" not in args:
+        args += ["-o", str(tmp_path / "out.png")]
+    result = run(*args, "--model", tiny_checkpoint)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    assert expected in lines[0] and "Traceback" not in result.output
+    assert result.stdout == ""
+    after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert after == before  # nothing written, nothing overwritten
