@@ -25,6 +25,7 @@ def edit(
     dtype: str = o.DTYPE,
     latents: Path = o.LATENTS,
     force: bool = o.FORCE,
+    max_sequence_length: int = o.MAX_SEQUENCE,
     as_json: bool = o.JSON,
 ) -> None:
     """Edit or combine reference images following a prompt.
@@ -43,4 +44,5 @@ def edit(
         model=model, output=output, references=list(image), height=height, width=width, steps=steps,
         guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype,
         latents=latents, force=force,
+        max_sequence_length=max_sequence_length,
     ), as_json)

@@ -24,6 +24,7 @@ def generate(
     dtype: str = o.DTYPE,
     latents: Path = o.LATENTS,
     force: bool = o.FORCE,
+    max_sequence_length: int = o.MAX_SEQUENCE,
     as_json: bool = o.JSON,
 ) -> None:
     """Generate images from a text prompt.
@@ -39,4 +40,5 @@ def generate(
     o.run(prompt, prompt_file, dict(
         model=model, output=output, height=height, width=width, steps=steps, guidance=guidance,
         negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype, latents=latents, force=force,
+        max_sequence_length=max_sequence_length,
     ), as_json)

@@ -25,6 +25,7 @@ NUM_IMAGES = typer.Option(1, "--num-images", "-n", help="Images per prompt.")
 DTYPE = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32.")
 LATENTS = typer.Option(None, "--latents", help="Initial noise .npy, shape (B, 128, H/16, W/16) as diffusers' latents=.")
 FORCE = typer.Option(False, "--force", help="Overwrite existing output files.")
+MAX_SEQUENCE = typer.Option(512, "--max-sequence-length", help="Prompt tokens (padded and truncated to this).")
 JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
 
 
