@@ -21,9 +21,9 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core.checkpoint import LoadedModels, Snapshot, load_models
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.models.qwen3 import encode_prompts
 from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn
+from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 from flux2klein_cli.core.weights.configs import read_json
 
@@ -81,7 +81,9 @@ def _jit_module_call(module: nnx.Module, method: str = "__call__") -> Callable[.
 
 
 class KleinPipeline:
-    def __init__(self, snapshot: Snapshot, models: LoadedModels, tokenizer: Any, scheduler: SchedulerConfig):
+    def __init__(
+        self, snapshot: Snapshot, models: LoadedModels, tokenizer: PromptTokenizer, scheduler: SchedulerConfig
+    ):
         self.snapshot, self.models, self.tokenizer, self.scheduler = snapshot, models, tokenizer, scheduler
         self.transformer_state = nnx.state(models.transformer)
         self.text_state = nnx.state(models.text_encoder)
@@ -93,11 +95,9 @@ class KleinPipeline:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
-        from transformers import AutoTokenizer
-
         snapshot = Snapshot.open(model_dir)
         models = load_models(snapshot, dtype=dtype, mesh=mesh)
-        tokenizer = AutoTokenizer.from_pretrained(snapshot.component("tokenizer"))
+        tokenizer = PromptTokenizer(snapshot.component("tokenizer"))
         scheduler = SchedulerConfig.from_dict(read_json(snapshot.component("scheduler") / "scheduler_config.json"))
         return cls(snapshot, models, tokenizer, scheduler)
 
@@ -110,7 +110,7 @@ class KleinPipeline:
         return not self.snapshot.is_distilled and guidance > 1.0
 
     def encode_text(self, prompts: list[str], max_length: int = 512) -> jax.Array:
-        ids, mask = encode_prompts(self.tokenizer, prompts, max_length=max_length)
+        ids, mask = self.tokenizer(prompts, max_length)
         return self._text(self.text_state, jnp.asarray(ids), jnp.asarray(mask))
 
     def encode_references(self, references: list[np.ndarray]) -> tuple[jax.Array | None, list[tuple[int, int]]]:
