@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 # Tests measure float32 parity: keep XLA from using reduced-precision matmuls.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+# The CLI's persistent XLA cache goes to a fresh folder per run, never the user's.
+os.environ.setdefault("FLUX2KLEIN_XLA_CACHE", tempfile.mkdtemp(prefix="flux2klein-xla-"))
 
 import pytest  # noqa: E402
 

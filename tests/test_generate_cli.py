@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.output import read_png_metadata
+from flux2klein_cli.core.runtime import xla_cache_dir
 
 runner = CliRunner()
 
@@ -49,6 +50,8 @@ def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_
     assert again.exit_code == 0, again.stderr
     assert again.stdout.strip() == str(tmp_path / "again.png")
     assert np.array_equal(np.asarray(Image.open(tmp_path / "again.png")), second)
+    # The compiled programs persist, so the next run of these shapes skips XLA.
+    assert any(xla_cache_dir().iterdir())
 
 
 def test_edit_takes_the_first_reference_size(tiny_checkpoint: Path, tmp_path: Path) -> None:

@@ -56,8 +56,10 @@ def bench(
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
         else:
             from flux2klein_cli.core.bench import bench_pipeline
+            from flux2klein_cli.core.runtime import configure_jax
             from flux2klein_cli.core.snapshot import resolve_model
 
+            configure_jax()
             path = resolve_model(model)
             with stderr.status(f"benchmarking {model}") if not as_json else nullcontext():
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,

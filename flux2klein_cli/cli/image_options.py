@@ -31,8 +31,10 @@ JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, 
 
 def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bool) -> None:
     """Build the options, run, and report: paths on stdout, or one JSON object."""
+    from flux2klein_cli.core.runtime import configure_jax
     from flux2klein_cli.core.snapshot import resolve_model
 
+    configure_jax()
     with user_errors():
         opts = GenerateOptions(prompts=read_prompts(prompt, prompt_file), **options)
         if as_json:

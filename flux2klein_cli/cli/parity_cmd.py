@@ -33,8 +33,10 @@ def parity(
     Example: flux2klein parity --model 4b --steps 4 --height 512 --width 512 --json
     """
     from flux2klein_cli.core.parity import parity_check
+    from flux2klein_cli.core.runtime import configure_jax
     from flux2klein_cli.core.snapshot import resolve_model
 
+    configure_jax()
     with user_errors():
         report = parity_check(
             model=model, resolve=resolve_model, prompt=prompt, references=list(image), height=height, width=width,

@@ -1,0 +1,35 @@
+"""Process-wide JAX settings every model command applies before its first compile."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CACHE_ENV = "FLUX2KLEIN_XLA_CACHE"
+
+
+def xla_cache_dir() -> Path | None:
+    """Where compiled XLA programs persist between runs; FLUX2KLEIN_XLA_CACHE=off disables it."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None and value.lower() in ("", "0", "off", "false", "no"):
+        return None
+    if value:
+        return Path(value).expanduser()
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "flux2klein" / "xla"
+
+
+def configure_jax() -> None:
+    """Turn on JAX's persistent compilation cache, so the second run of a shape skips XLA."""
+    import jax
+
+    cache = xla_cache_dir()
+    if cache is None:
+        return
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return  # an unwritable cache only costs speed
+    jax.config.update("jax_compilation_cache_dir", str(cache))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
