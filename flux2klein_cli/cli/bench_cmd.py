@@ -10,7 +10,7 @@ from rich.table import Table
 
 from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
 
-PHASES = ("pipeline", "transformer-compile")
+PHASES = ("pipeline", "ttfi", "transformer-compile")
 
 
 def bench(
@@ -24,12 +24,15 @@ def bench(
     reps: int = typer.Option(3, "--reps", help="Timed repetitions after the first call; min and median."),
     dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32."),
     unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
+    diffusers: bool = typer.Option(False, "--diffusers", help="ttfi: also time diffusers' pipeline (needs [parity])."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Time the phases of a run: load, compile, text encoding, denoising, decoding.
 
     pipeline loads the checkpoint, makes a first call (tracing and compilation) and then
     --reps timed calls; compile is the first call's extra time over the steady state.
+    ttfi times process start to PNG on disk, each run a fresh `flux2klein generate`, cold
+    (no stored XLA programs) and warm (persistent cache filled), optionally beside diffusers.
     transformer-compile lowers and compiles one transformer forward at the model's real
     geometry from abstract shapes (no weights needed).
 
@@ -38,6 +41,8 @@ def bench(
       flux2klein bench --model 4b --height 1024 --width 1024 --bs 4 --reps 5
 
       flux2klein bench --model tiny --height 256 --width 256 --json
+
+      flux2klein bench --model medium-dir --phase ttfi --height 512 --width 512 --steps 4 --dtype fp32 --diffusers
 
       flux2klein bench --model 9b --phase transformer-compile --reps 5 --json
     """
@@ -54,6 +59,15 @@ def bench(
         target = parse_dtype(dtype)
         if phase == "transformer-compile":
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
+        elif phase == "ttfi":
+            from flux2klein_cli.core.bench import bench_ttfi
+            from flux2klein_cli.core.snapshot import resolve_model
+
+            path = resolve_model(model)
+            with stderr.status(f"timing first images of {model}") if not as_json else nullcontext():
+                result = bench_ttfi(path, height=height, width=width, steps=steps or 4, guidance=1.0, reps=reps,
+                                    dtype=dtype, diffusers=diffusers)
+            result = dict(model=model, phase=phase, **result)
         else:
             from flux2klein_cli.core.bench import bench_pipeline
             from flux2klein_cli.core.runtime import configure_jax
@@ -69,6 +83,8 @@ def bench(
         emit_json(result)
     elif phase == "transformer-compile":
         _compile_table(result)
+    elif phase == "ttfi":
+        _ttfi_table(result)
     else:
         _pipeline_table(result)
 
@@ -113,4 +129,17 @@ def _pipeline_table(result: dict[str, Any]) -> None:
         table.add_row(name, f"{t['min']:.3f}", f"{t['median']:.3f}")
     table.add_row("run", f"{result['run_s']['min']:.3f}", f"{result['run_s']['median']:.3f}")
     table.add_row("per image", "", f"{result['per_image_s']:.3f}")
+    stdout.print(table)
+
+
+def _ttfi_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"time to first image: {result['model']} {result['height']}x{result['width']}, "
+                        f"{result['steps']} steps, {result['dtype']}")
+    for column in ("run", "min s", "median s", "vs diffusers"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for key, ratio in (("ours_cold_s", "cold_ratio"), ("ours_warm_s", "warm_ratio"), ("diffusers_s", None)):
+        if key in result:
+            r = f"{result[ratio]:.2f}x" if ratio and ratio in result else ""
+            table.add_row(key.removesuffix("_s").replace("_", " "), f"{result[key]['min']:.2f}",
+                          f"{result[key]['median']:.2f}", r)
     stdout.print(table)
