@@ -6,7 +6,7 @@ import typer
 from typer.completion import completion_init
 
 from flux2klein_cli import __version__
-from flux2klein_cli.cli import bench_cmd, edit_cmd, generate_cmd, inspect_cmd, parity_cmd
+from flux2klein_cli.cli import bench_cmd, convert_cmd, edit_cmd, fetch_cmd, generate_cmd, inspect_cmd, parity_cmd
 
 # add_completion=False skips this registration; the scripts in completions/ call back into the app.
 completion_init()
@@ -44,6 +44,8 @@ app.command("edit")(edit_cmd.edit)
 app.command("inspect")(inspect_cmd.inspect)
 app.command("parity")(parity_cmd.parity)
 app.command("bench")(bench_cmd.bench)
+app.command("fetch")(fetch_cmd.fetch)
+app.command("convert")(convert_cmd.convert)
 
 
 def main() -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import typer
 from rich.table import Table
 
@@ -11,7 +9,7 @@ from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
 
 
 def inspect(
-    model: Path = typer.Argument(..., help="A local snapshot directory in the diffusers layout."),
+    model: str = typer.Argument(..., help="Alias (4b, tiny, ...), hub repo id, snapshot or converted directory."),
     dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype to load into: bf16 or fp32."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
@@ -24,9 +22,10 @@ def inspect(
     """
     with user_errors():
         from flux2klein_cli.core.checkpoint import Snapshot, load_models, parameter_stats, parse_dtype
+        from flux2klein_cli.core.snapshot import resolve_model
 
         target = parse_dtype(dtype)
-        snapshot = Snapshot.open(model)
+        snapshot = Snapshot.open(resolve_model(model))
         log = (lambda name, s: None) if as_json else (lambda name, s: stderr.print(f"loaded {name} in {s:.2f} s"))
         models = load_models(snapshot, dtype=target, on_loaded=log)
 

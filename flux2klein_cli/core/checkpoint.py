@@ -31,11 +31,13 @@ def parse_dtype(name: str) -> Any:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """What `model_index.json` says about a snapshot directory."""
+    """What `model_index.json` says about a snapshot directory. `converted` is True for a
+    directory written by `flux2klein convert` (Orbax checkpoints, recognised by its manifest)."""
 
     root: Path
     pipeline_class: str
     is_distilled: bool
+    converted: bool = False
 
     @property
     def kv(self) -> bool:
@@ -44,9 +46,16 @@ class Snapshot:
 
     @classmethod
     def open(cls, root: str | Path) -> Snapshot:
+        from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
+
         root = Path(root)
         if not root.is_dir():
             raise UserInputError(f"{root}: no such model directory")
+        converted = (root / CONVERTED_MANIFEST).is_file()
+        if converted:
+            from flux2klein_cli.core.weights.orbax_store import check_converted
+
+            check_converted(root)
         index = read_json(root / "model_index.json")
         name = index.get("_class_name")
         if name not in PIPELINE_CLASSES:
@@ -58,7 +67,7 @@ class Snapshot:
         if missing:
             raise CheckpointError(f"{root}: component folder(s) missing: {', '.join(missing)}")
         # The KV pipeline's default is distilled; the plain one's is not.
-        return cls(root, name, bool(index.get("is_distilled", name == "Flux2KleinKVPipeline")))
+        return cls(root, name, bool(index.get("is_distilled", name == "Flux2KleinKVPipeline")), converted)
 
     def component(self, name: str) -> Path:
         return self.root / name
@@ -85,12 +94,21 @@ def load_models(
     mesh: Mesh | None = None,
     on_loaded: Callable[[str, float], None] | None = None,
 ) -> LoadedModels:
-    """Load transformer, text encoder and VAE, each straight into `dtype` on the mesh."""
+    """Load transformer, text encoder and VAE, each straight into `dtype` on the mesh: from the
+    safetensors of a diffusers snapshot, or from the Orbax checkpoints of a converted directory."""
     from flux2klein_cli.core.models.qwen3 import load_qwen3
     from flux2klein_cli.core.models.transformer import load_transformer
     from flux2klein_cli.core.models.vae import load_vae
 
-    loaders = {"transformer": load_transformer, "text_encoder": load_qwen3, "vae": load_vae}
+    loaders: dict[str, Callable[..., Any]] = {
+        "transformer": load_transformer, "text_encoder": load_qwen3, "vae": load_vae
+    }
+    if snapshot.converted:
+        from functools import partial
+
+        from flux2klein_cli.core.weights.orbax_store import load_component
+
+        loaders = {name: partial(_load_converted, load_component, name, snapshot.root) for name in loaders}
     loaded: dict[str, Any] = {}
     seconds: dict[str, float] = {}
     for name, load in loaders.items():
@@ -102,3 +120,8 @@ def load_models(
         if on_loaded:
             on_loaded(name, seconds[name])
     return LoadedModels(**loaded, seconds=seconds)
+
+
+def _load_converted(load_component: Callable[..., Any], name: str, root: Path, _component_dir: Path, *,
+                    dtype: Any, mesh: Mesh | None) -> Any:
+    return load_component(name, root, dtype=dtype, mesh=mesh)

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.models.layers import ZEROS, linear
+from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, linear
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, Layout, TensorSource, load_module, single
 
@@ -411,4 +411,14 @@ def load_vae(directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | N
     """Build the VAE of a `vae/` component folder abstractly and load its weights in `dtype`
     (the latent statistics stay float32)."""
     config = VAEConfig.from_dict(read_config(directory))
-    return load_module(lambda: Flux2VAE(config, dtype=dtype, rngs=nnx.Rngs(0)), vae_key_plan, directory, mesh)
+    return load_module(lambda: build_vae(config, dtype=dtype), vae_key_plan, directory, mesh)
+
+
+def build_vae(config: VAEConfig, *, dtype: Any = jnp.bfloat16) -> Flux2VAE:
+    """The VAE for `nnx.eval_shape` (a parameter-free build: weights come from a checkpoint)."""
+    return Flux2VAE(config, dtype=dtype, rngs=ZeroInitRngs())  # type: ignore[arg-type]
+
+
+def abstract_vae(config: VAEConfig, *, dtype: Any = jnp.bfloat16) -> Flux2VAE:
+    """Shapes and dtypes only: 0.3 s instead of 1 s with a real `nnx.Rngs` (see ZeroInitRngs)."""
+    return nnx.eval_shape(lambda: build_vae(config, dtype=dtype))

@@ -116,6 +116,19 @@ class SafetensorsCheckpoint:
         """The file that holds a key, for error messages."""
         return self.tensors[key].file.name
 
+    def release(self, key: str) -> None:
+        """Unmap the pages of a tensor that has been copied: the bytes stay in the page cache, but
+        no longer count in this process's resident memory (so a load peaks at one tensor over
+        the model's size, not at twice it)."""
+        info = self.tensors[key]
+        buf = self._maps.get(info.file)
+        if buf is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.start - info.start % mmap.PAGESIZE
+        end = min(len(buf), -(-info.end // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if end > start:
+            buf.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def view(self, key: str) -> np.ndarray:
         """A read-only view of the stored tensor, in its stored dtype; no bytes are copied."""
         info = self.tensors[key]

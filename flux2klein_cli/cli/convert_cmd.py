@@ -1,0 +1,90 @@
+"""`flux2klein convert`: a snapshot as Orbax checkpoints in the target dtype (a complete `--model`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import typer
+from rich.progress import TaskID
+
+from flux2klein_cli.cli.output import emit_json, stderr, user_errors
+
+
+def convert(
+    model: str = typer.Argument(..., help="Alias, hub repo id or snapshot directory to convert."),
+    out: Path = typer.Option(
+        None, "--out", "-o",
+        help="Directory to write (default: <flux2klein cache>/converted/<model>-<dtype>).",
+    ),
+    dtype: str = typer.Option("bf16", "--dtype", help="Stored parameter dtype: bf16 or fp32."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+    revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
+    offline: bool = typer.Option(False, "--offline", help="Use the local Hugging Face cache only."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Write MODEL's transformer, text encoder and VAE as Orbax checkpoints in DTYPE, plus a manifest.
+
+    The output directory holds everything a run needs (configs, tokenizer, scheduler), so it
+    is a complete --model; loading it reads each parameter straight into its dtype and
+    sharding, with nothing to convert or transpose. Tensors are converted one at a time, into
+    a temporary directory renamed into place at the end: an interrupted convert leaves nothing
+    that --model would accept. The path is printed on stdout.
+
+    Example: flux2klein convert 4b --out ~/models/klein-4b-bf16
+    """
+    with user_errors():
+        from flux2klein_cli.core.snapshot import flux2klein_cache_dir, resolve
+        from flux2klein_cli.core.weights.orbax_convert import convert_snapshot_to
+        from flux2klein_cli.core.weights.orbax_store import DTYPE_NAMES
+
+        if dtype not in DTYPE_NAMES:
+            from flux2klein_cli.core.errors import UserInputError
+
+            raise UserInputError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
+        resolved = resolve(model, revision=revision, offline=offline, download=True,
+                           progress=lambda message: stderr.print(message, highlight=False))
+        slug = _slug(model, resolved.repo_id, resolved.revision)
+        target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{dtype}"
+        start = time.perf_counter()
+        with _progress_bar(enabled=not as_json) as update:
+            manifest = convert_snapshot_to(resolved, target, dtype=dtype, force=force, model=model, progress=update)
+        seconds = time.perf_counter() - start
+    if as_json:
+        emit_json({
+            "path": str(Path(target).expanduser().absolute()),
+            "source": {k: v for k, v in manifest["source"].items() if k != "files"},
+            "dtype": dtype,
+            "components": {n: {k: c[k] for k in ("parameters", "bytes")} for n, c in manifest["components"].items()},
+            "seconds": round(seconds, 3),
+        })
+        return
+    stderr.print(f"converted in {seconds:.1f} s")
+    typer.echo(str(Path(target).expanduser().absolute()))
+
+
+def _slug(model: str, repo_id: str | None, revision: str | None) -> str:
+    name = repo_id.replace("/", "--") if repo_id else Path(model).expanduser().resolve().name
+    return f"{name}@{revision[:12]}" if revision else name
+
+
+@contextmanager
+def _progress_bar(*, enabled: bool) -> Iterator[Callable[[str, int, int], None] | None]:
+    """A rich progress bar on stderr, one row per component (nothing with --json)."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    tasks: dict[str, TaskID] = {}
+    with Progress(TextColumn("{task.description:>12}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=stderr, transient=True) as progress:
+
+        def update(component: str, done: int, total: int) -> None:
+            if component not in tasks:
+                tasks[component] = progress.add_task(component, total=total)
+            progress.update(tasks[component], completed=done)
+
+        yield update

@@ -1,0 +1,48 @@
+"""`flux2klein fetch`: resolve a model to a local snapshot (downloading it if needed); print its path."""
+
+from __future__ import annotations
+
+import typer
+
+from flux2klein_cli.cli.output import emit_json, stderr, user_errors
+
+
+def fetch(
+    model: str = typer.Argument(..., help="Alias (4b, 9b, 9b-kv, base-4b, base-9b, tiny), hub repo id or directory."),
+    revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
+    offline: bool = typer.Option(
+        False, "--offline", help="Use the local cache only (as HF_HUB_OFFLINE=1 does); never touch the network."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: path, revision, files, bytes."),
+) -> None:
+    """Find MODEL in the Hugging Face cache, else download it; print the snapshot path on stdout.
+
+    Only model_index.json and the five component folders are downloaded. The cache is
+    huggingface_hub's (HF_HOME, HF_HUB_CACHE); HF_HUB_OFFLINE=1 acts as --offline. Missing
+    while offline: exit 2 and the command to run with network access. `tiny` is a small
+    random-weight checkpoint written on first use, without network, into $FLUX2KLEIN_CACHE
+    (default $XDG_CACHE_HOME/flux2klein, else ~/.cache/flux2klein).
+
+    Example: path=$(flux2klein fetch 9b-kv)
+    """
+    with user_errors():
+        from flux2klein_cli.core.errors import CheckpointError
+        from flux2klein_cli.core.snapshot import describe, resolve, snapshot_problems
+
+        def say(message: str) -> None:
+            stderr.print(message, highlight=False)
+
+        resolved = resolve(model, revision=revision, offline=offline, download=True, progress=say)
+        if resolved.kind == "local":
+            problems = snapshot_problems(resolved.path)
+            if problems:
+                raise CheckpointError(f"{resolved.path}: incomplete snapshot: {'; '.join(problems)}")
+        elif resolved.kind == "converted":
+            from flux2klein_cli.core.weights.orbax_store import check_converted
+
+            check_converted(resolved.path)
+    if as_json:
+        emit_json(describe(resolved))
+        return
+    # Only the path on stdout, so that `path=$(flux2klein fetch 4b)` works; no rich wrapping.
+    typer.echo(str(resolved.path))
