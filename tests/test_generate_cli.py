@@ -115,3 +115,14 @@ def test_bad_input_is_exit_2_one_line_nothing_written(case: str, tiny_checkpoint
     assert result.stdout == ""
     after = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert after == before  # nothing written, nothing overwritten
+
+
+def test_readme_main_command_runs_on_the_embedded_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The README's first command: the tiny checkpoint is written on first use, the default size is 256.
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path / "cache"))
+    result = run("generate", "a red fox in snow", "--model", "tiny", "-o", tmp_path / "fox.png", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert (report["width"], report["height"], report["steps"]) == (256, 256, 4)
+    assert Image.open(tmp_path / "fox.png").size == (256, 256)
+    assert (tmp_path / "cache").is_dir()

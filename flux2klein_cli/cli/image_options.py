@@ -10,11 +10,12 @@ from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
 from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
 
 PROMPT_FILE = typer.Option(None, "--prompt-file", help="One prompt per line; each gets --num-images images.")
-MODEL = typer.Option("4b", "--model", "-m", help="Alias (4b, 9b, 9b-kv, base-4b, base-9b, tiny), repo id or dir.")
+MODEL = typer.Option("4b", "--model", "-m", help="Alias (4b, 9b, 9b-kv, base-4b, base-9b), repo id or dir; "
+                     "tiny is a built-in random-weight model whose images are noise (for trying the tool).")
 OUTPUT = typer.Option(Path("out.png"), "--output", "-o",
                       help="PNG path; several images become NAME-0.png, NAME-1.png, ...")
-HEIGHT = typer.Option(None, "--height", help="Output height in pixels, a multiple of 16 [default: 1024, or "
-                      "the first reference's]")
+HEIGHT = typer.Option(None, "--height", help="Output height in pixels, a multiple of 16 [default: 1024 (tiny: "
+                      "256), or the first reference's]")
 WIDTH = typer.Option(None, "--width", help="Output width in pixels, a multiple of 16 [default: as height]")
 STEPS = typer.Option(None, "--steps", help="Denoising steps [default: 4 distilled, 50 base]")
 GUIDANCE = typer.Option(None, "--guidance", help="Guidance scale; real CFG on base models only "

@@ -18,7 +18,8 @@ from flux2klein_cli.core.checkpoint import Snapshot, parse_dtype
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.images import load_reference, postprocess, preprocess_reference, validate_size
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
-from flux2klein_cli.core.pipeline.pipeline import DEFAULT_SIZE, LATENT_CHANNELS, PIXELS_PER_TOKEN, Request
+from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS, PIXELS_PER_TOKEN, Request
+from flux2klein_cli.core.registry import default_size
 
 
 @dataclass
@@ -80,7 +81,8 @@ def run_generate(
     _check_options(opts)
     dtype = parse_dtype(opts.dtype)
     references = [preprocess_reference(load_reference(path)) for path in opts.references]
-    first = references[0].shape[:2] if references else (DEFAULT_SIZE, DEFAULT_SIZE)
+    side = default_size(opts.model)
+    first = references[0].shape[:2] if references else (side, side)
     height, width = opts.height or int(first[0]), opts.width or int(first[1])
     validate_size(height, width)
     batch = len(opts.prompts) * opts.num_images

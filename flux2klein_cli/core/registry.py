@@ -60,3 +60,12 @@ def spec_for(alias: str) -> ModelSpec:
         return MODELS[alias.lower()]
     except KeyError:
         raise UserInputError(f"unknown model {alias!r}: known models are {', '.join(MODELS)}") from None
+
+
+# Output side when none is given; the random-weight `tiny` model is for trying the tool in seconds.
+DEFAULT_SIZE = 1024
+_DEFAULT_SIZES = {"tiny": 256}
+
+
+def default_size(model: str) -> int:
+    return _DEFAULT_SIZES.get(model.lower(), DEFAULT_SIZE)

@@ -25,11 +25,11 @@ from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
+from flux2klein_cli.core.registry import DEFAULT_SIZE
 from flux2klein_cli.core.weights.configs import read_json
 
 LATENT_CHANNELS = 128
 PIXELS_PER_TOKEN = 16  # 8x VAE downsampling, then 2x2 patches
-DEFAULT_SIZE = 1024
 
 
 @dataclass
