@@ -10,7 +10,7 @@ from rich.table import Table
 
 from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
 
-PHASES = ("pipeline", "ttfi", "transformer-compile")
+PHASES = ("pipeline", "ttfi", "load", "transformer-compile")
 
 
 def bench(
@@ -31,6 +31,9 @@ def bench(
 
     pipeline loads the checkpoint, makes a first call (tracing and compilation) and then
     --reps timed calls; compile is the first call's extra time over the steady state.
+    load times loading each component from safetensors and from a converted (Orbax) copy,
+    each in a fresh process, beside `cat` of the same files, filling as much new memory, and
+    diffusers' from_pretrained plus touching every page; peak memory too.
     ttfi times process start to PNG on disk, each run a fresh `flux2klein generate`, cold
     (no stored XLA programs) and warm (persistent cache filled), optionally beside diffusers.
     transformer-compile lowers and compiles one transformer forward at the model's real
@@ -59,6 +62,13 @@ def bench(
         target = parse_dtype(dtype)
         if phase == "transformer-compile":
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
+        elif phase == "load":
+            from flux2klein_cli.core.bench_load import bench_load
+            from flux2klein_cli.core.snapshot import resolve_model
+
+            result = bench_load(resolve_model(model), convert=True, dtype=dtype, reps=reps,
+                                log=None if as_json else stderr.print)
+            result = dict(phase=phase, **result)
         elif phase == "ttfi":
             from flux2klein_cli.core.bench import bench_ttfi
             from flux2klein_cli.core.snapshot import resolve_model
@@ -85,6 +95,8 @@ def bench(
         _compile_table(result)
     elif phase == "ttfi":
         _ttfi_table(result)
+    elif phase == "load":
+        _load_table(result)
     else:
         _pipeline_table(result)
 
@@ -142,4 +154,17 @@ def _ttfi_table(result: dict[str, Any]) -> None:
             r = f"{result[ratio]:.2f}x" if ratio and ratio in result else ""
             table.add_row(key.removesuffix("_s").replace("_", " "), f"{result[key]['min']:.2f}",
                           f"{result[key]['median']:.2f}", r)
+    stdout.print(table)
+
+
+def _load_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"load {result['model']} ({result['dtype']}, median of {result['reps']})")
+    for column in ("component", "path", "median s", "peak / bytes"):
+        table.add_column(column, justify="left" if column in ("component", "path") else "right")
+    for name, component in result["components"].items():
+        for kind in ("safetensors", "orbax", "cat", "fill", "diffusers"):
+            if kind in component:
+                peak = component[kind].get("peak_ratio")
+                table.add_row(name, kind, f"{component[kind]['seconds']['median']:.3f}",
+                              "" if peak is None else f"{peak:.2f}x")
     stdout.print(table)
