@@ -217,3 +217,17 @@ def test_sharded_convert_and_restore_on_four_devices(source: Path, tmp_path: Pat
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok")
+
+
+def test_a_converted_directory_gives_the_same_image_as_its_source(source: Path, converted: Path) -> None:
+    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+    def image(model_dir: Path) -> np.ndarray:
+        # base model (distilled = False) with guidance: the CFG branch runs too.
+        request = Request(prompts=["a red fox in snow"], negative_prompt="blur", steps=2, guidance=3.0, height=32,
+                          width=48, seed=4)
+        return KleinPipeline.load(model_dir, dtype=jnp.bfloat16)(request).images
+
+    from_source, from_converted = image(source), image(converted)
+    assert from_source.shape == (1, 32, 48, 3) and from_source.std() > 0.01
+    np.testing.assert_array_equal(from_converted, from_source)
