@@ -130,7 +130,7 @@ def test_real_geometry_matches_reference_modules(name: str, config: dict, params
 
 @pytest.mark.parametrize("length, block", [(530, 512), (96, 32), (40, 512)], ids=["padded", "exact", "one-block"])
 def test_blocked_cpu_attention_equals_full_attention(length: int, block: int) -> None:
-    from flux2klein_cli.core.models.transformer import _blocked_attention
+    from flux2klein_cli.core.models.layers import _blocked_attention
 
     q, k, v = (jax.random.normal(jax.random.key(i), (2, length, 3, 16)) for i in range(3))
     full = jax.nn.dot_product_attention(q, k, v)

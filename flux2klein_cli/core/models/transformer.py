@@ -19,7 +19,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from flux2klein_cli.core.models.layers import RMSNorm, layer_norm, linear, run_blocks, stack_blocks
+from flux2klein_cli.core.models.layers import (
+    RMSNorm,
+    dot_product_attention,
+    layer_norm,
+    linear,
+    run_blocks,
+    stack_blocks,
+)
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
 
@@ -95,40 +102,9 @@ def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
 
-CPU_QUERY_BLOCK = 512
-
-
-def _blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = CPU_QUERY_BLOCK) -> jax.Array:
-    """Attention one block of queries at a time, (B, S, H, Dh) -> (B, S, H, Dh).
-
-    XLA's CPU attention materialises all S x S scores and is about 3x slower than torch's fused
-    kernel at 1.5k tokens; a block of scores that stays in cache brings it to torch's speed.
-    Scores and the softmax sum are float32; the output is normalised after P @ V."""
-    b, s, h, d = q.shape
-    block = min(block, s)
-    padded = -(-s // block) * block
-    qt = jnp.pad(q * jnp.asarray(d**-0.5, q.dtype), ((0, 0), (0, padded - s), (0, 0), (0, 0)))
-    qt = qt.transpose(0, 2, 1, 3).reshape(b, h, padded // block, block, d).transpose(2, 0, 1, 3, 4)
-    kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
-
-    def one(q_block: jax.Array) -> jax.Array:
-        scores = jnp.matmul(q_block, kt, preferred_element_type=jnp.float32)
-        weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-        out = jnp.matmul(weights.astype(v.dtype), vt, preferred_element_type=jnp.float32)
-        return (out / jnp.sum(weights, axis=-1, keepdims=True)).astype(v.dtype)
-
-    out = jax.lax.map(one, qt)  # (blocks, B, H, block, Dh)
-    return out.transpose(1, 0, 3, 2, 4).reshape(b, padded, h, d)[:, :s]
-
-
 def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Unmasked attention, (B, S, H, Dh) -> (B, S, H*Dh); padded text is attended to, as in the reference.
-
-    Accelerators get XLA's fused attention; the host CPU the query-blocked form."""
-    if jax.default_backend() == "cpu":
-        out = _blocked_attention(q, k, v)
-    else:
-        out = jax.nn.dot_product_attention(q, k, v)
+    """Unmasked attention, (B, S, H, Dh) -> (B, S, H*Dh); padded text is attended to, as in the reference."""
+    out = dot_product_attention(q, k, v)
     return out.reshape(*out.shape[:2], -1)
 
 

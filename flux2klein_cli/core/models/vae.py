@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, linear
+from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, dot_product_attention, linear
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, Layout, TensorSource, load_module, single
 
@@ -189,8 +189,8 @@ class SpatialAttention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, h, w, c = x.shape
         seq = self.group_norm(x).reshape(b, h * w, 1, c)  # (B, T, heads=1, C)
-        # Logits and softmax run in float32 inside dot_product_attention, whatever the dtype.
-        out = jax.nn.dot_product_attention(self.to_q(seq), self.to_k(seq), self.to_v(seq))
+        # Logits and softmax run in float32 whatever the dtype.
+        out = dot_product_attention(self.to_q(seq), self.to_k(seq), self.to_v(seq))
         return x + self.to_out[0](out.reshape(b, h, w, c))
 
 
