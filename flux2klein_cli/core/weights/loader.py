@@ -80,6 +80,20 @@ def _replicate(path: Path_, shape: tuple[int, ...]) -> PartitionSpec:
     return PartitionSpec()
 
 
+def raise_on_mismatch(
+    where: Path | str, *, missing: Iterable[str] = (), unexpected: Iterable[str] = (), wrong: Iterable[str] = ()
+) -> None:
+    """One CheckpointError naming (the first 10 of) each kind of mismatch, if there is any."""
+    problems = [f"{label}: {_first(set(names))}" for label, names in
+                (("missing keys", list(missing)), ("unexpected keys", list(unexpected))) if names]
+    wrong = list(wrong)
+    if wrong:
+        more = f" (and {len(wrong) - 10} more)" if len(wrong) > 10 else ""
+        problems.append("wrongly shaped keys: " + "; ".join(wrong[:10]) + more)
+    if problems:
+        raise CheckpointError(f"{where}: checkpoint does not match the model config; " + "; ".join(problems))
+
+
 def check_plan(
     checkpoint: SafetensorsCheckpoint, plan: KeyPlan, abstract: Mapping[Path_, jax.ShapeDtypeStruct]
 ) -> None:
@@ -93,13 +107,7 @@ def check_plan(
     missing = wanted - have
     unexpected = {k for k in have - wanted if not plan.ignore(k)}
     where = checkpoint.directory
-    problems = []
-    if missing:
-        problems.append(f"missing keys: {_first(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys: {_first(unexpected)}")
-    if problems:
-        raise CheckpointError(f"{where}: checkpoint does not match the model config; " + "; ".join(problems))
+    raise_on_mismatch(where, missing=missing, unexpected=unexpected)
 
     wrong = []
     for path, source in plan.sources.items():
@@ -112,9 +120,7 @@ def check_plan(
             if got != per_key:
                 stored = checkpoint.tensors[key].shape
                 wrong.append(f"{key} in {checkpoint.describe(key)} is {stored}, model expects {per_key}")
-    if wrong:
-        more = f" (and {len(wrong) - 10} more)" if len(wrong) > 10 else ""
-        raise CheckpointError(f"{where}: wrongly shaped keys: " + "; ".join(wrong[:10]) + more)
+    raise_on_mismatch(where, wrong=wrong)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:

@@ -32,7 +32,7 @@ from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.mesh import default_mesh
 from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights.configs import read_config, read_json
-from flux2klein_cli.core.weights.loader import KeyPlan, ShardingRule, _replicate, aligned_empty
+from flux2klein_cli.core.weights.loader import KeyPlan, ShardingRule, _replicate, aligned_empty, raise_on_mismatch
 
 FORMAT = "flux2klein-orbax"
 FORMAT_VERSION = 1
@@ -259,17 +259,11 @@ def _stored_arrays(checkpoint: Path) -> dict[str, Any]:
 
 
 def _check_keys(where: Path, stored: Any, targets: dict[str, jax.ShapeDtypeStruct]) -> None:
-    """The same strictness as the safetensors loader: missing, unexpected and reshaped parameters."""
-    missing = sorted(set(targets) - set(stored))
-    unexpected = sorted(set(stored) - set(targets))
-    wrong = [f"{k} is {tuple(stored[k].shape)}, model expects {tuple(targets[k].shape)}"
-             for k in sorted(set(stored) & set(targets)) if tuple(stored[k].shape) != tuple(targets[k].shape)]
-    problems = []
-    if missing:
-        problems.append(f"missing parameters: {', '.join(missing[:10])}")
-    if unexpected:
-        problems.append(f"unexpected parameters: {', '.join(unexpected[:10])}")
-    if wrong:
-        problems.append(f"wrongly shaped: {'; '.join(wrong[:10])}")
-    if problems:
-        raise CheckpointError(f"{where}: checkpoint does not match the model config; " + "; ".join(problems))
+    """The same strictness and message as the safetensors loader: missing, unexpected, reshaped."""
+    raise_on_mismatch(
+        where,
+        missing=set(targets) - set(stored),
+        unexpected=set(stored) - set(targets),
+        wrong=[f"{k} is {tuple(stored[k].shape)}, model expects {tuple(targets[k].shape)}"
+               for k in sorted(set(stored) & set(targets)) if tuple(stored[k].shape) != tuple(targets[k].shape)],
+    )
