@@ -76,25 +76,29 @@ def stack_blocks(make: Callable[[nnx.Rngs], B], count: int, rngs: nnx.Rngs) -> B
 def run_blocks(
     blocks: B,
     carry: Carry,
-    step: Callable[[B, Carry], tuple[Carry, Any]],
+    step: Callable[..., tuple[Carry, Any]],
     *,
+    xs: Any = None,
     scan: bool = True,
 ) -> tuple[Carry, Any]:
     """Apply stacked blocks in order. With `scan` the body is traced and compiled once,
     so compile time does not grow with depth; without it the loop is unrolled (kept to
-    measure the difference). `step` returns (new carry, per-layer output); the outputs
-    come back stacked on a leading layer axis."""
+    measure the difference). `step(block, carry)` (or `step(block, carry, x)` with
+    per-layer inputs `xs`, stacked on a leading layer axis) returns (new carry, per-layer
+    output); the outputs come back stacked on a leading layer axis."""
     graphdef, state = nnx.split(blocks)
 
-    def body(c: Carry, layer_state: nnx.State) -> tuple[Carry, Any]:
-        return step(nnx.merge(graphdef, layer_state), c)
+    def body(c: Carry, layer: tuple[nnx.State, Any]) -> tuple[Carry, Any]:
+        layer_state, x = layer
+        block = nnx.merge(graphdef, layer_state)
+        return step(block, c) if xs is None else step(block, c, x)
 
     if scan:
-        return jax.lax.scan(body, carry, state)
+        return jax.lax.scan(body, carry, (state, xs))
     count = jax.tree.leaves(state)[0].shape[0]
     outputs = []
     for i in range(count):
-        carry, out = body(carry, jax.tree.map(lambda a, i=i: a[i], state))
+        carry, out = body(carry, jax.tree.map(lambda a, i=i: a[i], (state, xs)))
         outputs.append(out)
     return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
 

@@ -97,7 +97,7 @@ def rope_tables(ids: np.ndarray, axes_dims: tuple[int, ...], theta: float) -> tu
 def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
     """Rotate interleaved (even, odd) pairs of x (B, S, H, Dh) in float32."""
     cos, sin = (t[None, :, None, :] for t in rope)
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
     return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
 
@@ -105,7 +105,75 @@ def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
 def attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Unmasked attention, (B, S, H, Dh) -> (B, S, H*Dh); padded text is attended to, as in the reference."""
     out = dot_product_attention(q, k, v)
-    return out.reshape(*out.shape[:2], -1)
+    return out.reshape(*out.shape[:2], out.shape[2] * out.shape[3])
+
+
+KV = tuple[jax.Array, jax.Array]  # one block's reference keys and values, (B or 1, R, H, Dh)
+
+
+@dataclass(frozen=True)
+class RefMode:
+    """How reference tokens take part in a block's attention (the KV cache semantics).
+
+    - plain (n_ref 0, cached None): full attention over the sequence as given;
+    - extract (n_ref > 0): the sequence is [txt, ref, img]; text and image queries attend
+      to every key, reference queries only to reference keys; the block hands back the
+      reference K / V (after q/k-norm and RoPE);
+    - cached: the sequence is [txt, img]; keys and values become [txt, cached ref, img].
+    """
+
+    n_txt: int = 0
+    n_ref: int = 0
+    cached: KV | None = None
+
+
+@dataclass(frozen=True)
+class ReferenceKV:
+    """The reference KV cache: every block's reference keys and values after q/k-norm and
+    RoPE, stacked on a leading block axis, (L, B, R, H, Dh). A pytree, so it passes through
+    jit and scan; B is 1 when one cache serves a whole batch."""
+
+    double_k: jax.Array
+    double_v: jax.Array
+    single_k: jax.Array
+    single_v: jax.Array
+
+    @property
+    def tokens(self) -> int:
+        return int(self.double_k.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in jax.tree.leaves(self))
+
+
+jax.tree_util.register_dataclass(
+    ReferenceKV, data_fields=["double_k", "double_v", "single_k", "single_v"], meta_fields=[]
+)
+
+
+def _with_batch(x: jax.Array, batch: int) -> jax.Array:
+    # One cache serves every image of a batch (and both CFG branches).
+    return jnp.broadcast_to(x, (batch, *x.shape[1:]))
+
+
+def joint_attention(q: jax.Array, k: jax.Array, v: jax.Array, mode: RefMode) -> tuple[jax.Array, KV | None]:
+    """Attention under `mode`; returns (B, S, H*Dh) and, when extracting, the reference K / V."""
+    t, r = mode.n_txt, mode.n_ref
+    if mode.cached is not None:
+        k_ref, v_ref = (_with_batch(a, q.shape[0]) for a in mode.cached)
+        k = jnp.concatenate([k[:, :t], k_ref.astype(k.dtype), k[:, t:]], axis=1)
+        v = jnp.concatenate([v[:, :t], v_ref.astype(v.dtype), v[:, t:]], axis=1)
+        return attention(q, k, v), None
+    if r == 0:
+        return attention(q, k, v), None
+    ref_kv = (k[:, t : t + r], v[:, t : t + r])
+    ref_out = attention(q[:, t : t + r], *ref_kv)
+    q_rest = jnp.concatenate([q[:, :t], q[:, t + r :]], axis=1)
+    if q_rest.shape[1] == 0:  # the references-only pass: no text or image queries
+        return ref_out, ref_kv
+    rest = attention(q_rest, k, v)
+    return jnp.concatenate([rest[:, :t], ref_out, rest[:, t:]], axis=1), ref_kv
 
 
 def timestep_embedding(t: jax.Array, channels: int) -> jax.Array:
@@ -160,17 +228,19 @@ class JointAttention(nnx.Module):
         self.to_add_out = linear(d, d, dtype=dtype, rngs=rngs)
 
     def heads_of(self, x: jax.Array) -> jax.Array:
-        return x.reshape(*x.shape[:2], self.heads, -1)
+        return x.reshape(*x.shape[:2], self.heads, x.shape[-1] // self.heads)
 
-    def __call__(self, img: jax.Array, txt: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array]:
+    def __call__(
+        self, img: jax.Array, txt: jax.Array, rope: Rope, mode: RefMode
+    ) -> tuple[jax.Array, jax.Array, KV | None]:
         q = jnp.concatenate([self.norm_added_q(self.heads_of(self.add_q_proj(txt))),
                              self.norm_q(self.heads_of(self.to_q(img)))], axis=1)
         k = jnp.concatenate([self.norm_added_k(self.heads_of(self.add_k_proj(txt))),
                              self.norm_k(self.heads_of(self.to_k(img)))], axis=1)
         v = jnp.concatenate([self.heads_of(self.add_v_proj(txt)), self.heads_of(self.to_v(img))], axis=1)
-        out = attention(apply_rope(q, rope), apply_rope(k, rope), v)
+        out, ref_kv = joint_attention(apply_rope(q, rope), apply_rope(k, rope), v, mode)
         n_txt = txt.shape[1]
-        return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
+        return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt]), ref_kv
 
 
 class DoubleBlock(nnx.Module):
@@ -183,18 +253,20 @@ class DoubleBlock(nnx.Module):
         self.ff_context = FeedForward(cfg.dim, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
 
     def __call__(
-        self, img: jax.Array, txt: jax.Array, mod_img: list[jax.Array], mod_txt: list[jax.Array], rope: Rope
-    ) -> tuple[jax.Array, jax.Array]:
+        self, img: jax.Array, txt: jax.Array, mod_img: list[jax.Array], mod_txt: list[jax.Array], rope: Rope,
+        mode: RefMode,
+    ) -> tuple[jax.Array, jax.Array, KV | None]:
+        """`img` is the image stream: [ref, img] tokens when extracting (with per-token `mod_img`)."""
         shift, scale, gate, shift2, scale2, gate2 = mod_img
         c_shift, c_scale, c_gate, c_shift2, c_scale2, c_gate2 = mod_txt
-        img_attn, txt_attn = self.attn(
-            modulate(img, shift, scale, self.eps), modulate(txt, c_shift, c_scale, self.eps), rope
+        img_attn, txt_attn, ref_kv = self.attn(
+            modulate(img, shift, scale, self.eps), modulate(txt, c_shift, c_scale, self.eps), rope, mode
         )
         img = img + gate * img_attn
         img = img + gate2 * self.ff(modulate(img, shift2, scale2, self.eps))
         txt = txt + c_gate * txt_attn
         txt = txt + c_gate2 * self.ff_context(modulate(txt, c_shift2, c_scale2, self.eps))
-        return img, txt
+        return img, txt, ref_kv
 
 
 class ParallelAttention(nnx.Module):
@@ -207,11 +279,12 @@ class ParallelAttention(nnx.Module):
         self.norm_q, self.norm_k = RMSNorm(hd, cfg.eps, dtype=dtype), RMSNorm(hd, cfg.eps, dtype=dtype)
         self.to_out = linear(d + cfg.mlp_hidden, d, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, rope: Rope) -> jax.Array:
+    def __call__(self, x: jax.Array, rope: Rope, mode: RefMode) -> tuple[jax.Array, KV | None]:
         proj = self.to_qkv_mlp_proj(x)
-        q, k, v = (p.reshape(*x.shape[:2], self.heads, -1) for p in jnp.split(proj[..., : 3 * self.dim], 3, -1))
-        out = attention(apply_rope(self.norm_q(q), rope), apply_rope(self.norm_k(k), rope), v)
-        return self.to_out(jnp.concatenate([out, swiglu(proj[..., 3 * self.dim :])], axis=-1))
+        head_shape = (*x.shape[:2], self.heads, self.dim // self.heads)
+        q, k, v = (p.reshape(head_shape) for p in jnp.split(proj[..., : 3 * self.dim], 3, -1))
+        out, ref_kv = joint_attention(apply_rope(self.norm_q(q), rope), apply_rope(self.norm_k(k), rope), v, mode)
+        return self.to_out(jnp.concatenate([out, swiglu(proj[..., 3 * self.dim :])], axis=-1)), ref_kv
 
 
 class SingleBlock(nnx.Module):
@@ -219,9 +292,10 @@ class SingleBlock(nnx.Module):
         self.eps = cfg.eps
         self.attn = ParallelAttention(cfg, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, mod: list[jax.Array], rope: Rope) -> jax.Array:
+    def __call__(self, x: jax.Array, mod: list[jax.Array], rope: Rope, mode: RefMode) -> tuple[jax.Array, KV | None]:
         shift, scale, gate = mod
-        return x + gate * self.attn(modulate(x, shift, scale, self.eps), rope)
+        out, ref_kv = self.attn(modulate(x, shift, scale, self.eps), rope, mode)
+        return x + gate * out, ref_kv
 
 
 class Flux2Transformer(nnx.Module):
@@ -254,13 +328,47 @@ class Flux2Transformer(nnx.Module):
         cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.cfg.axes_dims_rope, self.cfg.rope_theta)
         return jnp.asarray(cos), jnp.asarray(sin)
 
-    def __call__(self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope) -> jax.Array:
-        """Velocity for the image tokens: img (B, N, in), txt (B, T, joint), sigma (B,) in [0, 1]."""
-        dt, eps = self.dtype, self.cfg.eps
+    def __call__(
+        self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, reference_kv: ReferenceKV | None = None
+    ) -> jax.Array:
+        """Velocity for the image tokens: img (B, N, in), txt (B, T, joint), sigma (B,) in [0, 1],
+        rope over [txt, img]. With `reference_kv` (cached mode) every block's keys and values
+        also hold the cached reference tokens; `img` is then the output image tokens only."""
+        return self._forward(img, txt, sigma, rope, cache=reference_kv)[0]
+
+    def extract(
+        self, refs: jax.Array, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope
+    ) -> tuple[jax.Array, ReferenceKV]:
+        """The reference pipeline's extract step: tokens [refs, img], rope over [txt, refs, img];
+        returns the velocity of the image tokens and every block's reference K / V."""
+        velocity, kv = self._forward(img, txt, sigma, rope, refs=refs)
+        assert kv is not None
+        return velocity, kv
+
+    def reference_kv(self, refs: jax.Array, rope: Rope) -> ReferenceKV:
+        """The references-only pass: refs (B, R, in), rope over the reference ids.
+
+        Reference queries attend only to reference keys and are modulated with the fixed
+        timestep 0, so their K / V do not depend on the prompt, the noise, the step or the
+        output size: this is the extract step without text or image tokens."""
+        batch = refs.shape[0]
+        img = jnp.zeros((batch, 0, self.cfg.in_channels), refs.dtype)
+        txt = jnp.zeros((batch, 0, self.cfg.joint_attention_dim), self.dtype)
+        return self.extract(refs, img, txt, jnp.zeros((batch,), jnp.float32), rope)[1]
+
+    def _embed_time(self, sigma: jax.Array) -> jax.Array:
+        dt = self.dtype
         # The reference casts sigma to the model dtype before scaling it to the 0..1000 range.
         t = sigma.astype(dt).astype(jnp.float32) * 1000
-        temb = self.timestep_embedder(timestep_embedding(t, self.cfg.timestep_channels).astype(dt))
-        silu_temb = jax.nn.silu(temb)
+        return jax.nn.silu(self.timestep_embedder(timestep_embedding(t, self.cfg.timestep_channels).astype(dt)))
+
+    def _forward(
+        self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, *,
+        refs: jax.Array | None = None, cache: ReferenceKV | None = None,
+    ) -> tuple[jax.Array, ReferenceKV | None]:
+        dt, eps = self.dtype, self.cfg.eps
+        n_txt, n_img, n_ref = txt.shape[1], img.shape[1], 0 if refs is None else refs.shape[1]
+        silu_temb = self._embed_time(sigma)
 
         def chunks(mod: jax.Array, n: int) -> list[jax.Array]:
             return jnp.split(mod[:, None, :], n, axis=-1)
@@ -268,26 +376,48 @@ class Flux2Transformer(nnx.Module):
         mod_img = chunks(self.double_stream_modulation_img(silu_temb), 6)
         mod_txt = chunks(self.double_stream_modulation_txt(silu_temb), 6)
         mod_single = chunks(self.single_stream_modulation(silu_temb), 3)
+        if refs is not None:  # extract: reference tokens are modulated with timestep 0
+            ref_temb = self._embed_time(jnp.zeros_like(sigma))
+            ref_img = chunks(self.double_stream_modulation_img(ref_temb), 6)
+            ref_single = chunks(self.single_stream_modulation(ref_temb), 3)
+            mod_img = [_per_token([(r, n_ref), (m, n_img)]) for r, m in zip(ref_img, mod_img, strict=True)]
+            mod_single = [_per_token([(m, n_txt), (r, n_ref), (m, n_img)])
+                          for r, m in zip(ref_single, mod_single, strict=True)]
+            img = jnp.concatenate([refs.astype(img.dtype), img], axis=1)
 
         img = self.x_embedder(img.astype(dt))
         txt = self.context_embedder(txt.astype(dt))
-        n_txt = txt.shape[1]
 
-        def double_step(block: DoubleBlock, carry: tuple[jax.Array, jax.Array]) -> tuple[Any, None]:
-            return block(*carry, mod_img, mod_txt, rope), None
+        def double_step(block: DoubleBlock, carry: tuple[jax.Array, jax.Array], kv: KV | None = None) -> Any:
+            img, txt, ref_kv = block(*carry, mod_img, mod_txt, rope, RefMode(n_txt, n_ref, kv))
+            return (img, txt), ref_kv
 
-        (img, txt), _ = run_blocks(self.transformer_blocks, (img, txt), double_step, scan=self.scan_layers)
+        double_xs = None if cache is None else (cache.double_k, cache.double_v)
+        (img, txt), double_kv = run_blocks(
+            self.transformer_blocks, (img, txt), double_step, xs=double_xs, scan=self.scan_layers
+        )
 
-        def single_step(block: SingleBlock, x: jax.Array) -> tuple[jax.Array, None]:
-            return block(x, mod_single, rope), None
+        def single_step(block: SingleBlock, x: jax.Array, kv: KV | None = None) -> Any:
+            return block(x, mod_single, rope, RefMode(n_txt, n_ref, kv))
 
-        x, _ = run_blocks(
-            self.single_transformer_blocks, jnp.concatenate([txt, img], axis=1), single_step,
+        single_xs = None if cache is None else (cache.single_k, cache.single_v)
+        x, single_kv = run_blocks(
+            self.single_transformer_blocks, jnp.concatenate([txt, img], axis=1), single_step, xs=single_xs,
             scan=self.scan_layers,
         )
         scale, shift = chunks(self.norm_out(silu_temb), 2)
-        out = layer_norm(x[:, n_txt:], eps) * (1 + scale) + shift
-        return self.proj_out(out)
+        out = layer_norm(x[:, n_txt + n_ref :], eps) * (1 + scale) + shift
+        kv = None if refs is None else ReferenceKV(*double_kv, *single_kv)
+        return self.proj_out(out), kv
+
+
+def _per_token(segments: list[tuple[jax.Array, int]]) -> jax.Array:
+    """One modulation parameter per token from (B, 1, D) parameters and the lengths of the
+    segments they apply to; a single segment stays broadcast (no per-token copy)."""
+    live = [(m, n) for m, n in segments if n]
+    if len(live) == 1:
+        return live[0][0]
+    return jnp.concatenate([jnp.broadcast_to(m, (m.shape[0], n, m.shape[-1])) for m, n in live], axis=1)
 
 
 def _checkpoint_name(name: str) -> str:
