@@ -65,18 +65,19 @@ def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_
     kwargs: dict[str, Any] = {}
     if pil_references:
         kwargs["image"] = pil_references
-    if not reference.config.is_distilled and request.guidance > 1.0:
+    if not reference.config.get("is_distilled", True) and request.guidance > 1.0:
         # diffusers has no negative-prompt argument; its embeddings are the documented way in.
         negative, _ = reference.encode_prompt(
             prompt=[request.negative_prompt] * len(request.prompts), max_sequence_length=request.max_sequence_length
         )
         kwargs["negative_prompt_embeds"] = negative
+    if type(reference).__name__ != "Flux2KleinKVPipeline":  # distilled only: it takes no guidance argument
+        kwargs["guidance_scale"] = request.guidance
     out = reference(
         prompt=request.prompts,
         height=request.height,
         width=request.width,
         num_inference_steps=request.steps,
-        guidance_scale=request.guidance,
         num_images_per_prompt=request.num_images,
         latents=torch.from_numpy(noise_nchw).to(reference.transformer.dtype),
         max_sequence_length=request.max_sequence_length,
@@ -95,7 +96,9 @@ class ParityRun:
 
 
 def run_parity(pipeline: KleinPipeline, request: Request, pil_references: list[Any], torch_dtype: str) -> ParityRun:
-    """Both pipelines on the same initial noise (drawn from the request's seed unless given)."""
+    """Both pipelines on the same initial noise (drawn from the request's seed unless given).
+    A KV checkpoint's reference pipeline always uses the reference KV cache, so ours does too."""
+    request.kv = pipeline.snapshot.kv and bool(request.references)
     height, width = pipeline.output_size(request)
     noise, _ = pipeline.initial_noise(request, (height // 16, width // 16))
     request.latents, request.height, request.width = noise, height, width

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flux2klein_cli.core.models.transformer import Flux2Transformer
+from flux2klein_cli.core.models.transformer import Flux2Transformer, ReferenceKV
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,9 @@ class DenoiseInputs:
     latents: jax.Array  # (B, N, C) float32 initial noise
     text: jax.Array  # (B, T, joint) prompt features
     negative_text: jax.Array | None  # (B, T, joint) for classifier-free guidance, else None
-    references: jax.Array | None  # (B, R, C) packed reference latents, else None
-    rope_cos: jax.Array  # (T + N + R, head_dim)
+    references: jax.Array | None  # (B, R, C) packed reference latents (plain edit), else None
+    reference_kv: ReferenceKV | None  # the references' cached K / V (KV edit), else None
+    rope_cos: jax.Array  # (T + N + R, head_dim); R = 0 with reference_kv
     rope_sin: jax.Array
     timesteps: jax.Array  # (S,) float32, sigma as the transformer sees it
     sigmas: jax.Array  # (S + 1,) float32
@@ -42,7 +43,7 @@ def denoise(model: Flux2Transformer, x: DenoiseInputs) -> jax.Array:
         tokens = latents if x.references is None else jnp.concatenate([latents, x.references], axis=1)
         if cfg:
             tokens = jnp.concatenate([tokens, tokens])
-        velocity = model(tokens, text, jnp.full((tokens.shape[0],), t), rope)[:, :n_img]
+        velocity = model(tokens, text, jnp.full((tokens.shape[0],), t), rope, x.reference_kv)[:, :n_img]
         if cfg:
             positive, negative = jnp.split(velocity, 2)
             velocity = negative + x.guidance.astype(velocity.dtype) * (positive - negative)
@@ -62,9 +63,19 @@ def denoise_fn(graphdef: nnx.GraphDef) -> jax.stages.Wrapped:
     return jax.jit(run)
 
 
+def reference_kv_fn(graphdef: nnx.GraphDef) -> jax.stages.Wrapped:
+    """The references-only pass as a jitted function of (transformer state, refs (1, R, C),
+    rope cos, rope sin over the reference ids) -> ReferenceKV."""
+
+    def run(state: nnx.State, refs: jax.Array, rope_cos: jax.Array, rope_sin: jax.Array) -> ReferenceKV:
+        return nnx.merge(graphdef, state).reference_kv(refs, (rope_cos, rope_sin))
+
+    return jax.jit(run)
+
+
 jax.tree_util.register_dataclass(
     DenoiseInputs,
-    data_fields=["latents", "text", "negative_text", "references", "rope_cos", "rope_sin", "timesteps", "sigmas",
-                 "guidance"],
+    data_fields=["latents", "text", "negative_text", "references", "reference_kv", "rope_cos", "rope_sin",
+                 "timesteps", "sigmas", "guidance"],
     meta_fields=[],
 )

@@ -1,8 +1,10 @@
 """Text-to-image and multi-reference editing: one pipeline, one code path.
 
 prompt -> Qwen3 features; references -> VAE latents at their own sizes; noise -> denoise
-loop (one compiled scan) -> VAE decode. An edit is text-to-image with reference tokens
-appended to the image tokens.
+loop (one compiled scan) -> VAE decode. A plain edit is text-to-image with reference tokens
+appended to the image tokens. A KV edit (KV-trained checkpoints) runs the references once
+through a references-only pass and every denoising step in cached mode; the cache is kept
+per reference set, in memory and optionally on disk, and reused by later requests.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core.checkpoint import LoadedModels, Snapshot, load_models
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import tokens
-from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn
+from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, reference_kv_fn
+from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 from flux2klein_cli.core.registry import DEFAULT_SIZE
@@ -47,6 +51,7 @@ class Request:
     latents: np.ndarray | None = None  # (B, 128, H/16, W/16) initial noise, diffusers' convention
     references: list[np.ndarray] = field(default_factory=list)  # preprocessed (H, W, 3) in [-1, 1]
     max_sequence_length: int = 512
+    kv: bool = False  # reference KV cache (KV-trained checkpoints only)
 
     @property
     def batch(self) -> int:
@@ -61,6 +66,7 @@ class Result:
     width: int
     guidance_used: bool
     seconds: dict[str, float]
+    kv_cache: str | None = None  # with a KV edit: where the cache came from (computed, memory, disk)
 
 
 def _timed(seconds: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
@@ -92,6 +98,9 @@ class KleinPipeline:
         self._encode = _jit_module_call(models.vae, "encode")
         self._decode = _jit_module_call(models.vae, "decode")
         self._denoise = denoise_fn(nnx.split(models.transformer)[0])
+        self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
+        self.kv_store: ReferenceKVStore | None = None
+        self._kv_memory: dict[str, ReferenceKV] = {}
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
@@ -123,6 +132,22 @@ class KleinPipeline:
             grids.append((latents.shape[1], latents.shape[2]))
             packed.append(tokens.pack_nhwc(latents))
         return jnp.concatenate(packed, axis=1), grids
+
+    def reference_kv(self, references: list[np.ndarray]) -> tuple[ReferenceKV, str]:
+        """The references' KV cache (batch 1) and where it came from: memory, disk or computed."""
+        digest = references_digest(references)
+        if digest in self._kv_memory:
+            return self._kv_memory[digest], "memory"
+        kv, source = (self.kv_store.load(digest) if self.kv_store else None), "disk"
+        if kv is None:
+            refs, grids = self.encode_references(references)
+            cos, sin = self.models.transformer.rope(np.zeros((0, 4), np.int32), tokens.reference_ids(grids))
+            kv, source = self._reference_kv(self.transformer_state, refs, cos, sin), "computed"
+            if self.kv_store:
+                self.kv_store.save(digest, kv)
+        # One set is kept: a 9B cache is about 2 GiB per 1024x1024 reference.
+        self._kv_memory = {digest: kv}
+        return kv, source
 
     def initial_noise(self, request: Request, grid: tuple[int, int]) -> tuple[np.ndarray, list[int]]:
         """(B, 128, h, w) float32 noise in diffusers' layout (`--latents` if given); image i draws
@@ -161,7 +186,13 @@ class KleinPipeline:
             negative = _timed(seconds, "text", lambda: self.encode_text([request.negative_prompt],
                                                                         request.max_sequence_length))
             negative = jnp.broadcast_to(negative, text.shape)
-        refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references))
+        refs, kv, kv_source, grids = None, None, None, []
+        if request.kv:
+            if not request.references:
+                raise UserInputError("--kv needs at least one reference image (--image)")
+            kv, kv_source = _timed(seconds, "references", lambda: self.reference_kv(request.references))
+        else:
+            refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references))
         if refs is not None:
             refs = jnp.broadcast_to(refs, (request.batch, *refs.shape[1:]))
 
@@ -171,11 +202,11 @@ class KleinPipeline:
         ids = np.concatenate([tokens.image_ids(*grid), tokens.reference_ids(grids)])
         cos, sin = self.models.transformer.rope(tokens.text_ids(text.shape[1]), ids)
         inputs = DenoiseInputs(
-            latents=jnp.asarray(noise), text=text, negative_text=negative, references=refs, rope_cos=cos,
-            rope_sin=sin, timesteps=jnp.asarray(schedule.timesteps), sigmas=jnp.asarray(schedule.sigmas),
-            guidance=jnp.float32(request.guidance),
+            latents=jnp.asarray(noise), text=text, negative_text=negative, references=refs, reference_kv=kv,
+            rope_cos=cos, rope_sin=sin, timesteps=jnp.asarray(schedule.timesteps),
+            sigmas=jnp.asarray(schedule.sigmas), guidance=jnp.float32(request.guidance),
         )
         latents = _timed(seconds, "denoise", lambda: self._denoise(self.transformer_state, inputs))
         images = _timed(seconds, "decode", lambda: self._decode(
             self.vae_state, tokens.unpack_nhwc(latents.astype(self.dtype), *grid)))
-        return Result(np.asarray(images, np.float32), seeds, height, width, cfg, seconds)
+        return Result(np.asarray(images, np.float32), seeds, height, width, cfg, seconds, kv_source)

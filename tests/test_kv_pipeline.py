@@ -1,0 +1,115 @@
+"""KV edits end to end: parity with diffusers' Flux2KleinKVPipeline, and exact reuse of the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flux2klein_cli.core.images import postprocess, preprocess_reference
+from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest, weights_identity
+from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from tests.test_pipeline_parity import check, synthetic_image
+
+REFERENCES = [synthetic_image(96, 64, 1), synthetic_image(70, 140, 2), synthetic_image(200, 64, 3),
+              synthetic_image(64, 64, 4)]
+
+
+@pytest.fixture(scope="module")
+def kv_pipeline(tiny_kv_checkpoint: Path) -> KleinPipeline:
+    return KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("n_refs", [1, 2, 4])
+def test_kv_edit_matches_diffusers_kv_pipeline(kv_pipeline: KleinPipeline, n_refs: int) -> None:
+    request = Request(prompts=["put them together"], steps=3, guidance=1.0, height=64, width=80, seed=n_refs)
+    check(kv_pipeline, request, REFERENCES[:n_refs])
+    assert request.kv  # the parity run used the KV path
+
+
+def edit(pipeline: KleinPipeline, prompts: list[str], references: list[np.ndarray], **kw) -> tuple[np.ndarray, str]:
+    request = Request(prompts=prompts, steps=3, guidance=1.0, height=64, width=64, seed=9, references=references,
+                      kv=True, **kw)
+    result = pipeline(request)
+    return postprocess(result.images), result.kv_cache
+
+
+def test_reuse_in_memory_and_on_disk_gives_the_same_image(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
+    refs = [preprocess_reference(image) for image in REFERENCES[:2]]
+    fresh = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
+    warnings: list[str] = []
+    identity = weights_identity(tiny_kv_checkpoint / "transformer")
+    fresh.kv_store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
+    first, source = edit(fresh, ["a red fox"], refs)
+    assert source == "computed"
+    again, source = edit(fresh, ["a red fox"], refs)
+    assert source == "memory"
+    assert np.abs(first.astype(int) - again.astype(int)).max() <= 1
+
+    other = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)  # a later run
+    other.kv_store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
+    from_disk, source = edit(other, ["a red fox"], refs)
+    assert source == "disk"
+    assert np.abs(first.astype(int) - from_disk.astype(int)).max() <= 1
+    assert not warnings
+
+
+def test_several_prompts_share_one_references_pass(kv_pipeline: KleinPipeline) -> None:
+    """Two prompts x two images use one cache; each image equals the one from its own run."""
+    refs = [preprocess_reference(REFERENCES[0])]
+    kv_pipeline._kv_memory.clear()
+    batch, source = edit(kv_pipeline, ["a red fox", "a blue bird"], refs, num_images=2)
+    assert source == "computed" and batch.shape[0] == 4
+    kv_pipeline._kv_memory.clear()
+    # Image 2 of the batch: prompt 2, seed 9 + 2.
+    request = Request(prompts=["a blue bird"], steps=3, guidance=1.0, height=64, width=64, seed=11, references=refs,
+                      kv=True)
+    alone = postprocess(kv_pipeline(request).images)
+    assert np.abs(batch[2].astype(int) - alone[0].astype(int)).max() <= 1
+
+
+def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
+    refs = [preprocess_reference(REFERENCES[0])]
+    digest = references_digest(refs)
+    identity = weights_identity(tiny_kv_checkpoint / "transformer")
+    pipeline = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
+    warnings: list[str] = []
+    pipeline.kv_store = store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
+    good, _ = edit(pipeline, ["a red fox"], refs)
+    data = tmp_path / f"{store.key(digest)}.bin"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert store.load(digest) is None and "checksum" in warnings[-1]
+
+    pipeline._kv_memory.clear()
+    again, source = edit(pipeline, ["a red fox"], refs)
+    assert source == "computed"
+    assert np.abs(good.astype(int) - again.astype(int)).max() <= 1
+    assert store.load(digest) is not None  # rewritten
+
+    # Another model's store with the same directory never sees this entry.
+    foreign = ReferenceKVStore(tmp_path, "another-model", jnp.float32, warnings.append)
+    assert foreign.load(digest) is None
+    # Nor does the same model in another dtype.
+    assert ReferenceKVStore(tmp_path, identity, jnp.bfloat16, warnings.append).load(digest) is None
+
+
+def test_an_unwritable_store_warns_and_the_edit_runs(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
+    blocked = tmp_path / "file-not-dir"
+    blocked.write_text("x")
+    pipeline = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
+    warnings: list[str] = []
+    pipeline.kv_store = ReferenceKVStore(blocked / "kv", "id", jnp.float32, warnings.append)
+    images, source = edit(pipeline, ["a red fox"], [preprocess_reference(REFERENCES[0])])
+    assert source == "computed" and images.shape == (1, 64, 64, 3)
+    assert len(warnings) == 1 and "cannot store" in warnings[0]
+
+
+def test_weights_identity_tells_checkpoints_of_one_geometry_apart(tiny_checkpoint: Path,
+                                                                   tiny_kv_checkpoint: Path) -> None:
+    a = weights_identity(tiny_checkpoint / "transformer")
+    assert a == weights_identity(tiny_checkpoint / "transformer")
+    assert a != weights_identity(tiny_kv_checkpoint / "transformer")
