@@ -13,7 +13,8 @@ def edit(
     prompt: str = typer.Argument(None, help="The edit to make. Or use --prompt-file."),
     image: list[Path] = typer.Option(..., "--image", "-i", help="Reference image; repeat for several (up to 4)."),
     prompt_file: Path = o.PROMPT_FILE,
-    model: str = o.MODEL,
+    model: str = typer.Option(None, "--model", "-m", help="Alias (4b, 9b, 9b-kv, base-4b, base-9b), repo id or "
+                              "dir [default: 4b; 9b-kv with --kv]"),
     output: Path = o.OUTPUT,
     height: int = o.HEIGHT,
     width: int = o.WIDTH,
@@ -26,6 +27,10 @@ def edit(
     latents: Path = o.LATENTS,
     force: bool = o.FORCE,
     max_sequence_length: int = o.MAX_SEQUENCE,
+    kv: bool = typer.Option(False, "--kv", help="Reference KV cache (KV-trained models: 9b-kv): the references "
+                            "run through the model once, every step reuses their keys and values."),
+    kv_cache_dir: Path = typer.Option(None, "--kv-cache-dir", help="With --kv: keep the references' KV cache "
+                                      "here and reuse it in later runs with the same model and images."),
     as_json: bool = o.JSON,
 ) -> None:
     """Edit or combine reference images following a prompt.
@@ -39,10 +44,13 @@ def edit(
       flux2klein edit "put both cats on the sofa" --image a.png --image b.png -o cats.png
 
       flux2klein edit "make it night" -i day.png --model 9b --seed 3 --json
+
+      flux2klein edit "put both cats on the sofa" -i a.png -i b.png --kv --kv-cache-dir ~/.cache/f2k-kv
     """
     o.run(prompt, prompt_file, dict(
-        model=model, output=output, references=list(image), height=height, width=width, steps=steps,
+        model=model or ("9b-kv" if kv else "4b"), output=output, references=list(image), height=height, width=width,
+        steps=steps,
         guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype,
         latents=latents, force=force,
-        max_sequence_length=max_sequence_length,
+        max_sequence_length=max_sequence_length, kv=kv, kv_cache_dir=kv_cache_dir,
     ), as_json)

@@ -30,6 +30,10 @@ MAX_SEQUENCE = typer.Option(512, "--max-sequence-length", help="Prompt tokens (p
 JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
 
 
+def warn(message: str) -> None:
+    stderr.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
 def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bool) -> None:
     """Build the options, run, and report: paths on stdout, or one JSON object."""
     from flux2klein_cli.core.runtime import configure_jax
@@ -39,10 +43,10 @@ def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bo
     with user_errors():
         opts = GenerateOptions(prompts=read_prompts(prompt, prompt_file), **options)
         if as_json:
-            report = run_generate(opts, resolve_model)
+            report = run_generate(opts, resolve_model, warn=warn)
         else:
             with stderr.status("starting") as status:
-                report = run_generate(opts, resolve_model, on_phase=lambda phase: status.update(phase))
+                report = run_generate(opts, resolve_model, on_phase=lambda phase: status.update(phase), warn=warn)
     if as_json:
         emit_json(report)
         return

@@ -7,6 +7,7 @@ written, not after minutes of loading.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ class GenerateOptions:
     latents: Path | None = None
     force: bool = False
     max_sequence_length: int = 512
+    kv: bool = False  # reference KV cache (edit --kv)
+    kv_cache_dir: Path | None = None  # keep reference KV caches here across runs
 
 
 def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
@@ -69,12 +72,26 @@ def _check_options(opts: GenerateOptions) -> None:
     if opts.max_sequence_length < 1:
         raise UserInputError("--max-sequence-length must be at least 1")
     validate_size(opts.height, opts.width)
+    if opts.kv and not opts.references:
+        raise UserInputError("--kv needs at least one reference image (--image)")
+    if opts.kv_cache_dir is not None and not opts.kv:
+        raise UserInputError("--kv-cache-dir needs --kv")
+
+
+def check_kv_model(snapshot: Snapshot, model: str) -> None:
+    """--kv needs a KV-trained transformer: other checkpoints were never taught cached references."""
+    if not snapshot.kv:
+        raise UserInputError(
+            f"--kv needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model} is {snapshot.pipeline_class}: "
+            "use --model 9b-kv, or drop --kv"
+        )
 
 
 def run_generate(
     opts: GenerateOptions,
     resolve: Callable[[str], Path],
     on_phase: Callable[[str], None] = lambda phase: None,
+    warn: Callable[[str], None] = lambda message: print(f"warning: {message}", file=sys.stderr),
 ) -> dict[str, Any]:
     """Validate, load, run, write. Returns the report that `--json` prints."""
     start = time.perf_counter()
@@ -95,6 +112,8 @@ def run_generate(
     on_phase("loading model")
     model_dir = resolve(opts.model)
     snapshot = Snapshot.open(model_dir)
+    if opts.kv:
+        check_kv_model(snapshot, opts.model)
     steps = opts.steps or (4 if snapshot.is_distilled else 50)
     guidance = opts.guidance if opts.guidance is not None else (1.0 if snapshot.is_distilled else 4.0)
     load_start = time.perf_counter()
@@ -102,12 +121,17 @@ def run_generate(
 
     pipeline = KleinPipeline.load(model_dir, dtype=dtype)
     load_seconds = time.perf_counter() - load_start
+    if opts.kv_cache_dir is not None:
+        from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, weights_identity
+
+        identity = weights_identity(snapshot.component("transformer"))
+        pipeline.kv_store = ReferenceKVStore(opts.kv_cache_dir, identity, dtype, warn)
 
     on_phase(f"generating {batch} image(s), {steps} steps")
     request = Request(
         prompts=opts.prompts, steps=steps, guidance=guidance, height=height, width=width,
         num_images=opts.num_images, negative_prompt=opts.negative_prompt, seed=opts.seed, latents=noise,
-        references=references, max_sequence_length=opts.max_sequence_length,
+        references=references, max_sequence_length=opts.max_sequence_length, kv=opts.kv,
     )
     result = pipeline(request)
     images = postprocess(result.images)
@@ -129,5 +153,6 @@ def run_generate(
         seeds=result.seeds if noise is None else None,
         model=opts.model, model_path=str(model_dir), height=height, width=width, steps=steps, guidance=guidance,
         cfg=result.guidance_used, references=[str(p) for p in opts.references], dtype=opts.dtype,
+        kv=opts.kv, kv_cache=result.kv_cache,
         seconds={k: round(v, 4) for k, v in seconds.items()},
     )
