@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.layers import linear, stack_blocks
-from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
+from flux2klein_cli.core.weights.loader import KeyPlan, aligned_empty, copy_into, load_module, plan_from_names
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 
 
@@ -108,3 +108,18 @@ def test_long_key_lists_are_cut_at_ten(tmp_path: Path) -> None:
     message = str(err.value)
     assert "missing keys: blocks.0.proj.weight, blocks.1.proj.weight" in message
     assert "extra.09" in message and "extra.10" not in message and "(and 5 more)" in message
+
+
+@pytest.mark.parametrize("shape", [(600, 300), (37, 19), (8, 64), (16, 16), (4100, 17), (3, 700)])
+@pytest.mark.parametrize("types", [("bf16", "bf16"), ("f32", "bf16"), ("f32", "f32"), ("bf16", "f32")])
+def test_transposing_copies_are_exact(shape, types) -> None:
+    """The packed transpose (and its fallbacks for odd sizes and slices) equals numpy's, bit for bit."""
+    names = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
+    source, target = names[types[0]], names[types[1]]
+    rng = np.random.default_rng(1)
+    stored = (rng.integers(0, 2**16, size=shape, dtype=np.uint16).view(source) if source.itemsize == 2
+              else rng.standard_normal(shape).astype(np.float32))  # bf16 from random bits: NaNs too
+    for view in (stored.T, stored.T[1:-2, 3:]):
+        out = aligned_empty(view.shape, target)
+        copy_into(out, view)
+        assert np.array_equal(out.view(np.uint8), np.ascontiguousarray(view.astype(target)).view(np.uint8))

@@ -11,6 +11,7 @@ memory-mapped file and the whole model never sits twice in host memory.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,12 +134,17 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-# A transposing copy walks the source in tiles of (rows x columns) of its stored (out, in) order;
-# one tile's rows and columns stay in cache while the destination is written column by column.
+# A transposing copy of a big 2-D tensor packs first, then transposes 16-byte elements:
+# numpy's strided copy costs about the same per element whatever its size, so moving
+# 16 bytes (8 bf16 values) per element instead of 2 is what makes it fast. Other strided
+# copies walk the source in tiles of (rows x columns) of its stored order that stay in cache.
 _TILE_ROWS, _TILE_COLS = 64, 4096
+_PACKED = np.dtype((np.void, 16))
+_BAND, _SPAN = 32, 4096  # packed columns x destination rows per step: the scratch is <= 2 MiB
 _BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _PARALLEL_MIN_ELEMENTS = 1 << 20
 _pool: ThreadPoolExecutor | None = None
+_scratch = threading.local()
 
 
 def _workers() -> ThreadPoolExecutor:
@@ -148,9 +154,53 @@ def _workers() -> ThreadPoolExecutor:
     return _pool
 
 
+def _packable(dest: np.ndarray, src: np.ndarray) -> bool:
+    """dest (C-ordered rows) = src, a transposed view of row-contiguous storage, big enough to pack."""
+    return (src.ndim == 2 and dest.ndim == 2 and dest.itemsize in _BITS and src.strides[0] == src.itemsize
+            and dest.strides[1] == dest.itemsize and dest.shape[1] >= 16 // dest.itemsize and dest.shape[0] >= 16)
+
+
+def _scratch_for(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A per-thread buffer reused across copies (fresh memory is slow to touch on this project's VMs)."""
+    need = int(np.prod(shape)) * dtype.itemsize
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.nbytes < need:
+        buffer = _scratch.buffer = np.empty(need, np.uint8)
+    return buffer[:need].view(dtype).reshape(shape)
+
+
+def _transpose_packed(dest: np.ndarray, src: np.ndarray) -> None:
+    """dest = src for src = stored.T, stored (out, in) with contiguous rows, dest (in, out).
+
+    For each band of k = 16 / itemsize stored rows, the rows are interleaved into a scratch
+    (b, span, k) array (contiguous reads, converting the dtype if asked); a scratch row of k
+    values is then one 16-byte element of the destination's row, and the transposing copy moves
+    those: k times fewer elements than transposing the values one by one (about 2x faster)."""
+    k = 16 // dest.itemsize
+    stored = src.T
+    rows, cols = dest.shape
+    packed_cols = cols // k
+    wide = dest[:, : packed_cols * k].view(_PACKED)  # (rows, packed_cols), one element per k values
+    span = min(_SPAN, rows)
+    scratch = _scratch_for((_BAND, span, k), dest.dtype)
+    for j0 in range(0, packed_cols, _BAND):
+        j1 = min(j0 + _BAND, packed_cols)
+        for i0 in range(0, rows, span):
+            i1 = min(i0 + span, rows)
+            block = scratch[: j1 - j0, : i1 - i0]
+            for t in range(k):
+                np.copyto(block[:, :, t], stored[j0 * k + t : j1 * k : k, i0:i1], casting="unsafe")
+            np.copyto(wide[i0:i1, j0:j1], block.view(_PACKED)[..., 0].T)
+    if cols % k:
+        np.copyto(dest[:, packed_cols * k :], stored[packed_cols * k :].T, casting="unsafe")
+
+
 def _copy_tiles(dest: np.ndarray, src: np.ndarray) -> None:
     if src.ndim != 2 or src.flags.c_contiguous:
         np.copyto(dest, src, casting="unsafe")
+        return
+    if _packable(dest, src):
+        _transpose_packed(dest, src)
         return
     rows, cols = dest.shape  # src (in, out) is a transposed view of the stored (out, in)
     for j in range(0, cols, _TILE_ROWS):
@@ -163,9 +213,10 @@ def copy_into(dest: np.ndarray, src: np.ndarray) -> None:
     """dest[...] = src, converting the dtype if they differ; fast for transposed views.
 
     numpy copies a transposed 2-D view element by element in destination order, striding
-    through the source; tiles keep that in cache (about 3x faster for the checkpoints' big
-    linears). Same-dtype copies move raw bits (uint views), so bf16 needs no ml_dtypes loop.
-    numpy releases the GIL while copying, so bands of a large tensor are copied on all cores."""
+    through the source; packing 16 bytes per element (see `_transpose_packed`) makes that about
+    4x faster than a plain copy and 2x faster than cache tiles. Same-dtype copies move raw bits
+    (uint views), so bf16 needs no ml_dtypes loop. numpy releases the GIL while copying, so
+    bands of a large tensor are copied on all cores."""
     if dest.dtype == src.dtype and dest.dtype.itemsize in _BITS:
         bits = _BITS[dest.dtype.itemsize]
         dest, src = dest.view(bits), src.view(bits)
@@ -185,6 +236,23 @@ def _sliced_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
 
 
+def read_into(
+    out: np.ndarray, checkpoint: SafetensorsCheckpoint, source: TensorSource, index: tuple[slice, ...] = ()
+) -> None:
+    """Write the slice `index` of one parameter, in `out`'s dtype and JAX layout, into `out`: one
+    conversion per value, straight from the mapped file (stacked layers go into their slots, not
+    stacked afterwards); each tensor's pages are unmapped once copied."""
+    if not source.stacked:
+        copy_into(out, _to_jax_layout(checkpoint.view(source.keys[0]), source.layout)[index])
+        checkpoint.release(source.keys[0])
+        return
+    layers = range(len(source.keys))[index[0]] if index else range(len(source.keys))
+    rest = tuple(index[1:]) if index else ()
+    for slot, layer in enumerate(layers):
+        copy_into(out[slot], _to_jax_layout(checkpoint.view(source.keys[layer]), source.layout)[rest])
+        checkpoint.release(source.keys[layer])
+
+
 def _read_slice(
     checkpoint: SafetensorsCheckpoint,
     source: TensorSource,
@@ -192,18 +260,9 @@ def _read_slice(
     dtype: np.dtype,
     shape: tuple[int, ...],
 ) -> np.ndarray:
-    """The host bytes of one device's slice, converted once, straight to the target dtype, into
-    one aligned buffer (stacked layers are written into their slots, not stacked afterwards)."""
+    """The host bytes of one device's slice, in one aligned buffer that the device adopts."""
     out = aligned_empty(_sliced_shape(shape, index), dtype)
-    if not source.stacked:
-        copy_into(out, _to_jax_layout(checkpoint.view(source.keys[0]), source.layout)[index])
-        checkpoint.release(source.keys[0])
-        return out
-    layers = range(len(source.keys))[index[0]] if index else range(len(source.keys))
-    rest = tuple(index[1:]) if index else ()
-    for slot, layer in enumerate(layers):
-        copy_into(out[slot], _to_jax_layout(checkpoint.view(source.keys[layer]), source.layout)[rest])
-        checkpoint.release(source.keys[layer])
+    read_into(out, checkpoint, source, index)
     return out
 
 
