@@ -1,0 +1,556 @@
+"""An on-disk store of serialized XLA executables, keyed by everything that makes one invalid.
+
+A `ProgramSpec` names a jitted function and its abstract arguments (pytrees of
+`jax.ShapeDtypeStruct`, with shardings where the real call has them). Its key is the sha256
+of a canonical JSON of: the name, caller-supplied parts (model configs), the arguments' tree
+structure, shapes, dtypes and shardings, the target (platform, device kind, devices, mesh,
+topology), the jax / jaxlib / libtpu versions, a fingerprint of the model and pipeline
+source, and the flags that change code generation.
+
+Layout: `<root>/<key>/` holds `executable.bin` (jax's serialized executable), `trees.pkl`
+(its argument and output tree structures) and `meta.json` (the key parts, sha256 and size
+of both files, compile seconds, `memory_analysis()`, creation time); `<root>/manifest.json`
+lists every entry. Entries are written in a temporary folder and renamed into place, so a
+reader or a concurrent writer never sees half an entry. A load checks the key parts and the
+checksums before deserializing; any mismatch, truncation or deserialization error is a
+warning and a recompile, never a use of the entry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
+FORMAT = 1  # bump when the entry layout or the key's meaning changes
+EXECUTABLE, TREES, META, MANIFEST = "executable.bin", "trees.pkl", "meta.json", "manifest.json"
+# Source whose edits change what a program computes without changing any config or shape.
+_CODE_DIRS = ("core/models", "core/pipeline")
+_CODE_FILES = ("core/compile/programs.py",)
+_FLAG_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+_FLAG_CONFIG = ("jax_default_matmul_precision", "jax_enable_x64")
+
+
+class StoreWarning(UserWarning):
+    """A stored executable was not used (stale, corrupt or unloadable) and is being recompiled."""
+
+
+def default_root() -> Path:
+    """`$FLUX2KLEIN_COMPILE_CACHE`, else `$XDG_CACHE_HOME/flux2klein/executables`, else under ~/.cache."""
+    value = os.environ.get(STORE_ENV)
+    if value:
+        return Path(value).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "flux2klein" / "executables"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a program runs: the devices of its mesh. `topology` names a libtpu topology
+    description (e.g. "v6e:2x2") whose devices can compile but not run on this host."""
+
+    mesh: Mesh
+    topology: str | None = None
+
+    @classmethod
+    def local(cls) -> Target:
+        from flux2klein_cli.core.mesh import default_mesh
+
+        return cls(default_mesh())
+
+    @property
+    def devices(self) -> list[Any]:
+        return list(self.mesh.devices.flat)
+
+    @property
+    def platform(self) -> str:
+        return self.devices[0].platform
+
+    @property
+    def device_kind(self) -> str:
+        return self.devices[0].device_kind
+
+    @property
+    def compile_only(self) -> bool:
+        return self.topology is not None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "platform": self.platform,
+            "device_kind": self.device_kind,
+            "device_count": len(self.devices),
+            "mesh": _mesh_desc(self.mesh),
+            "topology": self.topology,
+        }
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """One program: a jitted function, its abstract arguments, and what else identifies it.
+
+    `key_parts` holds JSON-able facts the arguments do not show (model configs, dtypes of
+    constants, options); `model` names the component whose parameters the program reads,
+    for memory accounting."""
+
+    name: str
+    fn: Any  # a jax.jit-wrapped function: .lower(*args)
+    args: tuple[Any, ...]
+    key_parts: dict[str, Any] = field(default_factory=dict)
+    target: Target | None = None
+    model: str | None = None
+
+    def lower(self) -> jax.stages.Lowered:
+        return self.fn.lower(*self.args)
+
+    @property
+    def in_tree(self) -> Any:
+        # Compiled.args_info is (args, kwargs); ShapeDtypeStructs are leaves like the real arrays.
+        return jax.tree_util.tree_structure((tuple(self.args), {}))
+
+
+@dataclass
+class LoadInfo:
+    """What happened to one program: `hit` (loaded), `miss` (compiled: none stored) or
+    `recompiled` (an entry existed but was stale or unusable; `warning` says why)."""
+
+    name: str
+    key: str
+    status: str
+    seconds: float  # load seconds for a hit, lower + compile for the others
+    lower_s: float = 0.0
+    compile_s: float = 0.0  # for a hit: the compile seconds recorded when it was stored
+    memory: dict[str, int] = field(default_factory=dict)
+    saved: bool = False
+    warning: str | None = None
+    path: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+# ----------------------------------------------------------------------------- key
+
+
+def library_versions(platform: str) -> dict[str, str | None]:
+    """Versions that change generated code; libtpu only matters for TPU programs."""
+    import jaxlib
+
+    from flux2klein_cli import __version__
+
+    versions: dict[str, str | None] = {"jax": jax.__version__, "jaxlib": jaxlib.version.__version__,
+                                       "flux2klein": __version__}
+    if platform == "tpu":
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            versions["libtpu"] = version("libtpu")
+        except PackageNotFoundError:
+            versions["libtpu"] = None
+    return versions
+
+
+def compile_flags() -> dict[str, Any]:
+    flags: dict[str, Any] = {name: os.environ.get(name) for name in _FLAG_ENV}
+    for name in _FLAG_CONFIG:
+        value = getattr(jax.config, name, None)
+        flags[name] = None if value is None else str(value)
+    return flags
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """sha256 of the model and pipeline source: an edit there invalidates every executable."""
+    package = Path(__file__).resolve().parents[2]
+    files = [p for d in _CODE_DIRS for p in sorted((package / d).glob("*.py"))]
+    files += [package / f for f in _CODE_FILES]
+    digest = hashlib.sha256()
+    for path in files:
+        if path.is_file():
+            digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _mesh_desc(mesh: Mesh) -> dict[str, Any]:
+    return {"axes": {str(k): int(v) for k, v in mesh.shape.items()},
+            "devices": [int(d.id) for d in mesh.devices.flat]}
+
+
+def _sharding_desc(sharding: Any) -> Any:
+    if sharding is None:
+        return None
+    if isinstance(sharding, NamedSharding):
+        return {"mesh": _mesh_desc(sharding.mesh), "spec": str(sharding.spec), "memory_kind": sharding.memory_kind}
+    return repr(sharding)
+
+
+def _leaf_desc(leaf: Any) -> list[Any]:
+    return [list(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)),
+            _sharding_desc(getattr(leaf, "sharding", None))]
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def key_parts(spec: ProgramSpec) -> dict[str, Any]:
+    """Everything that makes an executable invalid, as JSON-able data (arguments hashed: a
+    real model's state has hundreds of leaves)."""
+    target = spec.target or Target.local()
+    leaves = [_leaf_desc(leaf) for leaf in jax.tree.leaves(spec.args)]
+    parts = {
+        "format": FORMAT,
+        "name": spec.name,
+        "extra": spec.key_parts,
+        "args": {"tree_sha256": _sha(str(spec.in_tree)), "leaves_sha256": _sha(_canonical(leaves)),
+                 "leaves": len(leaves)},
+        "target": target.describe(),
+        "versions": library_versions(target.platform),
+        "code_sha256": code_fingerprint(),
+        "flags": compile_flags(),
+    }
+    return json.loads(_canonical(parts))  # the form it has after a round trip through meta.json
+
+
+def key_of(parts: dict[str, Any]) -> str:
+    return _sha(_canonical(parts))
+
+
+def memory_figures(compiled: jax.stages.Compiled) -> dict[str, int]:
+    """`memory_analysis()` per device in bytes, plus `peak`: what the program needs at once
+    (arguments + outputs - aliased + temporaries + generated code)."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # some backends do not implement it
+        return {}
+    if stats is None:
+        return {}
+    names = {"argument": "argument_size_in_bytes", "output": "output_size_in_bytes",
+             "alias": "alias_size_in_bytes", "temp": "temp_size_in_bytes",
+             "generated_code": "generated_code_size_in_bytes"}
+    figures = {k: int(getattr(stats, v, 0) or 0) for k, v in names.items()}
+    figures["peak"] = (figures["argument"] + figures["output"] - figures["alias"] + figures["temp"]
+                       + figures["generated_code"])
+    return figures
+
+
+# ----------------------------------------------------------------------------- store
+
+
+class ExecutableStore:
+    def __init__(self, root: str | Path | None = None, *, on_warning: Callable[[str], None] | None = None):
+        self.root = Path(root).expanduser() if root is not None else default_root()
+        self._on_warning = on_warning
+
+    def warn(self, message: str) -> None:
+        if self._on_warning is not None:
+            self._on_warning(message)
+        else:
+            warnings.warn(message, StoreWarning, stacklevel=3)
+
+    def entry(self, key: str) -> Path:
+        return self.root / key
+
+    # --- loading
+
+    def load(self, spec: ProgramSpec, parts: dict[str, Any] | None = None
+             ) -> tuple[jax.stages.Compiled | None, LoadInfo] | None:
+        """The stored executable of `spec`, or None when there is none or it is unusable (with
+        a warning, `LoadInfo` then carries it). A hit on a compile-only target (a TPU
+        topology on a host without it) is verified but not deserialized: compiled is None."""
+        parts = parts or key_parts(spec)
+        key = key_of(parts)
+        start = time.perf_counter()
+        entry = self.entry(key)
+        if not (entry / META).is_file():
+            return None
+        try:
+            meta, payload, trees = self._read_verified(entry, parts)
+            compiled = None
+            if not (spec.target or Target.local()).compile_only:
+                compiled = self._deserialize(spec, payload, trees)
+        except _Unusable as e:
+            self.warn(f"stored executable {spec.name} ({key[:12]}) is unusable: {e}; recompiling")
+            return None
+        info = LoadInfo(spec.name, key, "hit", time.perf_counter() - start, compile_s=meta.get("compile_s", 0.0),
+                        memory=meta.get("memory", {}), path=str(entry))
+        return compiled, info
+
+    def _read_verified(self, entry: Path, parts: dict[str, Any]) -> tuple[dict[str, Any], bytes, bytes]:
+        try:
+            meta = json.loads((entry / META).read_text())
+            payload = (entry / EXECUTABLE).read_bytes()
+            trees = (entry / TREES).read_bytes()
+        except (OSError, ValueError) as e:
+            raise _Unusable(f"unreadable ({e})") from None
+        if meta.get("key_parts") != parts:
+            raise _Unusable("its recorded key parts differ from this program's")
+        for name, data in ((EXECUTABLE, payload), (TREES, trees)):
+            want = meta.get("files", {}).get(name, {})
+            if want.get("bytes") != len(data):
+                raise _Unusable(f"{name} has {len(data)} bytes, {want.get('bytes')} recorded (truncated?)")
+            if want.get("sha256") != hashlib.sha256(data).hexdigest():
+                raise _Unusable(f"{name} does not match its recorded sha256 (corrupt)")
+        return meta, payload, trees
+
+    def _deserialize(self, spec: ProgramSpec, payload: bytes, trees: bytes) -> jax.stages.Compiled:
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        target = spec.target or Target.local()
+        try:
+            in_tree, out_tree = pickle.loads(trees)
+        except Exception as e:  # any unpickling failure means the entry is unusable
+            raise _Unusable(f"its tree structures do not load ({type(e).__name__})") from None
+        if in_tree != spec.in_tree:
+            raise _Unusable("its argument tree structure differs from this program's")
+        try:
+            return deserialize_and_load(payload, in_tree, out_tree, backend=target.platform,
+                                        execution_devices=target.devices)
+        except Exception as e:  # XLA raises its own error types for a bad executable
+            raise _Unusable(f"deserialization failed ({type(e).__name__}: {_first_line(e)})") from None
+
+    # --- compiling and saving
+
+    def compile(self, spec: ProgramSpec, lowered: jax.stages.Lowered | None = None
+                ) -> tuple[jax.stages.Compiled, float, float]:
+        """(compiled, lower seconds, compile seconds)."""
+        start = time.perf_counter()
+        lowered = lowered if lowered is not None else spec.lower()
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        return compiled, lowered_at - start, time.perf_counter() - lowered_at
+
+    def save(self, spec: ProgramSpec, compiled: jax.stages.Compiled, parts: dict[str, Any], *,
+             compile_s: float, lower_s: float) -> Path | None:
+        """Write an entry atomically; returns its path, or None (with a warning) when the
+        executable cannot be serialized or the store is not writable."""
+        from jax.experimental.serialize_executable import serialize
+
+        key = key_of(parts)
+        try:
+            payload, in_tree, out_tree = serialize(compiled)
+            trees = pickle.dumps((in_tree, out_tree))
+        except Exception as e:  # e.g. a backend without executable serialization
+            self.warn(f"cannot store {spec.name}: serialization failed ({type(e).__name__}: {_first_line(e)})")
+            return None
+        meta = {
+            "key": key, "name": spec.name, "key_parts": parts, "created": time.time(),
+            "compile_s": compile_s, "lower_s": lower_s, "memory": memory_figures(compiled),
+            "files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                      for name, data in ((EXECUTABLE, payload), (TREES, trees))},
+        }
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:12]}-", dir=self.root))
+            try:
+                (tmp / EXECUTABLE).write_bytes(payload)
+                (tmp / TREES).write_bytes(trees)
+                (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+                self._install(tmp, self.entry(key))
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self.write_manifest()
+        except OSError as e:
+            self.warn(f"cannot store {spec.name} under {self.root}: {e.strerror or e}")
+            return None
+        return self.entry(key)
+
+    def _install(self, tmp: Path, final: Path) -> None:
+        """Rename a complete entry into place. An existing entry (a concurrent writer's, or an
+        unusable one being replaced) is moved aside first; losing that race is fine, since
+        whichever complete entry ends up in place is valid."""
+        try:
+            tmp.rename(final)
+            return
+        except OSError:
+            pass
+        trash = final.with_name(f".trash-{final.name[:12]}-{uuid.uuid4().hex[:8]}")
+        with contextlib.suppress(OSError):
+            final.rename(trash)
+        with contextlib.suppress(OSError):
+            tmp.rename(final)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def load_or_compile(self, spec: ProgramSpec, *, save: bool = True
+                        ) -> tuple[jax.stages.Compiled | None, LoadInfo]:
+        """The stored executable, or a fresh compile (stored unless `save` is False)."""
+        parts = key_parts(spec)
+        with _warnings_to(self) as caught:
+            loaded = self.load(spec, parts)
+        if loaded is not None:
+            return loaded
+        compiled, lower_s, compile_s = self.compile(spec)
+        return compiled, self._finish(spec, parts, compiled, lower_s, compile_s, save, caught)
+
+    def _finish(self, spec: ProgramSpec, parts: dict[str, Any], compiled: jax.stages.Compiled, lower_s: float,
+                compile_s: float, save: bool, caught: list[str]) -> LoadInfo:
+        key = key_of(parts)
+        stale = self.stale_reason(spec.name, parts)
+        if stale:
+            caught.append(f"stored executable {spec.name} is stale ({stale}); recompiled")
+            self.warn(caught[-1])
+        path = self.save(spec, compiled, parts, compile_s=compile_s, lower_s=lower_s) if save else None
+        status = "recompiled" if caught else "miss"
+        return LoadInfo(spec.name, key, status, lower_s + compile_s, lower_s, compile_s,
+                        memory_figures(compiled), saved=path is not None, warning="; ".join(caught) or None,
+                        path=str(path) if path else None)
+
+    def stale_reason(self, name: str, parts: dict[str, Any]) -> str | None:
+        """Why an entry for the same program (same name, arguments and target) does not apply:
+        the differing versions, configs, code or flags. None when there is no such entry."""
+        for other in self.manifest().get("executables", []):
+            old = other.get("key_parts", {})
+            if other.get("name") != name or old.get("args") != parts["args"] or old.get("target") != parts["target"]:
+                continue
+            if old == parts:
+                continue
+            return "; ".join(_differences(old, parts))
+        return None
+
+    # --- manifest
+
+    def entries(self) -> Iterator[dict[str, Any]]:
+        if not self.root.is_dir():
+            return
+        for entry in sorted(self.root.iterdir()):
+            if entry.name.startswith(".") or not (entry / META).is_file():
+                continue
+            try:
+                yield json.loads((entry / META).read_text())
+            except (OSError, ValueError):
+                continue
+
+    def manifest(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.root / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def write_manifest(self) -> None:
+        """Rebuild manifest.json from every entry's meta.json, under a lock, atomically."""
+        import fcntl
+
+        with open(self.root / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            executables = [
+                {"name": m.get("name"), "key": m.get("key"), "compile_s": m.get("compile_s"),
+                 "memory": m.get("memory", {}), "created": m.get("created"), "key_parts": m.get("key_parts", {})}
+                for m in self.entries()
+            ]
+            tmp = self.root / f".manifest-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
+            tmp.write_text(json.dumps({"format": FORMAT, "executables": executables}, indent=1))
+            os.replace(tmp, self.root / MANIFEST)
+
+
+class _Unusable(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _warnings_to(store: ExecutableStore) -> Iterator[list[str]]:
+    """Collect the store's warnings during a load, still passing them on."""
+    caught: list[str] = []
+    previous = store._on_warning
+
+    def record(message: str) -> None:
+        caught.append(message)
+        if previous is not None:
+            previous(message)
+        else:
+            warnings.warn(message, StoreWarning, stacklevel=4)
+
+    store._on_warning = record
+    try:
+        yield caught
+    finally:
+        store._on_warning = previous
+
+
+def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    out = []
+    for section in sorted(set(old) | set(new)):
+        a, b = old.get(section), new.get(section)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            shown = ", ".join(f"{k} {_short(a.get(k))} -> {_short(b.get(k))}" for k in keys[:3])
+            out.append(f"{section}: {shown}")
+        else:
+            out.append(f"{section} changed")
+    return out
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 24 else text[:12] + "..."
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [""])[0][:200]
+
+
+# ----------------------------------------------------------------------------- many programs
+
+
+def compile_all(
+    specs: Sequence[ProgramSpec],
+    store: ExecutableStore,
+    *,
+    parallel: bool = True,
+    save: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> list[tuple[jax.stages.Compiled | None, LoadInfo]]:
+    """Load what is stored, compile the rest (in threads when `parallel`: XLA's compiler
+    releases the GIL), store it. Tracing and lowering stay in this thread, one program at a
+    time: tracing is not meant to run concurrently. Results come back in `specs` order."""
+    say = progress or (lambda message: None)
+    results: list[tuple[jax.stages.Compiled | None, LoadInfo] | None] = [None] * len(specs)
+    todo = []
+    for i, spec in enumerate(specs):
+        parts = key_parts(spec)
+        with _warnings_to(store) as caught:
+            loaded = store.load(spec, parts)
+        if loaded is not None:
+            results[i] = loaded
+            say(f"{spec.name}: loaded ({loaded[1].seconds:.2f} s)")
+            continue
+        start = time.perf_counter()
+        say(f"{spec.name}: lowering")
+        lowered = spec.lower()
+        todo.append((i, spec, parts, lowered, time.perf_counter() - start, caught))
+
+    def build(item: tuple[int, ProgramSpec, dict[str, Any], Any, float, list[str]]) -> None:
+        i, spec, parts, lowered, lower_s, caught = item
+        say(f"{spec.name}: compiling")
+        compiled, _, compile_s = store.compile(spec, lowered)
+        results[i] = compiled, store._finish(spec, parts, compiled, lower_s, compile_s, save, caught)
+        say(f"{spec.name}: compiled in {compile_s:.2f} s")
+
+    if parallel and len(todo) > 1:
+        with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="flux2klein-compile") as pool:
+            list(pool.map(build, todo))
+    else:
+        for item in todo:
+            build(item)
+    return [r for r in results if r is not None]
