@@ -23,6 +23,10 @@ def bench(
     steps: int = typer.Option(None, "--steps", help="Denoising steps [default: the model's]."),
     reps: int = typer.Option(3, "--reps", help="Timed repetitions after the first call; min and median."),
     dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32."),
+    refs: int = typer.Option(0, "--refs", help="pipeline: an edit with this many reference images (each at the "
+                             "output size) instead of text-to-image."),
+    kv: bool = typer.Option(False, "--kv", help="pipeline, with --refs on a KV model: time the edit plain and with "
+                            "the reference KV cache; report the speed-up beside its token-count bound."),
     unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
     diffusers: bool = typer.Option(False, "--diffusers", help="ttfi: also time diffusers' pipeline (needs [parity])."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -48,6 +52,8 @@ def bench(
       flux2klein bench --model medium-dir --phase ttfi --height 512 --width 512 --steps 4 --dtype fp32 --diffusers
 
       flux2klein bench --model 9b --phase transformer-compile --reps 5 --json
+
+      flux2klein bench --model 9b-kv --refs 4 --kv --height 1024 --width 1024
     """
     with user_errors():
         from flux2klein_cli.core.checkpoint import parse_dtype
@@ -60,6 +66,10 @@ def bench(
         if bs < 1 or reps < 1 or (steps is not None and steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
         target = parse_dtype(dtype)
+        if refs < 0 or refs > 4:
+            raise UserInputError(f"--refs must be between 0 and 4, got {refs}")
+        if kv and (phase != "pipeline" or refs < 1):
+            raise UserInputError("--kv times edits: use it with --phase pipeline and --refs 1..4")
         if phase == "transformer-compile":
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
         elif phase == "load":
@@ -85,9 +95,14 @@ def bench(
 
             configure_jax()
             path = resolve_model(model)
+            if kv:
+                from flux2klein_cli.core.checkpoint import Snapshot
+                from flux2klein_cli.core.generate import check_kv_model
+
+                check_kv_model(Snapshot.open(path), model)
             with stderr.status(f"benchmarking {model}") if not as_json else nullcontext():
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
-                                        dtype=target)
+                                        dtype=target, references=refs, kv=kv)
             result = dict(model=model, phase=phase, dtype=dtype, **result)
     if as_json:
         emit_json(result)
@@ -131,17 +146,34 @@ def _compile_table(result: dict[str, Any]) -> None:
 
 
 def _pipeline_table(result: dict[str, Any]) -> None:
+    edit = f", {result['references']} reference(s)" if result["references"] else ""
+    runs = {"plain": result} | ({"kv": result["kv"]} if "kv" in result else {})
     table = Table(title=f"{result['model']} {result['height']}x{result['width']}, batch {result['batch']}, "
-                        f"{result['steps']} steps, {result['dtype']}")
-    for column in ("phase", "min s", "median s"):
-        table.add_column(column, justify="left" if column == "phase" else "right")
-    table.add_row("load", f"{result['load_s']:.2f}", "")
-    table.add_row("compile (first call extra)", f"{result['compile_s']:.2f}", "")
-    for name, t in result["phases"].items():
-        table.add_row(name, f"{t['min']:.3f}", f"{t['median']:.3f}")
-    table.add_row("run", f"{result['run_s']['min']:.3f}", f"{result['run_s']['median']:.3f}")
-    table.add_row("per image", "", f"{result['per_image_s']:.3f}")
+                        f"{result['steps']} steps, {result['dtype']}{edit}")
+    table.add_column("phase")
+    for name in runs:
+        prefix = f"{name} " if len(runs) > 1 else ""
+        table.add_column(f"{prefix}min s", justify="right")
+        table.add_column(f"{prefix}median s", justify="right")
+
+    def row(label: str, cell: Any) -> None:
+        table.add_row(label, *[text for run in runs.values() for text in cell(run)])
+
+    def timing(t: dict[str, float] | None) -> tuple[str, str]:
+        return ("", "") if t is None else (f"{t['min']:.3f}", f"{t['median']:.3f}")
+
+    table.add_row("load", f"{result['load_s']:.2f}")
+    row("compile (first call extra)", lambda r: (f"{r['compile_s']:.2f}", ""))
+    for phase in dict.fromkeys(p for r in runs.values() for p in r["phases"]):
+        row(phase, lambda r, phase=phase: timing(r["phases"].get(phase)))
+    row("run", lambda r: timing(r["run_s"]))
+    row("per image", lambda r: ("", f"{r['per_image_s']:.3f}"))
     stdout.print(table)
+    if "kv_speedup" in result:
+        s, reuse = result["kv_speedup"], result["kv_reuse"]
+        stdout.print(f"KV speed-up: transformer {s['transformer']:.2f}x (bound {s['bound']:.2f}x, "
+                     f"{100 * s['of_bound']:.0f}% of it), whole run {s['run']:.2f}x; reusing one cache over "
+                     f"{reuse['prompts']} prompts saves {100 * reuse['saving']:.0f}%")
 
 
 def _ttfi_table(result: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -57,6 +58,23 @@ def summarize(samples: list[float]) -> dict[str, float]:
     return {"min": float(np.min(samples)), "median": float(np.median(samples)), "n": len(samples)}
 
 
+def kv_speedup_bound(cfg: TransformerConfig, *, text: int, image: int, refs: int, steps: int) -> float:
+    """The transformer speed-up of a KV edit over a plain one that the token counts allow.
+
+    Every block costs per token 2 * (4 D^2 + 3 D H) flops of projections and MLP (double and
+    single blocks alike), and 4 * queries * keys * D of attention. A plain edit runs `steps`
+    passes over T + N + R tokens; a KV edit one references-only pass (R queries, R keys) and
+    `steps` cached passes (T + N queries, T + N + R keys)."""
+    d, hidden, blocks = cfg.dim, cfg.mlp_hidden, cfg.num_layers + cfg.num_single_layers
+
+    def flops(queries: int, keys: int) -> float:
+        return blocks * (2.0 * queries * (4 * d * d + 3 * d * hidden) + 4.0 * queries * keys * d)
+
+    n = text + image
+    plain = steps * flops(n + refs, n + refs)
+    return plain / (flops(refs, refs) + steps * flops(n, n + refs))
+
+
 def bench_pipeline(
     model_dir: Any,
     *,
@@ -67,11 +85,15 @@ def bench_pipeline(
     reps: int,
     dtype: Any = jnp.bfloat16,
     references: int = 0,
+    kv: bool = False,
 ) -> dict[str, Any]:
     """Load, first call and steady-state phases of a text-to-image (or edit) run.
 
     `compile` is the first call's extra time over the steady-state median of each phase:
-    tracing and XLA compilation, what an operator waits for once per shape.
+    tracing and XLA compilation, what an operator waits for once per shape. With `kv` the
+    same edit runs plain and with the reference KV cache (each timed request computes its
+    cache: no reuse), and the speed-up is reported beside the token-count bound, with the
+    saving of reusing one cache over four prompts.
     """
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
@@ -83,17 +105,57 @@ def bench_pipeline(
     refs = [rng.uniform(-1, 1, (height, width, 3)).astype(np.float32) for _ in range(references)]
     request = Request(prompts=["a red fox in snow"] * batch, steps=steps or (4 if distilled else 50),
                       guidance=1.0 if distilled else 4.0, height=height, width=width, references=refs)
-    first = pipeline(request).seconds
-    runs = [pipeline(request).seconds for _ in range(reps)]
+    result = dict(load_s=load_s, load_components_s=pipeline.models.seconds, steps=request.steps, batch=batch,
+                  height=height, width=width, references=references, **_time_request(pipeline, request, reps))
+    if not kv:
+        return result
+    kv_request = dataclasses.replace(request, kv=True)
+    kv_run = _time_request(pipeline, kv_request, reps)
+    plain_s = result["phases"]["denoise"]["median"]
+    kv_s = kv_run["phases"]["denoise"]["median"] + kv_run["phases"]["reference_kv"]["median"]
+    n_img = (height // 16) * (width // 16)
+    bound = kv_speedup_bound(pipeline.models.transformer.cfg, text=request.max_sequence_length, image=n_img,
+                             refs=references * n_img, steps=request.steps)
+    return dict(
+        result, kv=kv_run,
+        kv_speedup=dict(transformer=plain_s / kv_s, run=result["run_s"]["median"] / kv_run["run_s"]["median"],
+                        bound=bound, of_bound=plain_s / kv_s / bound),
+        kv_reuse=_time_reuse(pipeline, kv_request, prompts=4),
+    )
+
+
+def _time_request(pipeline: Any, request: Any, reps: int) -> dict[str, Any]:
+    def call() -> dict[str, float]:
+        pipeline._kv_memory.clear()  # every timed KV request computes its cache
+        return pipeline(request).seconds
+
+    first = call()
+    runs = [call() for _ in range(reps)]
     phases = list(first)
     steady = {p: summarize([r[p] for r in runs]) for p in phases}
     compile_s = sum(max(first[p] - steady[p]["median"], 0.0) for p in phases)
     total = {"min": sum(steady[p]["min"] for p in phases), "median": sum(steady[p]["median"] for p in phases)}
-    return dict(
-        load_s=load_s, load_components_s=pipeline.models.seconds, compile_s=compile_s, first_call_s=sum(first.values()),
-        phases=steady, run_s=total, steps=request.steps, batch=batch, height=height, width=width,
-        references=references, per_image_s=total["median"] / batch,
-    )
+    return dict(compile_s=compile_s, first_call_s=sum(first.values()), phases=steady, run_s=total,
+                per_image_s=total["median"] / request.batch)
+
+
+def _time_reuse(pipeline: Any, request: Any, prompts: int) -> dict[str, Any]:
+    """`prompts` single-prompt KV edits of the same references, one after another: each
+    computing its own cache, then reusing the first one's (in memory)."""
+    singles = [dataclasses.replace(request, prompts=[f"prompt {i}"]) for i in range(prompts)]
+
+    def series(reuse: bool) -> float:
+        pipeline._kv_memory.clear()
+        start = time.perf_counter()
+        for single in singles:
+            if not reuse:
+                pipeline._kv_memory.clear()
+            pipeline(single)
+        return time.perf_counter() - start
+
+    series(True)  # compile for batch 1
+    without, with_reuse = series(False), series(True)
+    return dict(prompts=prompts, without_s=without, with_s=with_reuse, saving=1 - with_reuse / without)
 
 
 _DIFFUSERS_TTFI = """

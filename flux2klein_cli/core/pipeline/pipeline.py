@@ -133,16 +133,22 @@ class KleinPipeline:
             packed.append(tokens.pack_nhwc(latents))
         return jnp.concatenate(packed, axis=1), grids
 
-    def reference_kv(self, references: list[np.ndarray]) -> tuple[ReferenceKV, str]:
-        """The references' KV cache (batch 1) and where it came from: memory, disk or computed."""
+    def reference_kv(
+        self, references: list[np.ndarray], seconds: dict[str, float] | None = None
+    ) -> tuple[ReferenceKV, str]:
+        """The references' KV cache (batch 1) and where it came from: memory, disk or computed.
+        `seconds` gets the VAE encode under "references" and the references-only pass under
+        "reference_kv"."""
+        seconds = {} if seconds is None else seconds
         digest = references_digest(references)
         if digest in self._kv_memory:
             return self._kv_memory[digest], "memory"
         kv, source = (self.kv_store.load(digest) if self.kv_store else None), "disk"
         if kv is None:
-            refs, grids = self.encode_references(references)
+            refs, grids = _timed(seconds, "references", lambda: self.encode_references(references))
             cos, sin = self.models.transformer.rope(np.zeros((0, 4), np.int32), tokens.reference_ids(grids))
-            kv, source = self._reference_kv(self.transformer_state, refs, cos, sin), "computed"
+            kv = _timed(seconds, "reference_kv", lambda: self._reference_kv(self.transformer_state, refs, cos, sin))
+            source = "computed"
             if self.kv_store:
                 self.kv_store.save(digest, kv)
         # One set is kept: a 9B cache is about 2 GiB per 1024x1024 reference.
@@ -190,7 +196,7 @@ class KleinPipeline:
         if request.kv:
             if not request.references:
                 raise UserInputError("--kv needs at least one reference image (--image)")
-            kv, kv_source = _timed(seconds, "references", lambda: self.reference_kv(request.references))
+            kv, kv_source = self.reference_kv(request.references, seconds)
         else:
             refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references))
         if refs is not None:
