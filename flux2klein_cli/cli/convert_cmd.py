@@ -1,4 +1,4 @@
-"""`flux2klein convert`: a snapshot as Orbax checkpoints in the target dtype (a complete `--model`)."""
+"""`flux2klein convert`: a snapshot as a converted directory in the target dtype (a complete `--model`)."""
 
 from __future__ import annotations
 
@@ -20,43 +20,52 @@ def convert(
         help="Directory to write (default: <flux2klein cache>/converted/<model>-<dtype>).",
     ),
     dtype: str = typer.Option("bf16", "--dtype", help="Stored parameter dtype: bf16 or fp32."),
+    layout: str = typer.Option(
+        "flat", "--layout",
+        help="flat: one memory-mapped file per model, loaded without copying (the fastest load); "
+             "orbax: an Orbax checkpoint, for tools and storage built around Orbax.",
+    ),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
     revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
     offline: bool = typer.Option(False, "--offline", help="Use the local Hugging Face cache only."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Write MODEL's transformer, text encoder and VAE as Orbax checkpoints in DTYPE, plus a manifest.
+    """Write MODEL's transformer, text encoder and VAE in DTYPE and JAX layout, plus a manifest.
 
     The output directory holds everything a run needs (configs, tokenizer, scheduler), so it
-    is a complete --model; loading it reads each parameter straight into its dtype and
-    sharding, with nothing to convert or transpose. Tensors are converted one at a time, into
-    a temporary directory renamed into place at the end: an interrupted convert leaves nothing
-    that --model would accept. The path is printed on stdout.
+    is a complete --model; loading it puts each parameter straight into its dtype and
+    sharding, with nothing to convert or transpose. With --layout flat (the default) a CPU
+    host uses the mapped file's pages as the parameters, without copying them. Tensors are
+    converted one at a time, into a temporary directory renamed into place at the end: an
+    interrupted convert leaves nothing that --model would accept. The path is printed on stdout.
 
     Example: flux2klein convert 4b --out ~/models/klein-4b-bf16
     """
     with user_errors():
+        from flux2klein_cli.core.errors import UserInputError
         from flux2klein_cli.core.snapshot import flux2klein_cache_dir, resolve
-        from flux2klein_cli.core.weights.orbax_convert import convert_snapshot_to
-        from flux2klein_cli.core.weights.orbax_store import DTYPE_NAMES
+        from flux2klein_cli.core.weights.convert import convert_snapshot_to
+        from flux2klein_cli.core.weights.converted import DTYPE_NAMES, LAYOUTS
 
         if dtype not in DTYPE_NAMES:
-            from flux2klein_cli.core.errors import UserInputError
-
             raise UserInputError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
+        if layout not in LAYOUTS:
+            raise UserInputError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
         resolved = resolve(model, revision=revision, offline=offline, download=True,
                            progress=lambda message: stderr.print(message, highlight=False))
         slug = _slug(model, resolved.repo_id, resolved.revision)
         target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{dtype}"
         start = time.perf_counter()
         with _progress_bar(enabled=not as_json) as update:
-            manifest = convert_snapshot_to(resolved, target, dtype=dtype, force=force, model=model, progress=update)
+            manifest = convert_snapshot_to(resolved, target, dtype=dtype, layout=layout, force=force, model=model,
+                                           progress=update)
         seconds = time.perf_counter() - start
     if as_json:
         emit_json({
             "path": str(Path(target).expanduser().absolute()),
             "source": {k: v for k, v in manifest["source"].items() if k != "files"},
             "dtype": dtype,
+            "layout": layout,
             "components": {n: {k: c[k] for k in ("parameters", "bytes")} for n, c in manifest["components"].items()},
             "seconds": round(seconds, 3),
         })

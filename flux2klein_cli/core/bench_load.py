@@ -2,20 +2,26 @@
 
 For each component of a snapshot (transformer, text_encoder, vae), every timing runs in a
 fresh child process, as a user's command would, after the files have been read once (a warm
-page cache), median of `reps`:
+page cache), min and median of `reps`:
 
     safetensors   our loader on the diffusers snapshot (memory-mapped, converted and placed per tensor)
-    orbax         our restore from a `flux2klein convert` directory (if one is given or made)
+    flat          our load of a `flux2klein convert --layout flat` directory (mapped, adopted by JAX)
+    orbax         our restore of a `flux2klein convert --layout orbax` directory
     cat           `cat` of the same files to /dev/null: reading the bytes, the limit on a CPU host
-    fill          allocating and writing as many bytes of fresh memory: the other limit on a CPU host,
-                  since a loaded model must live somewhere (this VM backs memory lazily, which is slow)
-    diffusers     (transformer) `Flux2Transformer2DModel.from_pretrained(torch_dtype=...)` plus touching
-                  every page: from_pretrained alone returns before reading anything (the weights are
-                  memory-mapped), so that alone would not be a fair comparison
+    fill          allocating and writing as many bytes of fresh memory: the other limit on a CPU host
+                  for a loader that copies, since a loaded model must live somewhere (this VM backs
+                  memory lazily, which is slow)
+    diffusers     (transformer) `Flux2Transformer2DModel.from_pretrained(torch_dtype=...,
+                  low_cpu_mem_usage=True)` plus touching every page
 
-Load times exclude the Python imports (the child times only the load call). Peak memory is the
-child's peak resident set during the load minus its resident set before it (`VmHWM` after
-resetting it through /proc/self/clear_refs), and its ratio to the component's bytes.
+Every load time includes touching one byte of every 4 KiB page of every parameter afterwards
+(`touch_seconds` is that part): a memory-mapped load (flat, and diffusers, whose from_pretrained
+returns before reading anything) pays for its pages at first use, so timing the call alone would
+flatter it. Python imports are excluded (the child times only the load). Peak memory is the
+child's peak resident set during load and touch minus its resident set before (`VmHWM` after
+resetting it through /proc/self/clear_refs; mapped file pages count once touched), and its ratio
+to the component's bytes. For flat loads, `zero_copy_bytes` counts the parameter bytes whose
+device buffer lies inside the mapped file (all of them, when JAX adopted every view).
 
     python -m flux2klein_cli.core.bench_load /tmp/medium --convert --reps 5 --json
 """
@@ -37,7 +43,8 @@ from typing import Any
 import numpy as np
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
-KINDS = ("safetensors", "orbax", "cat", "fill", "diffusers")
+KINDS = ("safetensors", "flat", "orbax", "cat", "fill", "diffusers")
+LAYOUT_KINDS = ("flat", "orbax")
 
 
 def bench_load(
@@ -54,8 +61,9 @@ def bench_load(
     """Load timings and peak memory per component and per path, with ratios to the limits.
 
     `model_dir` is a diffusers-layout snapshot (components may be missing: e.g. a transformer
-    alone). `converted_dir` is its `flux2klein convert` output; with `convert=True` one is written
-    to a temporary directory for the run and removed afterwards."""
+    alone). `converted_dir` is its `flux2klein convert` output (timed as its manifest's layout);
+    with `convert=True` each layout in `kinds` that has no directory is written to a temporary
+    directory for the run and removed afterwards."""
     from flux2klein_cli.core.errors import UserInputError
 
     model_dir = Path(model_dir).expanduser().resolve()
@@ -69,53 +77,63 @@ def bench_load(
         raise UserInputError(f"unknown measurements {sorted(unknown)}: use {', '.join(KINDS)}")
     say = log or (lambda message: None)
 
+    converted: dict[str, Path] = {}
+    if converted_dir is not None:
+        from flux2klein_cli.core.weights.converted import check_converted, component_layout
+
+        manifest = check_converted(converted_dir)
+        converted[component_layout(manifest, names[0])] = Path(converted_dir).expanduser().resolve()
     scratch = None
-    if "orbax" in kinds and converted_dir is None and convert:
+    missing = [layout for layout in LAYOUT_KINDS if layout in kinds and layout not in converted]
+    if convert and missing:
         scratch = Path(tempfile.mkdtemp(prefix="flux2klein-bench-"))
-        converted_dir = scratch / "converted"
-        say(f"converting {', '.join(names)} to {converted_dir}")
-        _convert_components(model_dir, converted_dir, names, dtype)
+        for layout in missing:
+            converted[layout] = scratch / layout
+            say(f"converting {', '.join(names)} to {converted[layout]} ({layout})")
+            start = time.perf_counter()
+            _convert_components(model_dir, converted[layout], names, dtype, layout)
+            say(f"converted in {time.perf_counter() - start:.1f} s")
     try:
         result: dict[str, Any] = {
             "model": str(model_dir),
-            "converted": str(converted_dir) if converted_dir else None,
+            "converted": {layout: str(path) for layout, path in converted.items()},
             "dtype": dtype,
             "reps": reps,
             "cpu_count": os.cpu_count(),
             "components": {},
         }
         for name in names:
-            result["components"][name] = _bench_component(
-                model_dir, Path(converted_dir) if converted_dir else None, name, dtype, reps, kinds, say
-            )
+            result["components"][name] = _bench_component(model_dir, converted, name, dtype, reps, kinds, say)
         return result
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype: str) -> None:
+def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype: str, layout: str) -> None:
     import jax.numpy as jnp
 
     from flux2klein_cli.core.mesh import default_mesh
+    from flux2klein_cli.core.weights.convert import convert_component
     from flux2klein_cli.core.weights.loader import _replicate
-    from flux2klein_cli.core.weights.orbax_convert import convert_component
 
     target = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
     for name in names:
-        convert_component(name, model_dir / name, out / name, target, default_mesh(), _replicate, 256 << 20, None)
+        convert_component(name, model_dir / name, out / name, target, default_mesh(), _replicate, 256 << 20, None,
+                          layout=layout)
 
 
-def _bench_component(model_dir: Path, converted: Path | None, name: str, dtype: str, reps: int,
+def _bench_component(model_dir: Path, converted: dict[str, Path], name: str, dtype: str, reps: int,
                      kinds: Sequence[str], say: Callable[[str], None]) -> dict[str, Any]:
     weights = sorted((model_dir / name).glob("*.safetensors"))
-    orbax_files = sorted(p for p in (converted / name).rglob("*") if p.is_file()) if converted else []
     out: dict[str, Any] = {"file_bytes": sum(p.stat().st_size for p in weights)}
     plans: list[tuple[str, list[Path], list[str]]] = []
     if "safetensors" in kinds:
         plans.append(("safetensors", weights, ["safetensors", str(model_dir / name), name, dtype]))
-    if "orbax" in kinds and converted is not None:
-        plans.append(("orbax", orbax_files, ["orbax", str(converted), name, dtype]))
+    for layout in LAYOUT_KINDS:
+        if layout in kinds and layout in converted:
+            files = sorted(p for p in (converted[layout] / name / layout).rglob("*") if p.is_file())
+            plans.append((layout, files, [layout, str(converted[layout]), name, dtype]))
     if "cat" in kinds:
         plans.append(("cat", weights, []))
     if "diffusers" in kinds and name == "transformer":
@@ -128,35 +146,42 @@ def _bench_component(model_dir: Path, converted: Path | None, name: str, dtype: 
             say(f"{name} {kind} rep {rep + 1}/{reps}: {runs[-1]['seconds']:.2f} s")
         out[kind] = _summary(runs)
     if "fill" in kinds:
-        nbytes = out.get("safetensors", out.get("orbax", {})).get("bytes") or out["file_bytes"]
+        loaded = next((out[k] for k in ("safetensors", *LAYOUT_KINDS) if k in out), {})
+        nbytes = loaded.get("bytes") or out["file_bytes"]
         runs = [_child(["fill", str(nbytes)]) for _ in range(reps)]
         out["fill"] = _summary(runs)
-    loaded = out.get("safetensors", out.get("orbax", {}))
+    loaded = next((out[k] for k in ("safetensors", *LAYOUT_KINDS) if k in out), {})
     out["bytes"] = loaded.get("bytes")
     out["ratios"] = _ratios(out)
     return out
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    seconds = [r["seconds"] for r in runs]
-    summary: dict[str, Any] = {"seconds": {"min": float(np.min(seconds)), "median": float(np.median(seconds)),
-                                           "n": len(seconds)}}
+    summary: dict[str, Any] = {}
+    for field in ("seconds", "touch_seconds"):
+        if field in runs[0]:
+            values = [r[field] for r in runs]
+            summary[field] = {"min": float(np.min(values)), "median": float(np.median(values)), "n": len(values)}
     if "peak_bytes" in runs[0]:
         summary["peak_bytes"] = max(r["peak_bytes"] for r in runs)
-    if "bytes" in runs[0]:
-        summary["bytes"] = runs[0]["bytes"]
-        if runs[0]["bytes"] and "peak_bytes" in summary:
-            summary["peak_ratio"] = round(summary["peak_bytes"] / runs[0]["bytes"], 3)
+    for field in ("bytes", "zero_copy_bytes"):
+        if field in runs[0]:
+            summary[field] = runs[0][field]
+    if summary.get("bytes") and "peak_bytes" in summary:
+        summary["peak_ratio"] = round(summary["peak_bytes"] / summary["bytes"], 3)
     return summary
 
 
 def _ratios(out: dict[str, Any]) -> dict[str, float]:
-    """Median over median: how many times slower than each limit or reference."""
+    """How many times slower than each limit or reference: median over median, and min over min
+    (on a shared, noisy host the min is the steadier of the two)."""
     ratios = {}
-    for ours in ("safetensors", "orbax"):
+    for ours in ("safetensors", *LAYOUT_KINDS):
         for ref in ("cat", "fill", "diffusers"):
             if ours in out and ref in out:
-                ratios[f"{ours}/{ref}"] = round(out[ours]["seconds"]["median"] / out[ref]["seconds"]["median"], 2)
+                for stat in ("median", "min"):
+                    ratios[f"{ours}/{ref}" + ("" if stat == "median" else " (min)")] = round(
+                        out[ours]["seconds"][stat] / out[ref]["seconds"][stat], 2)
     return ratios
 
 
@@ -201,6 +226,26 @@ def _status_bytes(field: str) -> int:
     return int(match.group(1)) * 1024 if match else 0
 
 
+def _touch(arrays: Sequence[Any]) -> int:
+    """Read one byte of every 4 KiB page of each host array (a mapped page is faulted in)."""
+    total = 0
+    for array in arrays:
+        flat = array.reshape(-1).view(np.uint8)
+        total += int(flat[::4096].sum())
+    return total
+
+
+def _mapped_ranges(suffix: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of files whose path ends with `suffix`."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[-1].endswith(suffix):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
 def _load_ours(kind: str, directory: str, name: str, dtype: str) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -209,11 +254,11 @@ def _load_ours(kind: str, directory: str, name: str, dtype: str) -> dict[str, An
     from flux2klein_cli.core.checkpoint import parameter_stats
 
     target = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
-    if kind == "orbax":
-        from flux2klein_cli.core.weights.orbax_store import load_component
+    if kind in LAYOUT_KINDS:
+        from flux2klein_cli.core.weights.converted import load_component
 
         def load() -> Any:
-            return load_component(name, directory, dtype=target)
+            return load_component(name, directory, dtype=target, layout=kind)
     else:
         from flux2klein_cli.core.models.qwen3 import load_qwen3
         from flux2klein_cli.core.models.transformer import load_transformer
@@ -228,10 +273,21 @@ def _load_ours(kind: str, directory: str, name: str, dtype: str) -> dict[str, An
     before = _peak_reset()
     start = time.perf_counter()
     module = load()
-    jax.block_until_ready(nnx.state(module))
+    leaves = jax.tree.leaves(nnx.state(module))
+    jax.block_until_ready(leaves)
+    loaded = time.perf_counter()
+    _touch([np.asarray(leaf) for leaf in leaves])  # host views of the CPU arrays, no copies
     seconds = time.perf_counter() - start
     peak = _status_bytes("VmHWM") - before
-    return {"seconds": seconds, "peak_bytes": peak, "bytes": parameter_stats(module)[1]}
+    result = {"seconds": seconds, "touch_seconds": seconds - (loaded - start), "peak_bytes": peak,
+              "bytes": parameter_stats(module)[1]}
+    if kind == "flat":
+        from flux2klein_cli.core.weights.flat_store import DATA_FILE
+
+        mapped = _mapped_ranges(f"/{name}/flat/{DATA_FILE}")
+        result["zero_copy_bytes"] = sum(leaf.nbytes for leaf in leaves
+                                        if any(a <= leaf.unsafe_buffer_pointer() < b for a, b in mapped))
+    return result
 
 
 def _load_diffusers(directory: str, dtype: str) -> dict[str, Any]:
@@ -243,13 +299,12 @@ def _load_diffusers(directory: str, dtype: str) -> dict[str, Any]:
     before = _peak_reset()
     start = time.perf_counter()
     model = Flux2Transformer2DModel.from_pretrained(directory, torch_dtype=target, low_cpu_mem_usage=True)
-    total = 0
-    for tensor in model.state_dict().values():
-        # One read per 4 KiB page: the mapped weights are really paged in.
-        flat = tensor.detach().reshape(-1).view(torch.uint8)
-        total += int(flat[::4096].sum())
+    loaded = time.perf_counter()
+    # One read per 4 KiB page: the mapped weights are really paged in.
+    _touch([tensor.detach().reshape(-1).view(torch.uint8).numpy() for tensor in model.state_dict().values()])
     seconds = time.perf_counter() - start
-    return {"seconds": seconds, "peak_bytes": _status_bytes("VmHWM") - before}
+    return {"seconds": seconds, "touch_seconds": seconds - (loaded - start),
+            "peak_bytes": _status_bytes("VmHWM") - before}
 
 
 def _fill(nbytes: int) -> dict[str, Any]:

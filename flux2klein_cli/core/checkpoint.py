@@ -32,7 +32,7 @@ def parse_dtype(name: str) -> Any:
 @dataclass(frozen=True)
 class Snapshot:
     """What `model_index.json` says about a snapshot directory. `converted` is True for a
-    directory written by `flux2klein convert` (Orbax checkpoints, recognised by its manifest)."""
+    directory written by `flux2klein convert` (recognised by its manifest, checked complete)."""
 
     root: Path
     pipeline_class: str
@@ -53,7 +53,7 @@ class Snapshot:
             raise UserInputError(f"{root}: no such model directory")
         converted = (root / CONVERTED_MANIFEST).is_file()
         if converted:
-            from flux2klein_cli.core.weights.orbax_store import check_converted
+            from flux2klein_cli.core.weights.converted import check_converted
 
             check_converted(root)
         index = read_json(root / "model_index.json")
@@ -95,7 +95,7 @@ def load_models(
     on_loaded: Callable[[str, float], None] | None = None,
 ) -> LoadedModels:
     """Load transformer, text encoder and VAE, each straight into `dtype` on the mesh: from the
-    safetensors of a diffusers snapshot, or from the Orbax checkpoints of a converted directory."""
+    safetensors of a diffusers snapshot, or from a converted directory (flat or Orbax layout)."""
     from flux2klein_cli.core.models.qwen3 import load_qwen3
     from flux2klein_cli.core.models.transformer import load_transformer
     from flux2klein_cli.core.models.vae import load_vae
@@ -106,7 +106,7 @@ def load_models(
     if snapshot.converted:
         from functools import partial
 
-        from flux2klein_cli.core.weights.orbax_store import load_component
+        from flux2klein_cli.core.weights.converted import load_component
 
         loaders = {name: partial(_load_converted, load_component, name, snapshot.root) for name in loaders}
     loaded: dict[str, Any] = {}

@@ -266,6 +266,17 @@ def _read_slice(
     return out
 
 
+def unique_shards(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+                  ) -> list[tuple[tuple[slice, ...], list[jax.Device]]]:
+    """Each distinct slice of an array that `sharding` places on this host's devices, with the
+    devices that hold it: devices holding the same slice (replicas) share one read."""
+    groups: dict[tuple[tuple[int, int], ...], tuple[tuple[slice, ...], list[jax.Device]]] = {}
+    for device, index in sharding.addressable_devices_indices_map(tuple(shape)).items():
+        bounds = tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
+        groups.setdefault(bounds, (tuple(index), []))[1].append(device)
+    return list(groups.values())
+
+
 def iter_arrays(
     checkpoint: SafetensorsCheckpoint,
     plan: KeyPlan,

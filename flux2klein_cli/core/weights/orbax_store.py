@@ -1,86 +1,28 @@
-"""Converted directories: their format, and loading them (see orbax_convert.py for writing them).
+"""The Orbax layout of a converted component (`convert --layout orbax`; see converted.py for the
+directory and why there are two layouts): writing it, and restoring it into target shardings.
 
-Layout of a directory written by `flux2klein convert` (the directory alone is a complete `--model`):
+    <component>/orbax/   one Orbax PyTree checkpoint: parameter name -> array (uncompressed,
+                         chunked by layer for stacked parameters, else chunks of <= 128 MiB)
 
-    flux2klein-manifest.json   written last: source, revision, file sizes / hashes, dtype, configs
-    model_index.json           copied
-    transformer/config.json    copied (every JSON of the component but the weight index)
-    transformer/orbax/         one Orbax PyTree checkpoint: NNX parameter path -> array
-    text_encoder/..., vae/...  the same
-    tokenizer/, scheduler/     copied as they are
-
-Parameters are stored in JAX layout (linear kernels already transposed, stacked layers
-stacked) and in the target dtype, so loading reads each device's slice of each array straight
-into place: nothing is converted or transposed at load time.
+Parameters are stored in JAX layout and in the target dtype, chunked for the sharding they were
+written for; a restore reads each device's slice of each array straight into place.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding
 
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.mesh import default_mesh
-from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
-from flux2klein_cli.core.weights.configs import read_config, read_json
-from flux2klein_cli.core.weights.loader import KeyPlan, ShardingRule, _replicate, aligned_empty, raise_on_mismatch
+from flux2klein_cli.core.weights.loader import aligned_empty, raise_on_mismatch, unique_shards
 
-FORMAT = "flux2klein-orbax"
-FORMAT_VERSION = 1
-MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")
-COPIED_COMPONENTS = ("tokenizer", "scheduler")
 ORBAX_DIR = "orbax"
-DTYPE_NAMES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 _READ_BUDGET = 512 << 20  # bytes being read at once when restoring (or one array, if larger)
-
-
-# ----------------------------------------------------------------------------- components
-
-
-@dataclass(frozen=True)
-class Component:
-    """How to build one model abstractly from its config, and where its weights come from."""
-
-    build: Callable[[dict[str, Any], Any], nnx.Module]
-    plan_for: Callable[[Any], KeyPlan]
-
-
-def components() -> dict[str, Component]:
-    from flux2klein_cli.core.models.qwen3 import Qwen3Config, Qwen3TextEncoder, qwen3_key_plan
-    from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig, transformer_key_plan
-    from flux2klein_cli.core.models.vae import VAEConfig, build_vae, vae_key_plan
-
-    return {
-        "transformer": Component(
-            lambda c, d: Flux2Transformer(TransformerConfig.from_dict(c), dtype=d, rngs=nnx.Rngs(0)),
-            transformer_key_plan,
-        ),
-        "text_encoder": Component(
-            lambda c, d: Qwen3TextEncoder(Qwen3Config.from_dict(c), dtype=d, rngs=nnx.Rngs(0)), qwen3_key_plan
-        ),
-        "vae": Component(lambda c, d: build_vae(VAEConfig.from_dict(c), dtype=d), vae_key_plan),
-    }
-
-
-def abstract_component(name: str, config: dict[str, Any], dtype: Any) -> nnx.Module:
-    component = components()[name]
-    return nnx.eval_shape(lambda: component.build(config, dtype))
-
-
-def orbax_key(path: tuple[Any, ...]) -> str:
-    """One flat, readable name per NNX parameter path, e.g. `encoder.down_blocks.0.resnets.1.conv1.kernel`."""
-    return ".".join(str(p) for p in path)
-
-
 _CHUNK_BYTES = 128 << 20
 
 
@@ -112,67 +54,31 @@ def orbax_context() -> Iterator[Any]:
         yield ocp
 
 
-# ----------------------------------------------------------------------------- reading
-
-
-def read_manifest(root: str | Path) -> dict[str, Any]:
-    """The manifest of a converted directory, checked for format and completeness."""
-    root = Path(root)
-    manifest = read_json(root / CONVERTED_MANIFEST)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{root / CONVERTED_MANIFEST}: not a flux2klein convert manifest")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{root}: converted with format version {manifest.get('format_version')}, this flux2klein reads "
-            f"version {FORMAT_VERSION}; convert the source snapshot again"
-        )
-    return manifest
-
-
-def check_converted(root: str | Path) -> dict[str, Any]:
-    """Raise a CheckpointError unless `root` is a complete converted directory; return its manifest."""
-    root = Path(root)
-    manifest = read_manifest(root)
-    missing = [f"{name}/config.json" for name in MODEL_COMPONENTS if not (root / name / "config.json").is_file()]
-    missing += [f"{name}/{ORBAX_DIR}" for name in MODEL_COMPONENTS if not _is_orbax_checkpoint(root / name / ORBAX_DIR)]
-    missing += [f"{name}/" for name in COPIED_COMPONENTS if not (root / name).is_dir()]
-    if not (root / "model_index.json").is_file():
-        missing.append("model_index.json")
-    if missing:
-        raise CheckpointError(f"{root}: incomplete converted directory, missing {', '.join(missing)}")
-    return manifest
-
-
-def _is_orbax_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / "_CHECKPOINT_METADATA").is_file()
-
-
-def load_component(
-    name: str,
-    root: str | Path,
-    *,
-    dtype: Any = jnp.bfloat16,
-    mesh: Mesh | None = None,
-    sharding_rule: ShardingRule = _replicate,
-) -> nnx.Module:
-    """Restore one component of a converted directory straight into `dtype` and its shardings.
-
-    The abstract model gives every parameter's shape; its sharding comes from `mesh` and
-    `sharding_rule`; each device's slice is read from the checkpoint into its own buffer (and
-    cast on the way if `dtype` differs from the stored one). No other host copy is made."""
-    root = Path(root)
-    mesh = mesh or default_mesh()
-    model = abstract_component(name, read_config(root / name), dtype)
-    graphdef, state = nnx.split(model)
-    flat = list(nnx.to_flat_state(state))
-    targets = {}
-    for path, var in flat:
-        spec = var.get_value()
-        sharding = NamedSharding(mesh, sharding_rule(tuple(path), tuple(spec.shape)))
-        targets[orbax_key(path)] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
-    restored = restore_arrays(root / name / ORBAX_DIR, targets)
-    return nnx.merge(graphdef, nnx.from_flat_state([(path, var.replace(restored[orbax_key(path)]))
-                                                    for path, var in flat]))
+def write_orbax(target: Path, arrays: Iterable[tuple[str, jax.Array]], group_bytes: int,
+                progress: Callable[[int], None] | None = None) -> None:
+    """Write named arrays as one Orbax checkpoint at `target`, handing them to Orbax in groups of
+    about `group_bytes` (`ocp.partial.save`) merged at the end (`ocp.partial.finalize`).
+    `progress(bytes_done)` is called after each group. Orbax stages a host copy of what it writes,
+    so the peak is about twice the largest parameter or group over the baseline (for the 4B
+    transformer, whose largest stacked parameter is 3.4 GB: 7.7 GB, about the model's size)."""
+    done, group, group_size = 0, {}, 0
+    with orbax_context() as ocp:
+        for key, array in arrays:
+            group[key] = array
+            group_size += array.nbytes
+            if group_size >= group_bytes:
+                ocp.partial.save(target, group)
+                done += group_size
+                group, group_size = {}, 0
+                if progress:
+                    progress(done)
+        if group:
+            ocp.partial.save(target, group)
+            done += group_size
+            if progress:
+                progress(done)
+        group = {}
+        ocp.partial.finalize(target)
 
 
 def restore_arrays(checkpoint: Path, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
@@ -215,18 +121,12 @@ def restore_arrays(checkpoint: Path, targets: dict[str, jax.ShapeDtypeStruct]) -
             raise CheckpointError(f"{checkpoint}: cannot open {key} ({str(e).splitlines()[0]})") from None
         if store.dtype.numpy_dtype != np.dtype(target.dtype):
             store = ts.cast(store, ts.dtype(np.dtype(target.dtype).name))
-        # Devices holding the same slice (replication) share one read.
-        by_index: dict[tuple[tuple[int, int], ...], list[tuple[jax.Device, tuple[slice, ...]]]] = {}
-        for device, index in target.sharding.addressable_devices_indices_map(target.shape).items():
-            bounds = tuple(s.indices(n)[:2] for s, n in zip(index, target.shape, strict=True))
-            by_index.setdefault(bounds, []).append((device, index))
         pieces: list[tuple[jax.Device, np.ndarray, Any]] = []
-        for group in by_index.values():
-            index = group[0][1]
+        for index, devices in unique_shards(target.sharding, target.shape):
             shard_shape = tuple(len(range(*s.indices(n))) for s, n in zip(index, target.shape, strict=True))
             buffer = aligned_empty(shard_shape, np.dtype(target.dtype))
             write = ts.array(buffer).write(store[index] if index else store)
-            pieces.extend((device, buffer, write) for device, _ in group)
+            pieces.extend((device, buffer, write) for device in devices)
 
         def finish(key: str = key, target: jax.ShapeDtypeStruct = target, pieces: list = pieces) -> None:
             arrays = []
@@ -267,3 +167,10 @@ def _check_keys(where: Path, stored: Any, targets: dict[str, jax.ShapeDtypeStruc
         wrong=[f"{k} is {tuple(stored[k].shape)}, model expects {tuple(targets[k].shape)}"
                for k in sorted(set(stored) & set(targets)) if tuple(stored[k].shape) != tuple(targets[k].shape)],
     )
+
+
+def check_converted(root: str | Path) -> dict[str, Any]:
+    """Kept for callers that import it from here; see converted.check_converted."""
+    from flux2klein_cli.core.weights.converted import check_converted as check
+
+    return check(root)

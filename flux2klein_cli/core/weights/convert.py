@@ -1,9 +1,9 @@
-"""`flux2klein convert`: a diffusers snapshot as Orbax checkpoints in the target dtype (layout in
-orbax_store.py).
+"""`flux2klein convert`: a diffusers snapshot as a converted directory in the target dtype, in the
+flat or the Orbax layout (converted.py describes the directory and why there are two layouts).
 
 Writing streams: parameters are read from the safetensors one at a time, converted to the
-target dtype and layout, and handed to Orbax in small groups (`ocp.partial.save`), which are
-merged into one checkpoint per component at the end (`ocp.partial.finalize`). Everything is
+target dtype and JAX layout, and written either in place into the flat file's mapping
+(flat_store.write_flat) or to Orbax in small groups (orbax_store.write_orbax). Everything is
 written into a temporary sibling directory renamed into place once complete (the manifest
 and model_index.json last): an interrupted convert leaves no directory `--model` accepts, and
 the next convert to the same place removes what a killed one left.
@@ -28,19 +28,19 @@ from flux2klein_cli.core.errors import CheckpointError, UserInputError
 from flux2klein_cli.core.mesh import default_mesh
 from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
 from flux2klein_cli.core.weights.configs import read_config, read_json
-from flux2klein_cli.core.weights.loader import ShardingRule, _replicate, iter_arrays
-from flux2klein_cli.core.weights.orbax_store import (
+from flux2klein_cli.core.weights.converted import (
     COPIED_COMPONENTS,
+    DEFAULT_LAYOUT,
     DTYPE_NAMES,
     FORMAT,
     FORMAT_VERSION,
+    LAYOUTS,
     MODEL_COMPONENTS,
-    ORBAX_DIR,
     abstract_component,
     components,
-    orbax_context,
-    orbax_key,
+    param_key,
 )
+from flux2klein_cli.core.weights.loader import ShardingRule, _replicate, check_plan, iter_arrays, read_into
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 
 _GROUP_BYTES = 256 << 20  # parameters handed to Orbax per partial save
@@ -52,6 +52,7 @@ def convert(
     out: str | Path,
     *,
     dtype: str = "bf16",
+    layout: str = DEFAULT_LAYOUT,
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = _replicate,
     force: bool = False,
@@ -59,13 +60,16 @@ def convert(
     progress: Callable[[str, int, int], None] | None = None,
     group_bytes: int = _GROUP_BYTES,
 ) -> dict[str, Any]:
-    """Convert a diffusers-layout snapshot into an Orbax directory at `out`; return its manifest.
+    """Convert a diffusers-layout snapshot into a converted directory at `out`; return its manifest.
 
-    `mesh` and `sharding_rule` lay the arrays out for the target sharding (each array's chunks
-    follow its shards). `provenance` (repo id, revision, the name the user gave) goes into the
+    `layout` is "flat" or "orbax" (see converted.py). For Orbax, `mesh` and `sharding_rule` lay
+    the arrays out for the target sharding (each array's chunks follow its shards); a flat file
+    serves any sharding. `provenance` (repo id, revision, the name the user gave) goes into the
     manifest. `progress(component, bytes_done, bytes_total)` is called as parameters are written."""
     if dtype not in DTYPE_NAMES:
         raise UserInputError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
+    if layout not in LAYOUTS:
+        raise UserInputError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     source, out = Path(source).resolve(), Path(out).expanduser().absolute()
     if (source / CONVERTED_MANIFEST).is_file():
         raise UserInputError(f"{source} is already a converted directory; convert its source snapshot instead")
@@ -88,11 +92,12 @@ def convert(
         written: dict[str, Any] = {}
         for name in MODEL_COMPONENTS:
             written[name] = convert_component(
-                name, source / name, tmp / name, DTYPE_NAMES[dtype], mesh, sharding_rule, group_bytes, progress
+                name, source / name, tmp / name, DTYPE_NAMES[dtype], mesh, sharding_rule, group_bytes, progress,
+                layout=layout,
             )
         for name in COPIED_COMPONENTS:
             shutil.copytree(source / name, tmp / name)
-        manifest = _manifest(source, dtype, mesh, written, provenance)
+        manifest = _manifest(source, dtype, layout, mesh, written, provenance)
         # Written last, in this order: a directory without both is not a converted model.
         shutil.copyfile(source / "model_index.json", tmp / "model_index.json")
         (tmp / CONVERTED_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -107,6 +112,7 @@ def convert_snapshot_to(
     out: str | Path,
     *,
     dtype: str = "bf16",
+    layout: str = DEFAULT_LAYOUT,
     force: bool = False,
     model: str | None = None,
     mesh: Mesh | None = None,
@@ -117,8 +123,8 @@ def convert_snapshot_to(
     if resolved.kind == "converted":
         raise UserInputError(f"{resolved.path} is already a converted directory; convert its source snapshot")
     provenance = {"model": model, "kind": resolved.kind, "repo_id": resolved.repo_id, "revision": resolved.revision}
-    return convert(resolved.path, out, dtype=dtype, mesh=mesh, sharding_rule=sharding_rule, force=force,
-                   provenance=provenance, progress=progress)
+    return convert(resolved.path, out, dtype=dtype, layout=layout, mesh=mesh, sharding_rule=sharding_rule,
+                   force=force, provenance=provenance, progress=progress)
 
 
 def convert_component(
@@ -130,11 +136,13 @@ def convert_component(
     sharding_rule: ShardingRule,
     group_bytes: int,
     progress: Callable[[str, int, int], None] | None,
+    *,
+    layout: str = DEFAULT_LAYOUT,
 ) -> dict[str, Any]:
-    """One component folder of a snapshot -> `dst/config.json` (and its other JSON) plus `dst/orbax`,
-    every parameter in `dtype`, laid out for `mesh` / `sharding_rule`; returns its manifest entry.
-    Peak memory is about twice the largest parameter or group over the baseline (Orbax stages a
-    host copy of what it writes)."""
+    """One component folder of a snapshot -> `dst/config.json` (and its other JSON) plus `dst/<layout>`,
+    every parameter in `dtype` and JAX layout; returns its manifest entry. Peak memory: about one
+    parameter over the baseline for flat (written in place into the file's mapping), about twice
+    the largest parameter or group for Orbax (which stages a host copy of what it writes)."""
     dst.mkdir(parents=True)
     for path in sorted(src.glob("*.json")):
         if not path.name.endswith(".safetensors.index.json"):
@@ -142,42 +150,35 @@ def convert_component(
     config = read_config(src)
     model = abstract_component(name, config, dtype)
     _, abstract_state = nnx.split(model)
-    flat = list(nnx.to_flat_state(abstract_state))
-    total = sum(int(np.prod(v.get_value().shape)) * np.dtype(v.get_value().dtype).itemsize for _, v in flat)
+    flat = [(path, var.get_value()) for path, var in nnx.to_flat_state(abstract_state)]
+    total = sum(int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize for _, spec in flat)
     checkpoint = SafetensorsCheckpoint.open(src)
-    arrays = iter_arrays(checkpoint, components()[name].plan_for(model), abstract_state, mesh, sharding_rule)
+    plan = components()[name].plan_for(model)
+    report = (lambda done: progress(name, done, total)) if progress else None
+    if layout == "flat":
+        from flux2klein_cli.core.weights.flat_store import FLAT_DIR, write_flat
 
-    target = dst / ORBAX_DIR
-    # Orbax stages what it writes (a host copy of each array), so the peak is about twice the
-    # largest parameter or group over the baseline: for the 4B transformer, whose largest stacked
-    # parameter is 3.4 GB, 7.7 GB in all, against 7.75 GB for the whole model.
-    done, group, group_size = 0, {}, 0
-    with orbax_context() as ocp:
-        for path, array in arrays:
-            group[orbax_key(path)] = array
-            group_size += array.nbytes
-            if group_size >= group_bytes:
-                ocp.partial.save(target, group)
-                done += group_size
-                group, group_size = {}, 0
-                if progress:
-                    progress(name, done, total)
-        if group:
-            ocp.partial.save(target, group)
-            done += group_size
-            if progress:
-                progress(name, done, total)
-        group = {}
-        ocp.partial.finalize(target)
+        check_plan(checkpoint, plan, dict(flat))
+        write_flat(dst / FLAT_DIR, [
+            (param_key(path), tuple(spec.shape), np.dtype(spec.dtype),
+             lambda out, source=plan.sources[path]: read_into(out, checkpoint, source))
+            for path, spec in flat
+        ], progress=report)
+    else:
+        from flux2klein_cli.core.weights.orbax_store import ORBAX_DIR, write_orbax
+
+        arrays = iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule)
+        write_orbax(dst / ORBAX_DIR, ((param_key(path), array) for path, array in arrays), group_bytes, report)
     return {
-        "checkpoint": f"{name}/{ORBAX_DIR}",
-        "parameters": sum(int(np.prod(v.get_value().shape)) for _, v in flat),
+        "layout": layout,
+        "checkpoint": f"{name}/{layout}",
+        "parameters": sum(int(np.prod(spec.shape)) for _, spec in flat),
         "bytes": total,
         "config": config,
     }
 
 
-def _manifest(source: Path, dtype: str, mesh: Mesh, components: dict[str, Any],
+def _manifest(source: Path, dtype: str, layout: str, mesh: Mesh, components: dict[str, Any],
               provenance: dict[str, Any] | None) -> dict[str, Any]:
     from flux2klein_cli import __version__
 
@@ -196,7 +197,9 @@ def _manifest(source: Path, dtype: str, mesh: Mesh, components: dict[str, Any],
         "flux2klein_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "dtype": dtype,
-        "mesh": {str(k): int(v) for k, v in mesh.shape.items()},
+        "layout": layout,
+        # The sharding Orbax chunks were laid out for; a flat file serves any.
+        **({"mesh": {str(k): int(v) for k, v in mesh.shape.items()}} if layout == "orbax" else {}),
         "pipeline_class": index.get("_class_name"),
         "source": {"path": str(source), **(provenance or {}), "files": files},
         "components": components,

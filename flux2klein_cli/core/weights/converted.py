@@ -1,0 +1,181 @@
+"""Converted directories: their format, checking them, and loading their components.
+
+A directory written by `flux2klein convert` (convert.py) is a complete `--model`:
+
+    flux2klein-manifest.json   written last: source, revision, file sizes / hashes, dtype, layout, configs
+    model_index.json           copied
+    transformer/config.json    copied (every JSON of the component but the weight index)
+    transformer/flat/          the parameters in the flat layout (flat_store.py), or
+    transformer/orbax/         one Orbax PyTree checkpoint (orbax_store.py), as `convert --layout` chose
+    text_encoder/..., vae/...  the same
+    tokenizer/, scheduler/     copied as they are
+
+Both layouts hold the parameters in their target dtype and JAX layout (linear kernels already
+transposed, scanned layers stacked), so nothing is converted or transposed at load time. They
+differ in how the bytes get into place, and `convert --layout` picks one per directory:
+
+- **flat** (the default): one page-aligned file per component, memory-mapped at load. On a CPU
+  host the arrays are views of the page cache adopted by JAX without a copy, so a load costs
+  what touching the pages costs (the 4B transformer: about the time of `cat`, not the 20 s of
+  a copying loader, see docs/benchmarks.md). With a sharding, each device's slice is cut from
+  the mapping and placed with `device_put`, so a device reads only its shard there too.
+- **orbax**: an Orbax (TensorStore, OCDBT) checkpoint, chunked for the sharding it was written
+  for. Its place is where a memory map cannot go: storage that is not a local file system
+  (TensorStore also reads object stores; `--model` takes local directories only, so far) and
+  tools that expect Orbax checkpoints. On a CPU host it is the slower of the two (TensorStore
+  reads every chunk into a buffer of its own and copies it).
+
+Writing both would double the disk (18 GB more for 9B) and the conversion time for a directory
+that is only ever read one way, so a directory holds one layout, named in the manifest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.mesh import default_mesh
+from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
+from flux2klein_cli.core.weights.configs import read_config, read_json
+from flux2klein_cli.core.weights.loader import KeyPlan, ShardingRule, _replicate
+
+FORMAT = "flux2klein-converted"
+FORMAT_VERSION = 2
+# Version 1 (before the flat layout): Orbax only, no "layout" field. Still read.
+_LEGACY = ("flux2klein-orbax", 1)
+LAYOUTS = ("flat", "orbax")
+DEFAULT_LAYOUT = "flat"
+MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")
+COPIED_COMPONENTS = ("tokenizer", "scheduler")
+DTYPE_NAMES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
+
+
+@dataclass(frozen=True)
+class Component:
+    """How to build one model abstractly from its config, and where its weights come from."""
+
+    build: Callable[[dict[str, Any], Any], nnx.Module]
+    plan_for: Callable[[Any], KeyPlan]
+
+
+def components() -> dict[str, Component]:
+    from flux2klein_cli.core.models.qwen3 import Qwen3Config, Qwen3TextEncoder, qwen3_key_plan
+    from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig, transformer_key_plan
+    from flux2klein_cli.core.models.vae import VAEConfig, build_vae, vae_key_plan
+
+    return {
+        "transformer": Component(
+            lambda c, d: Flux2Transformer(TransformerConfig.from_dict(c), dtype=d, rngs=nnx.Rngs(0)),
+            transformer_key_plan,
+        ),
+        "text_encoder": Component(
+            lambda c, d: Qwen3TextEncoder(Qwen3Config.from_dict(c), dtype=d, rngs=nnx.Rngs(0)), qwen3_key_plan
+        ),
+        "vae": Component(lambda c, d: build_vae(VAEConfig.from_dict(c), dtype=d), vae_key_plan),
+    }
+
+
+def abstract_component(name: str, config: dict[str, Any], dtype: Any) -> nnx.Module:
+    component = components()[name]
+    return nnx.eval_shape(lambda: component.build(config, dtype))
+
+
+def param_key(path: tuple[Any, ...]) -> str:
+    """One flat, readable name per NNX parameter path, e.g. `encoder.down_blocks.0.resnets.1.conv1.kernel`."""
+    return ".".join(str(p) for p in path)
+
+
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    """The manifest of a converted directory, checked for format and version."""
+    root = Path(root)
+    manifest = read_json(root / CONVERTED_MANIFEST)
+    fmt, version = manifest.get("format"), manifest.get("format_version")
+    if fmt not in (FORMAT, _LEGACY[0]):
+        raise CheckpointError(f"{root / CONVERTED_MANIFEST}: not a flux2klein convert manifest")
+    if (fmt, version) not in ((FORMAT, FORMAT_VERSION), _LEGACY):
+        raise CheckpointError(
+            f"{root}: converted with format version {version}, this flux2klein reads version {FORMAT_VERSION}; "
+            "convert the source snapshot again"
+        )
+    return manifest
+
+
+def component_layout(manifest: dict[str, Any], name: str) -> str:
+    """The layout a component was written in ("flat" or "orbax")."""
+    entry = manifest.get("components", {}).get(name) or {}
+    layout = entry.get("layout", "orbax" if manifest.get("format") == _LEGACY[0] else None)
+    if layout not in LAYOUTS:
+        raise CheckpointError(f"manifest: component {name!r} has unknown layout {layout!r}")
+    return layout
+
+
+def check_converted(root: str | Path) -> dict[str, Any]:
+    """Raise a CheckpointError unless `root` is a complete converted directory; return its manifest.
+    Cheap: reads the manifest, and for flat components their index and data file header."""
+    from flux2klein_cli.core.weights import flat_store
+
+    root = Path(root)
+    manifest = read_manifest(root)
+    missing = [f"{name}/config.json" for name in MODEL_COMPONENTS if not (root / name / "config.json").is_file()]
+    for name in MODEL_COMPONENTS:
+        layout = component_layout(manifest, name)
+        where = root / name / layout
+        if layout == "orbax" and not (where / "_CHECKPOINT_METADATA").is_file():
+            missing.append(f"{name}/orbax")
+        elif layout == "flat" and not where.is_dir():
+            missing.append(f"{name}/flat")
+    missing += [f"{name}/" for name in COPIED_COMPONENTS if not (root / name).is_dir()]
+    if not (root / "model_index.json").is_file():
+        missing.append("model_index.json")
+    if missing:
+        raise CheckpointError(f"{root}: incomplete converted directory, missing {', '.join(missing)}")
+    for name in MODEL_COMPONENTS:
+        if component_layout(manifest, name) == "flat":
+            flat_store.read_index(root / name / flat_store.FLAT_DIR)
+    return manifest
+
+
+def load_component(
+    name: str,
+    root: str | Path,
+    *,
+    dtype: Any = jnp.bfloat16,
+    mesh: Mesh | None = None,
+    sharding_rule: ShardingRule = _replicate,
+    layout: str | None = None,
+) -> nnx.Module:
+    """One component of a converted directory, straight into `dtype` and its shardings.
+
+    The abstract model gives every parameter's shape; its sharding comes from `mesh` and
+    `sharding_rule`; each device's slice comes from the stored array (cast on the way if `dtype`
+    differs from the stored one). `layout` is read from the manifest unless given (a directory
+    written component by component, as bench_load does, has none)."""
+    root = Path(root)
+    layout = layout or component_layout(read_manifest(root), name)
+    mesh = mesh or default_mesh()
+    model = abstract_component(name, read_config(root / name), dtype)
+    graphdef, state = nnx.split(model)
+    flat = list(nnx.to_flat_state(state))
+    targets = {}
+    for path, var in flat:
+        spec = var.get_value()
+        sharding = NamedSharding(mesh, sharding_rule(tuple(path), tuple(spec.shape)))
+        targets[param_key(path)] = jax.ShapeDtypeStruct(spec.shape, spec.dtype, sharding=sharding)
+    if layout == "flat":
+        from flux2klein_cli.core.weights.flat_store import FLAT_DIR, load_arrays
+
+        restored = load_arrays(root / name / FLAT_DIR, targets)
+    else:
+        from flux2klein_cli.core.weights.orbax_store import ORBAX_DIR, restore_arrays
+
+        restored = restore_arrays(root / name / ORBAX_DIR, targets)
+    return nnx.merge(graphdef, nnx.from_flat_state([(path, var.replace(restored[param_key(path)]))
+                                                    for path, var in flat]))

@@ -1,0 +1,279 @@
+"""The flat layout of a converted component: parameters stored as the model holds them, mapped, not read.
+
+    <component>/flat/index.json   {format, version, id, bytes, alignment,
+                                   tensors: {name: {dtype, shape, offset, crc32}}}
+    <component>/flat/params.bin   a 4 KiB header, then every parameter at a page-aligned offset
+
+Every parameter is stored exactly as it lives in host memory: in its target dtype, in JAX
+layout (linear kernels (in, out), convolutions HWIO), scanned layers already stacked, C order.
+Loading maps the file read-only and hands each parameter to JAX as a view of the mapping.
+JAX's CPU client adopts a host buffer aligned to 64 bytes as the array's own storage instead of
+copying it, so on a CPU host a load costs opening the file and, later, the page faults of first
+use: no copy, no conversion, and no new memory (the pages are the page cache's, shared with any
+other process that maps the file). Each array holds its numpy view, which holds the mapping, so
+the mapping lives exactly as long as the last array that uses it. Nothing can write through
+it: the mapping is read-only, and JAX neither donates nor writes into buffers it does not own.
+
+With a sharding (several devices, or an accelerator), each device's slice is cut from the
+mapping and placed with `device_put`: an accelerator reads its bytes straight from the mapped
+pages, and a CPU device adopts its slice as it is when it is contiguous and aligned (a
+row-sharded slice) or gets one aligned copy of it (anything else, or a dtype cast).
+
+Integrity: the header holds a magic string, the conversion's id (also in the index) and the
+SHA-256 of index.json, and the file's size is in the index; every offset is checked to lie
+inside the file, aligned and not overlapping another. So a truncated file, an edited index or a
+data file from another conversion is a CheckpointError before anything is mapped. The bytes of
+the parameters themselves are not hashed at load (that would mean reading all of them, which is
+exactly what this layout avoids); each one's CRC-32 is in the index, and `verify` checks them all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.weights.loader import aligned_empty, copy_into, raise_on_mismatch, unique_shards
+
+FLAT_DIR = "flat"
+INDEX_FILE = "index.json"
+DATA_FILE = "params.bin"
+FORMAT = "flux2klein-flat"
+VERSION = 1
+ALIGNMENT = 4096  # page-aligned: zero-copy needs 64 bytes, and whole pages can be released or read directly
+_MAGIC = b"flux2klein-flat\n"
+_HEADER = struct.Struct("<16sI16s32s")  # magic, version, conversion id, SHA-256 of index.json
+_HEADER_BYTES = ALIGNMENT
+_ZERO_COPY_ALIGNMENT = 64  # what JAX's CPU client needs to adopt a host buffer instead of copying it
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(t) for name, t in (("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16),
+                                      ("float32", np.float32), ("float64", np.float64), ("int32", np.int32),
+                                      ("int64", np.int64), ("uint8", np.uint8), ("bool", np.bool_))
+}
+
+# One parameter to write: its name, shape, dtype, and a function that fills a buffer of that shape.
+TensorWriter = tuple[str, tuple[int, ...], np.dtype, Callable[[np.ndarray], None]]
+
+
+@dataclass(frozen=True)
+class FlatTensor:
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    crc32: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class FlatIndex:
+    """A checked index: every tensor lies inside the data file, aligned, with no overlaps."""
+
+    directory: Path
+    id: str
+    bytes: int
+    tensors: dict[str, FlatTensor]
+
+    @property
+    def data_file(self) -> Path:
+        return self.directory / DATA_FILE
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write_flat(directory: str | Path, tensors: Sequence[TensorWriter],
+               progress: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Write `tensors` into `directory` (created; it must not exist) in the flat layout.
+
+    Each tensor is filled in place in a writable shared mapping of the data file, so its bytes
+    go straight into the page cache: nothing is staged in anonymous memory, and each tensor's
+    pages are unmapped once written (peak memory about one tensor). The index and the header
+    are written after the data, and everything is fsynced: a directory whose index and header
+    agree is complete. `progress(bytes_done)` is called after each tensor. Returns the index's
+    summary (id, bytes)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True)
+    entries: dict[str, FlatTensor] = {}
+    offset = _HEADER_BYTES
+    for key, shape, dtype, _ in tensors:
+        if key in entries:
+            raise ValueError(f"duplicate tensor name {key!r}")
+        if np.dtype(dtype).name not in DTYPES:
+            raise ValueError(f"{key}: dtype {np.dtype(dtype).name} cannot be stored")
+        entries[key] = FlatTensor(np.dtype(dtype), tuple(int(d) for d in shape), offset)
+        offset = _round_up(offset + max(entries[key].nbytes, 1), ALIGNMENT)
+    total = offset
+    conversion_id = uuid.uuid4()
+    done = 0
+    with (directory / DATA_FILE).open("xb+") as f:
+        f.truncate(total)
+        with mmap.mmap(f.fileno(), total, access=mmap.ACCESS_WRITE) as mapping:
+            for key, _, _, fill in tensors:
+                entry = entries[key]
+                out = np.frombuffer(mapping, entry.dtype, count=int(np.prod(entry.shape, dtype=np.int64)),
+                                    offset=entry.offset).reshape(entry.shape)
+                fill(out)
+                crc = zlib.crc32(out.reshape(-1).view(np.uint8))
+                entries[key] = FlatTensor(entry.dtype, entry.shape, entry.offset, crc)
+                del out
+                # Drop the written pages from this process (they stay dirty in the page cache).
+                mapping.madvise(mmap.MADV_DONTNEED, entry.offset, _round_up(max(entry.nbytes, 1), ALIGNMENT))
+                done += entry.nbytes
+                if progress:
+                    progress(done)
+            index = _index_json(conversion_id.hex, total, entries)
+            mapping[: _HEADER.size] = _HEADER.pack(_MAGIC, VERSION, conversion_id.bytes,
+                                                   hashlib.sha256(index).digest())
+        f.flush()
+        os.fsync(f.fileno())
+    with (directory / INDEX_FILE).open("xb") as f:
+        f.write(index)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"id": conversion_id.hex, "bytes": total}
+
+
+def _index_json(conversion_id: str, total: int, entries: dict[str, FlatTensor]) -> bytes:
+    return (json.dumps({
+        "format": FORMAT,
+        "version": VERSION,
+        "id": conversion_id,
+        "bytes": total,
+        "alignment": ALIGNMENT,
+        "tensors": {key: {"dtype": e.dtype.name, "shape": list(e.shape), "offset": e.offset, "crc32": e.crc32}
+                    for key, e in entries.items()},
+    }, indent=1) + "\n").encode()
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def read_index(directory: str | Path) -> FlatIndex:
+    """The index of a flat component, checked against its data file's header, size and bounds.
+    Reads the index and 4 KiB of the data file; any inconsistency is a CheckpointError."""
+    directory = Path(directory)
+    index_path, data_path = directory / INDEX_FILE, directory / DATA_FILE
+    try:
+        raw = index_path.read_bytes()
+        with data_path.open("rb") as f:
+            header = f.read(_HEADER.size)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{directory}: incomplete flat checkpoint, {Path(e.filename).name} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{directory}: cannot read flat checkpoint ({e.strerror or e})") from None
+    try:
+        index = json.loads(raw)
+        if index.get("format") != FORMAT:
+            raise ValueError("not a flat index")
+        if index.get("version") != VERSION:
+            raise CheckpointError(f"{index_path}: flat layout version {index.get('version')}, this flux2klein "
+                                  f"reads version {VERSION}; convert the source snapshot again")
+        conversion_id, total = str(index["id"]), int(index["bytes"])
+        tensors = {str(k): FlatTensor(DTYPES[v["dtype"]], tuple(int(d) for d in v["shape"]), int(v["offset"]),
+                                      None if v.get("crc32") is None else int(v["crc32"]))
+                   for k, v in index["tensors"].items()}
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{index_path}: corrupt flat index") from None
+
+    if len(header) < _HEADER.size or header[:16] != _MAGIC:
+        raise CheckpointError(f"{data_path}: not a flux2klein flat data file (bad header)")
+    _, version, header_id, index_hash = _HEADER.unpack(header)
+    if header_id.hex() != conversion_id:
+        raise CheckpointError(f"{data_path}: belongs to another conversion than {INDEX_FILE}")
+    if index_hash != hashlib.sha256(raw).digest():
+        raise CheckpointError(f"{index_path}: modified after conversion (its hash does not match {DATA_FILE})")
+    if size != total:
+        raise CheckpointError(f"{data_path}: {'truncated' if size < total else 'wrong size'} "
+                              f"({size} bytes on disk, the index says {total})")
+    end = _HEADER_BYTES
+    for key, entry in sorted(tensors.items(), key=lambda item: item[1].offset):
+        if entry.offset % ALIGNMENT or entry.offset < end or entry.offset + entry.nbytes > total or \
+                any(d < 0 for d in entry.shape):
+            raise CheckpointError(f"{index_path}: tensor {key!r} is misplaced (offset {entry.offset})")
+        end = entry.offset + entry.nbytes
+    return FlatIndex(directory, conversion_id, total, tensors)
+
+
+def _map(index: FlatIndex) -> mmap.mmap:
+    """The data file mapped read-only. WILLNEED starts reading it into the page cache in the
+    background (from a cold cache the disk streams while the model is being built and compiled)."""
+    with index.data_file.open("rb") as f:
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_WILLNEED"):
+        mapping.madvise(mmap.MADV_WILLNEED)
+    return mapping
+
+
+def _view(mapping: mmap.mmap, entry: FlatTensor) -> np.ndarray:
+    count = int(np.prod(entry.shape, dtype=np.int64))
+    return np.frombuffer(mapping, entry.dtype, count=count, offset=entry.offset).reshape(entry.shape)
+
+
+def _host_piece(piece: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """A device's host bytes: the mapped view itself when it can be adopted (or transferred) as
+    it is, else one aligned copy in the target dtype."""
+    if piece.dtype == dtype and piece.flags.c_contiguous and piece.ctypes.data % _ZERO_COPY_ALIGNMENT == 0:
+        return piece
+    out = aligned_empty(piece.shape, dtype)
+    copy_into(out, piece)
+    return out
+
+
+def load_arrays(directory: str | Path, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
+    """Each target's array (shape, dtype, sharding) from a flat component directory; see the module
+    docstring. Missing, unexpected and reshaped parameters are one CheckpointError, as for the
+    other loaders."""
+    index = read_index(directory)
+    raise_on_mismatch(
+        index.data_file,
+        missing=set(targets) - set(index.tensors),
+        unexpected=set(index.tensors) - set(targets),
+        wrong=[f"{k} is {index.tensors[k].shape}, model expects {tuple(targets[k].shape)}"
+               for k in sorted(set(targets) & set(index.tensors)) if index.tensors[k].shape != tuple(targets[k].shape)],
+    )
+    mapping = _map(index)
+    results: dict[str, jax.Array] = {}
+    for key, target in targets.items():
+        stored = _view(mapping, index.tensors[key])
+        dtype = np.dtype(target.dtype)
+        arrays = []
+        for slices, devices in unique_shards(target.sharding, target.shape):
+            host = _host_piece(stored[slices] if slices else stored, dtype)
+            arrays.extend(jax.device_put(host, device) for device in devices)
+        results[key] = jax.make_array_from_single_device_arrays(target.shape, target.sharding, arrays)
+    return results
+
+
+def verify(directory: str | Path) -> None:
+    """Read every parameter once and check its CRC-32: a CheckpointError names the damaged ones."""
+    index = read_index(directory)
+    mapping = _map(index)
+    bad = [key for key, entry in index.tensors.items()
+           if entry.crc32 is not None and zlib.crc32(_view(mapping, entry).reshape(-1).view(np.uint8)) != entry.crc32]
+    if bad:
+        more = f" (and {len(bad) - 10} more)" if len(bad) > 10 else ""
+        raise CheckpointError(f"{Path(directory) / DATA_FILE}: damaged parameters (CRC-32 mismatch): "
+                              f"{', '.join(bad[:10])}{more}")
