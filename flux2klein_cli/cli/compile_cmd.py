@@ -1,0 +1,89 @@
+"""`flux2klein compile`: compile (or load) every program of a run and store the executables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+
+
+def compile_programs(
+    model: str = typer.Option("tiny", "--model", "-m", help="Alias, repo id or local dir; an alias needs no "
+                              "download (only configs are read)."),
+    height: int = typer.Option(None, "--height", help="Image height in pixels [default: the model's]."),
+    width: int = typer.Option(None, "--width", help="Image width in pixels [default: the model's]."),
+    bs: int = typer.Option(1, "--bs", help="Images per run (the denoise and decode batch)."),
+    prompts: int = typer.Option(1, "--prompts", help="Distinct prompts per run (the text encoder's batch)."),
+    steps: int = typer.Option(None, "--steps", help="Denoising steps [default: the model's]."),
+    guidance: float = typer.Option(None, "--guidance", help="Guidance; above 1 on a base model compiles CFG."),
+    refs: str = typer.Option(None, "--refs", help="Reference sizes for edits, HxW comma-separated: 512x512,768x1024."),
+    kv: bool = typer.Option(False, "--kv", help="KV edit: the references-only pass and denoising "
+                            "against its cache (9b-kv)."),
+    mesh: str = typer.Option(None, "--mesh", help="Mesh over this host's devices, e.g. fsdp=4 or data=2,fsdp=2."),
+    tpu: str = typer.Option(None, "--tpu", help="TPU preset (v6e-4, v6-4, v5litepod-8, v5p-8, v4-8, v7-2, "
+                            "v6e:2x2 ...): without that TPU here, compile for its topology."),
+    cache_dir: Path = typer.Option(None, "--cache-dir", help="Executable store [default: $FLUX2KLEIN_COMPILE_CACHE "
+                                   "or ~/.cache/flux2klein/executables]."),
+    sequential: bool = typer.Option(False, "--sequential", help="Compile one program at a time."),
+    no_save: bool = typer.Option(False, "--no-save", help="Compile without storing the executables."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32."),
+    max_sequence_length: int = typer.Option(512, "--max-sequence-length", help="Prompt token budget."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Compile every program a run needs and store the executables for later runs.
+
+    Text encoder, denoise loop, VAE decode and one VAE encode per reference size are lowered
+    from the model's configs alone (no weights), compiled in parallel, and serialized to the
+    store; stored ones are loaded instead. With --tpu on a host without that TPU, programs are
+    compiled for its topology (needs the [tpu] extra) and memory per device is held against
+    the chip's HBM: fits, or does not fit and by how much.
+
+    Examples:
+
+      flux2klein compile --model tiny --height 256 --width 256
+
+      flux2klein compile --model 9b --height 1024 --width 1024 --bs 8 --tpu v6-4 --json
+
+      flux2klein compile --model 4b --refs 1024x1024,768x1024 --cache-dir /shared/executables
+    """
+    with user_errors():
+        from flux2klein_cli.core.compile.run import CompileOptions, run_compile
+
+        opts = CompileOptions(model=model, height=height, width=width, batch=bs, prompts=prompts, steps=steps,
+                              guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu, cache_dir=cache_dir,
+                              sequential=sequential, dtype=dtype, max_sequence_length=max_sequence_length,
+                              save=not no_save)
+        report = run_compile(opts, progress=lambda m: stderr.print(m, highlight=False),
+                             warn=lambda m: stderr.print(f"[yellow]warning:[/] {m}", highlight=False, soft_wrap=True))
+    if as_json:
+        emit_json(report)
+    else:
+        _table(report)
+
+
+def _mib(n: int | None) -> str:
+    return "" if n is None else f"{n / 2**20:,.1f}"
+
+
+def _table(report: dict[str, Any]) -> None:
+    target = report["target"]
+    where = report.get("tpu", {}).get("preset") or f"{target['device_kind']} x{target['device_count']}"
+    table = Table(title=f"{report['model']} {report['height']}x{report['width']}, batch {report['batch']}, "
+                        f"{report['steps']} steps on {where}")
+    for column in ("program", "status", "lower s", "compile s", "load s", "peak MiB/device", "with weights MiB"):
+        table.add_column(column, justify="left" if column in ("program", "status") else "right")
+    for p in report["programs"]:
+        hit = p["status"] == "hit"
+        table.add_row(p["name"], p["status"], "" if hit else f"{p['lower_s']:.2f}", f"{p['compile_s']:.2f}",
+                      f"{p['seconds']:.2f}" if hit else "", _mib(p["memory"].get("peak")),
+                      _mib(p["needed_bytes_per_device"]))
+    stdout.print(table)
+    stdout.print(f"{report['wall_s']:.2f} s in all ({'parallel' if report['parallel'] else 'sequential'}); "
+                 f"store: {report['store']}", highlight=False)
+    if "verdict" in report:
+        v = report["verdict"]
+        stdout.print(f"[{'green' if v['fits'] else 'red'}]{v['text']}[/]", highlight=False)

@@ -1,0 +1,356 @@
+"""Abstract program specs for a whole run, from a model's configs alone (no weights).
+
+Each spec lowers the very function the pipeline calls (`_jit_module_call` of the text
+encoder and the VAE, `denoise_fn` of the transformer) on the very argument pytrees it
+passes: the same `nnx.State` structure, shapes, dtypes and shardings, so an executable
+compiled here is the one a real call needs. A program is one short function below; the
+denoise inputs are a `DenoiseInputs` of ShapeDtypeStructs built field by field, so a field
+added to DenoiseInputs needs one entry in `denoise_fields` and nothing else.
+
+Shardings: on a one-device mesh the parameters carry NamedSharding(mesh, P()) as the loader
+places them and the inputs none (the pipeline passes fresh host arrays). On a larger mesh
+(`--tpu`, `--mesh`) every 2D+ parameter is split over the fsdp axis along its largest
+divisible dimension (the layer axis of scanned stacks excepted), and every batch over
+(data, fsdp) when it divides; the rest is replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from flux2klein_cli.core.compile.store import ProgramSpec, Target
+from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+
+PIXELS_PER_TOKEN = 16  # as pipeline.py: 8x VAE downsampling, then 2x2 patches
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass(frozen=True)
+class ModelConfigs:
+    """The three component configs (as their config.json files hold them) and pipeline flags."""
+
+    transformer: dict[str, Any]
+    text_encoder: dict[str, Any]
+    vae: dict[str, Any]
+    distilled: bool
+    kv: bool
+    source: str  # the directory read, or "registry:<alias>" for a published geometry
+
+
+def model_configs(model: str) -> ModelConfigs:
+    """Configs of a `--model`: a local or converted directory, `tiny`, or a cached hub snapshot;
+    an alias that is not cached (4b, 9b, ...) uses the registry's published geometry, so
+    compiling for the real models needs no download."""
+    from flux2klein_cli.core.registry import MODELS
+    from flux2klein_cli.core.snapshot import resolve
+
+    try:
+        return configs_from_snapshot(resolve(model, offline=True).path)
+    except Flux2KleinError:
+        if model.strip().lower() not in MODELS:
+            raise
+    return configs_from_registry(model.strip().lower())
+
+
+def configs_from_snapshot(root: str | Path) -> ModelConfigs:
+    from flux2klein_cli.core.checkpoint import Snapshot
+    from flux2klein_cli.core.weights.configs import read_config
+
+    snapshot = Snapshot.open(root)
+    configs = {name: read_config(snapshot.component(name)) for name in ("transformer", "text_encoder", "vae")}
+    return ModelConfigs(**configs, distilled=snapshot.is_distilled, kv=snapshot.kv, source=str(snapshot.root))
+
+
+def configs_from_registry(alias: str) -> ModelConfigs:
+    from flux2klein_cli.core import random_checkpoint as rc
+    from flux2klein_cli.core.registry import spec_for
+
+    spec = spec_for(alias)
+    geometry = rc.preset("9b" if "9b" in spec.alias else "4b")
+    return ModelConfigs(
+        transformer=rc.transformer_config_json(geometry),
+        text_encoder=rc.text_encoder_config_json(geometry, geometry.text_encoder["vocab_size"]),
+        vae=rc.vae_config_json(geometry), distilled=spec.distilled, kv=spec.kv, source=f"registry:{spec.alias}",
+    )
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What decides the programs of a run: output size, images, prompts, steps, references."""
+
+    height: int
+    width: int
+    batch: int = 1  # images per run (prompts x images per prompt)
+    prompts: int = 1  # distinct prompts: the text encoder's batch
+    steps: int = 4
+    references: tuple[tuple[int, int], ...] = ()  # (height, width) of each reference, in order
+    cfg: bool = False  # classifier-free guidance (undistilled models with guidance > 1)
+    max_sequence_length: int = 512
+    dtype: Any = jnp.bfloat16
+    kv: bool = False  # KV edit: a references-only pass, then denoising against its cache
+
+    def __post_init__(self) -> None:
+        for h, w in ((self.height, self.width), *self.references):
+            if h <= 0 or w <= 0 or h % PIXELS_PER_TOKEN or w % PIXELS_PER_TOKEN:
+                raise UserInputError(f"sizes must be positive multiples of {PIXELS_PER_TOKEN}, got {h}x{w}")
+        if min(self.batch, self.prompts, self.steps, self.max_sequence_length) < 1:
+            raise UserInputError("batch, prompts, steps and max sequence length must be at least 1")
+        if self.kv and not self.references:
+            raise UserInputError("--kv needs at least one reference size (--refs)")
+        if self.batch % self.prompts:
+            raise UserInputError(f"batch {self.batch} is not a multiple of the {self.prompts} prompts")
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return self.height // PIXELS_PER_TOKEN, self.width // PIXELS_PER_TOKEN
+
+    @property
+    def reference_tokens(self) -> int:
+        return sum((h // PIXELS_PER_TOKEN) * (w // PIXELS_PER_TOKEN) for h, w in self.references)
+
+
+@dataclass
+class AbstractModels:
+    """The three models built from configs by `nnx.eval_shape`: graphdefs and shapes only."""
+
+    transformer: Any
+    text_encoder: Any
+    vae: Any
+    configs: ModelConfigs
+    dtype: Any
+    states: dict[str, Any] = field(default_factory=dict)  # name -> state of ShapeDtypeStructs
+
+    @classmethod
+    def build(cls, configs: ModelConfigs, dtype: Any = jnp.bfloat16) -> AbstractModels:
+        from flux2klein_cli.core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
+        from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
+        from flux2klein_cli.core.models.vae import VAEConfig, abstract_vae
+
+        # Built as the loaders build them (load_transformer, load_qwen3, load_vae).
+        tcfg = TransformerConfig.from_dict(configs.transformer)
+        qcfg = Qwen3Config.from_dict(configs.text_encoder)
+        return cls(
+            transformer=nnx.eval_shape(lambda: Flux2Transformer(tcfg, dtype=dtype, scan_layers=True,
+                                                                rngs=nnx.Rngs(0))),
+            text_encoder=nnx.eval_shape(lambda: Qwen3TextEncoder(qcfg, dtype=dtype, rngs=nnx.Rngs(0))),
+            vae=abstract_vae(VAEConfig.from_dict(configs.vae), dtype=dtype),
+            configs=configs, dtype=dtype,
+        )
+
+    def state(self, name: str, mesh: Mesh) -> Any:
+        """The module's state as ShapeDtypeStructs placed as the loader places them on `mesh`."""
+        module = getattr(self, name)
+        fsdp = mesh.shape.get("fsdp", 1)
+
+        def place(leaf: Any) -> jax.ShapeDtypeStruct:
+            spec = fsdp_spec(leaf.shape, fsdp) if mesh.size > 1 else PartitionSpec()
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+
+        return jax.tree.map(place, nnx.state(module))
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
+    """Split the largest dimension divisible by `fsdp` (not the leading layer axis of a 3D+
+    stack, which scan slices step by step); 1D parameters and the indivisible stay whole."""
+    if fsdp <= 1 or len(shape) < 2:
+        return PartitionSpec()
+    first = 1 if len(shape) >= 3 else 0
+    candidates = [i for i in range(first, len(shape)) if shape[i] % fsdp == 0]
+    if not candidates:
+        return PartitionSpec()
+    dim = max(candidates, key=lambda i: (shape[i], i))
+    return PartitionSpec(*[("fsdp" if i == dim else None) for i in range(len(shape))])
+
+
+def param_bytes_per_device(state: Any) -> int:
+    """Bytes of a placed abstract state on one device (its shard of every leaf)."""
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        shard = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shard) * jnp.dtype(leaf.dtype).itemsize
+    return total
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _input(shape: tuple[int, ...], dtype: Any, mesh: Mesh, *, batched: bool = True) -> jax.ShapeDtypeStruct:
+    """An input array: none on one device (a fresh host array), else the batch split over
+    (data, fsdp) when it divides and replicated otherwise."""
+    if not _explicit(mesh):
+        return jax.ShapeDtypeStruct(shape, dtype)
+    split = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    if batched and shape and shape[0] % split == 0:
+        spec = PartitionSpec(("data", "fsdp"))
+    else:
+        spec = PartitionSpec()
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+def _explicit(mesh: Mesh) -> bool:
+    """Inputs carry shardings except on one local device, where the pipeline passes plain arrays."""
+    return mesh.size > 1 or mesh.devices.flat[0] not in jax.local_devices()
+
+
+def denoise_fields(models: AbstractModels, run: RunShape, mesh: Mesh) -> dict[str, Any]:
+    """Every DenoiseInputs field the pipeline fills for this run, as ShapeDtypeStructs."""
+    from flux2klein_cli.core.models.transformer import TransformerConfig
+
+    cfg = TransformerConfig.from_dict(models.configs.transformer)
+    b, n, r, t = run.batch, run.grid[0] * run.grid[1], run.reference_tokens, run.max_sequence_length
+    text_width = _text_width(models)
+    text = _input((b, t, text_width), models.dtype, mesh)
+    kv = None
+    if run.kv:  # references enter as their cached K / V, not as tokens
+        shapes = reference_kv_shapes(models, run, mesh)
+        kv = jax.tree.map(lambda x: _input(x.shape, x.dtype, mesh, batched=False), shapes)
+        r = 0
+    return {
+        "latents": _input((b, n, cfg.in_channels), jnp.float32, mesh),
+        "text": text,
+        "negative_text": text if run.cfg else None,
+        "references": _input((b, r, cfg.in_channels), jnp.float32, mesh) if r else None,
+        "reference_kv": kv,
+        "rope_cos": _input((t + n + r, cfg.attention_head_dim), jnp.float32, mesh, batched=False),
+        "rope_sin": _input((t + n + r, cfg.attention_head_dim), jnp.float32, mesh, batched=False),
+        "timesteps": _input((run.steps,), jnp.float32, mesh, batched=False),
+        "sigmas": _input((run.steps + 1,), jnp.float32, mesh, batched=False),
+        "guidance": _input((), jnp.float32, mesh, batched=False),
+    }
+
+
+def denoise_inputs(fields: dict[str, Any]) -> Any:
+    """A DenoiseInputs of ShapeDtypeStructs; fields not given (e.g. a future optional one) are None."""
+    from flux2klein_cli.core.pipeline.denoise import DenoiseInputs
+
+    names = [f.name for f in dataclasses.fields(DenoiseInputs)]
+    unknown = set(fields) - set(names)
+    if unknown:
+        raise ValueError(f"DenoiseInputs has no field(s) {sorted(unknown)}")
+    return DenoiseInputs(**{name: fields.get(name) for name in names})
+
+
+def _text_width(models: AbstractModels) -> int:
+    encoder = models.text_encoder
+    return len(encoder.feature_layers) * encoder.config.hidden_size
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+def _key(models: AbstractModels, component: str, **extra: Any) -> dict[str, Any]:
+    return {"config": getattr(models.configs, component), "dtype": jnp.dtype(models.dtype).name, **extra}
+
+
+def text_encoder_program(models: AbstractModels, target: Target, prompts: int, length: int,
+                         name: str = "text_encoder") -> ProgramSpec:
+    """pipeline.encode_text: ids and mask (prompts, length) int32."""
+    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call
+
+    mesh = target.mesh
+    ids = _input((prompts, length), jnp.int32, mesh)
+    return ProgramSpec(name, _jit_module_call(models.text_encoder), (models.states["text_encoder"], ids, ids),
+                       _key(models, "text_encoder", feature_layers=list(models.text_encoder.feature_layers)),
+                       target, model="text_encoder")
+
+
+def denoise_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
+    """pipeline's denoise loop: denoise_fn(transformer graphdef)(state, DenoiseInputs)."""
+    from flux2klein_cli.core.pipeline.denoise import denoise_fn
+
+    inputs = denoise_inputs(denoise_fields(models, run, target.mesh))
+    fn = denoise_fn(nnx.split(models.transformer)[0])
+    return ProgramSpec("denoise", fn, (models.states["transformer"], inputs), _key(models, "transformer"), target,
+                       model="transformer")
+
+
+def _reference_kv_args(models: AbstractModels, run: RunShape, mesh: Mesh) -> tuple[Any, ...]:
+    """pipeline.reference_kv's pass: refs (1, R, C) float32 as encode_references gives them,
+    and RoPE over the reference ids only."""
+    from flux2klein_cli.core.models.transformer import TransformerConfig
+
+    cfg = TransformerConfig.from_dict(models.configs.transformer)
+    r = run.reference_tokens
+    refs = _input((1, r, cfg.in_channels), jnp.float32, mesh, batched=False)
+    rope = _input((r, cfg.attention_head_dim), jnp.float32, mesh, batched=False)
+    return models.states["transformer"], refs, rope, rope
+
+
+def reference_kv_shapes(models: AbstractModels, run: RunShape, mesh: Mesh) -> Any:
+    """The ReferenceKV the references-only pass returns, as ShapeDtypeStructs (traced, not compiled)."""
+    from flux2klein_cli.core.pipeline.denoise import reference_kv_fn
+
+    fn = reference_kv_fn(nnx.split(models.transformer)[0])
+    return jax.eval_shape(fn, *_reference_kv_args(models, run, mesh))
+
+
+def reference_kv_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
+    """pipeline.reference_kv's references-only pass: reference_kv_fn(graphdef)(state, refs, cos, sin)."""
+    from flux2klein_cli.core.pipeline.denoise import reference_kv_fn
+
+    fn = reference_kv_fn(nnx.split(models.transformer)[0])
+    return ProgramSpec("reference_kv", fn, _reference_kv_args(models, run, target.mesh),
+                       _key(models, "transformer"), target, model="transformer")
+
+
+def vae_decode_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
+    """pipeline's decode: latents (B, h, w, patched channels) in the model dtype."""
+    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call
+
+    h, w = run.grid
+    latents = _input((run.batch, h, w, models.vae.config.patched_channels), models.dtype, target.mesh)
+    return ProgramSpec("vae_decode", _jit_module_call(models.vae, "decode"), (models.states["vae"], latents),
+                       _key(models, "vae"), target, model="vae")
+
+
+def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, int]) -> ProgramSpec:
+    """pipeline.encode_references, one reference at its own size: (1, H, W, 3) in the model dtype."""
+    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call
+
+    pixels = _input((1, *size, models.vae.config.in_channels), models.dtype, target.mesh)
+    return ProgramSpec(f"vae_encode_{size[0]}x{size[1]}", _jit_module_call(models.vae, "encode"),
+                       (models.states["vae"], pixels), _key(models, "vae"), target, model="vae")
+
+
+def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | None = None,
+                      models: AbstractModels | None = None) -> list[ProgramSpec]:
+    """Every program a run needs: text encoder (and the negative prompt's, batch 1, with CFG),
+    denoise loop, VAE decode, and a VAE encode per distinct reference size."""
+    target = target or Target.local()
+    models = models or AbstractModels.build(configs, run.dtype)
+    for name in ("transformer", "text_encoder", "vae"):
+        models.states[name] = models.state(name, target.mesh)
+    length = run.max_sequence_length
+    programs = [text_encoder_program(models, target, run.prompts, length)]
+    if run.cfg and run.prompts != 1:
+        programs.append(text_encoder_program(models, target, 1, length, name="text_encoder_negative"))
+    programs.append(denoise_program(models, target, run))
+    programs.append(vae_decode_program(models, target, run))
+    for size in dict.fromkeys(run.references):  # distinct sizes, in order
+        programs.append(vae_encode_program(models, target, size))
+    if run.kv:
+        programs.append(reference_kv_program(models, target, run))
+    return programs
+
+
+def resident_bytes(programs: list[ProgramSpec]) -> dict[str, int]:
+    """Per device: the parameter bytes of each model the programs read (all stay loaded)."""
+    out: dict[str, int] = {}
+    for spec in programs:
+        if spec.model and spec.model not in out:
+            out[spec.model] = param_bytes_per_device(spec.args[0])
+    return out

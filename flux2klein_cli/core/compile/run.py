@@ -1,0 +1,149 @@
+"""What `flux2klein compile` does: options -> programs -> store -> report."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from flux2klein_cli.core.errors import UserInputError
+
+
+@dataclass
+class CompileOptions:
+    model: str
+    height: int | None = None
+    width: int | None = None
+    batch: int = 1
+    prompts: int = 1
+    steps: int | None = None  # None: the model's default (4 distilled, 50 base)
+    guidance: float | None = None  # None: the model's default; above 1 on a base model means CFG
+    refs: str | None = None  # "512x512,768x1024"
+    kv: bool = False
+    mesh: str | None = None  # "fsdp=4" or "data=2,fsdp=2" over this host's devices
+    tpu: str | None = None  # a preset, e.g. v6e-4
+    cache_dir: Path | None = None
+    sequential: bool = False
+    dtype: str = "bf16"
+    max_sequence_length: int = 512
+    save: bool = True
+
+
+def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
+    """`512x512,768x1024` -> ((512, 512), (768, 1024)); height first, as --height/--width."""
+    if text is None or not text.strip():
+        return ()
+    sizes = []
+    for item in text.split(","):
+        parts = item.strip().lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            raise UserInputError(f"--refs: {item.strip()!r} is not HEIGHTxWIDTH (e.g. 512x512,768x1024)")
+        sizes.append((int(parts[0]), int(parts[1])))
+    return tuple(sizes)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """`fsdp=4` or `data=2,fsdp=2`: sizes of the named axes, the others 1."""
+    from flux2klein_cli.core.compile.tpu import MESH_AXES
+
+    axes = dict.fromkeys(MESH_AXES, 1)
+    for item in text.split(","):
+        name, _, size = item.strip().partition("=")
+        if name not in axes or not size.isdigit() or int(size) < 1:
+            raise UserInputError(f"--mesh: {item.strip()!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}")
+        axes[name] = int(size)
+    return axes
+
+
+def local_mesh_target(text: str) -> Any:
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from flux2klein_cli.core.compile.store import Target
+
+    axes = parse_mesh(text)
+    devices = jax.devices()
+    need = math.prod(axes.values())
+    if need > len(devices):
+        raise UserInputError(f"--mesh {text} needs {need} devices; this host has {len(devices)}")
+    return Target(Mesh(np.array(devices[:need]).reshape(tuple(axes.values())), tuple(axes)))
+
+
+def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m: None,
+                warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Resolve, build every program of the run, load or compile each, and report."""
+    from flux2klein_cli.core.checkpoint import parse_dtype
+    from flux2klein_cli.core.compile import programs as P
+    from flux2klein_cli.core.compile.store import ExecutableStore, Target, compile_all
+    from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
+    from flux2klein_cli.core.registry import default_size
+
+    if opts.mesh and opts.tpu:
+        raise UserInputError("give --mesh or --tpu, not both (a TPU preset sets its own mesh)")
+    preset = parse_preset(opts.tpu) if opts.tpu else None
+    refs = parse_sizes(opts.refs)
+    dtype = parse_dtype(opts.dtype)
+    if preset is not None:
+        quiet_libtpu_without_tpu(preset.name)  # before jax first touches its backends
+    start = time.perf_counter()
+    configs = P.model_configs(opts.model)
+    if opts.kv and not configs.kv:
+        raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
+    size = default_size(opts.model)
+    guidance = opts.guidance if opts.guidance is not None else (1.0 if configs.distilled else 4.0)
+    run = P.RunShape(
+        height=opts.height or size, width=opts.width or size, batch=opts.batch, prompts=opts.prompts,
+        steps=opts.steps or (4 if configs.distilled else 50), references=refs,
+        cfg=not configs.distilled and guidance > 1.0, max_sequence_length=opts.max_sequence_length, dtype=dtype,
+        kv=opts.kv,
+    )
+    if preset is not None:
+        from flux2klein_cli.core.compile.tpu import preset_target
+
+        progress(f"target {preset.name} (topology {preset.topology_name})")
+        target = preset_target(preset)
+    elif opts.mesh:
+        target = local_mesh_target(opts.mesh)
+    else:
+        target = Target.local()
+    progress(f"building abstract programs for {configs.source}")
+    specs = P.pipeline_programs(configs, run, target)
+    store = ExecutableStore(opts.cache_dir, on_warning=warn)
+    results = compile_all(specs, store, parallel=not opts.sequential, save=opts.save, progress=progress)
+    wall = time.perf_counter() - start
+    report = _report(opts, configs, run, target, store, specs, [info for _, info in results], wall)
+    if preset is not None:
+        from flux2klein_cli.core.compile.tpu import verdict
+
+        per_chip = max(len(target.devices) // preset.chips, 1)
+        report["tpu"] = preset.describe()
+        report["verdict"] = verdict(report["peak_bytes_per_device"], preset, per_chip)
+    return report
+
+
+def _report(opts: CompileOptions, configs: Any, run: Any, target: Any, store: Any, specs: list[Any],
+            infos: list[Any], wall: float) -> dict[str, Any]:
+    from flux2klein_cli.core.compile.programs import resident_bytes
+
+    resident = resident_bytes(specs)
+    programs = []
+    for spec, info in zip(specs, infos, strict=True):
+        entry = info.as_dict()
+        others = sum(v for k, v in resident.items() if k != spec.model)
+        # Every model stays loaded while one program runs: its own need plus the others' weights.
+        entry["needed_bytes_per_device"] = info.memory.get("peak", 0) + others if info.memory else None
+        programs.append(entry)
+    needs = [p["needed_bytes_per_device"] for p in programs if p["needed_bytes_per_device"] is not None]
+    return {
+        "model": opts.model, "source": configs.source, "height": run.height, "width": run.width,
+        "batch": run.batch, "prompts": run.prompts, "steps": run.steps, "cfg": run.cfg,
+        "references": [f"{h}x{w}" for h, w in run.references], "dtype": opts.dtype,
+        "target": target.describe(), "store": str(store.root), "parallel": not opts.sequential,
+        "programs": programs, "resident_bytes_per_device": resident,
+        "peak_bytes_per_device": max(needs) if needs else 0, "wall_s": wall,
+        "hits": sum(p["status"] == "hit" for p in programs),
+    }
