@@ -6,7 +6,16 @@ import typer
 from typer.completion import completion_init
 
 from flux2klein_cli import __version__
-from flux2klein_cli.cli import bench_cmd, convert_cmd, edit_cmd, fetch_cmd, generate_cmd, inspect_cmd, parity_cmd
+from flux2klein_cli.cli import (
+    bench_cmd,
+    compile_cmd,
+    convert_cmd,
+    edit_cmd,
+    fetch_cmd,
+    generate_cmd,
+    inspect_cmd,
+    parity_cmd,
+)
 
 # add_completion=False skips this registration; the scripts in completions/ call back into the app.
 completion_init()
@@ -46,7 +55,11 @@ app.command("parity")(parity_cmd.parity)
 app.command("bench")(bench_cmd.bench)
 app.command("fetch")(fetch_cmd.fetch)
 app.command("convert")(convert_cmd.convert)
+app.command("compile")(compile_cmd.compile_programs)
 
 
 def main() -> None:
+    from flux2klein_cli.core.compile.tpu import quiet_libtpu_without_tpu
+
+    quiet_libtpu_without_tpu()  # libtpu (the [tpu] extra) on a host without TPUs: no noise
     app()
