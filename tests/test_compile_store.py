@@ -1,0 +1,178 @@
+"""The executable store: hits across processes, and never a stale, corrupt or mismatched entry."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from flux2klein_cli.core.compile import store as store_mod
+from flux2klein_cli.core.compile.store import (
+    EXECUTABLE,
+    MANIFEST,
+    META,
+    ExecutableStore,
+    ProgramSpec,
+    StoreWarning,
+    compile_all,
+    key_of,
+    key_parts,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_spec(scale: float = 2.0, name: str = "axpy", n: int = 8) -> ProgramSpec:
+    """A small program whose `scale` is a config: it changes the code, not the shapes."""
+    fn = jax.jit(lambda x, y: x * scale + y)
+    args = (jax.ShapeDtypeStruct((n,), jnp.float32), jax.ShapeDtypeStruct((n,), jnp.float32))
+    return ProgramSpec(name, fn, args, {"scale": scale})
+
+
+def run(compiled: jax.stages.Compiled, n: int = 8) -> np.ndarray:
+    return np.asarray(compiled(jnp.arange(n, dtype=jnp.float32), jnp.ones(n, jnp.float32)))
+
+
+def entry_dirs(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.is_dir()]
+
+
+def test_default_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("FLUX2KLEIN_COMPILE_CACHE", str(tmp_path / "x"))
+    assert store_mod.default_root() == tmp_path / "x"
+    monkeypatch.delenv("FLUX2KLEIN_COMPILE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert store_mod.default_root() == tmp_path / "flux2klein" / "executables"
+
+
+def test_miss_then_hit_in_a_fresh_process(tmp_path: Path) -> None:
+    store = ExecutableStore(tmp_path)
+    compiled, info = store.load_or_compile(make_spec())
+    assert info.status == "miss" and info.saved and info.warning is None
+    np.testing.assert_allclose(run(compiled), np.arange(8) * 2.0 + 1)
+    meta = json.loads((Path(info.path) / META).read_text())
+    assert meta["files"][EXECUTABLE]["bytes"] == (Path(info.path) / EXECUTABLE).stat().st_size
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert [e["name"] for e in manifest["executables"]] == ["axpy"]
+    assert {"argument", "output", "temp", "generated_code", "peak"} <= set(manifest["executables"][0]["memory"])
+
+    code = (
+        "import sys, numpy as np; from tests.test_compile_store import make_spec, run;"
+        "from flux2klein_cli.core.compile.store import ExecutableStore;"
+        "c, info = ExecutableStore(sys.argv[1]).load_or_compile(make_spec());"
+        "print(info.status, info.key, run(c).tolist())"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    status, key, values = done.stdout.split(" ", 2)
+    assert status == "hit" and key == info.key
+    assert json.loads(values) == (np.arange(8) * 2.0 + 1).tolist()
+
+
+def test_config_change_is_recompiled_with_a_warning(tmp_path: Path) -> None:
+    store = ExecutableStore(tmp_path)
+    store.load_or_compile(make_spec(2.0))
+    with pytest.warns(StoreWarning, match=r"stale \(extra: scale 2.0 -> 3.0\)"):
+        compiled, info = store.load_or_compile(make_spec(3.0))
+    assert info.status == "recompiled"
+    np.testing.assert_allclose(run(compiled), np.arange(8) * 3.0 + 1)  # the new code, not the stored one
+    assert store.load_or_compile(make_spec(3.0))[1].status == "hit"
+
+
+def test_version_change_is_recompiled_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ExecutableStore(tmp_path)
+    first = store.load_or_compile(make_spec())[1]
+    real = store_mod.library_versions
+    monkeypatch.setattr(store_mod, "library_versions", lambda platform: {**real(platform), "jaxlib": "9.9.9"})
+    with pytest.warns(StoreWarning, match=r"versions: jaxlib .* -> 9\.9\.9"):
+        _, info = store.load_or_compile(make_spec())
+    assert info.status == "recompiled" and info.key != first.key
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "garbage"])
+def test_damaged_entry_is_recompiled_never_used(tmp_path: Path, damage: str) -> None:
+    store = ExecutableStore(tmp_path)
+    _, info = store.load_or_compile(make_spec())
+    entry = Path(info.path)
+    exe, meta_path = entry / EXECUTABLE, entry / META
+    data = exe.read_bytes()
+    meta = json.loads(meta_path.read_text())
+    if damage == "truncate":
+        exe.write_bytes(data[: len(data) // 2])
+        reason = "truncated"
+    elif damage == "flip":
+        exe.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
+        reason = "sha256"
+    elif damage == "meta":
+        meta["key_parts"]["extra"]["scale"] = 5.0
+        meta_path.write_text(json.dumps(meta))
+        reason = "key parts differ"
+    else:  # a well-formed entry whose executable does not deserialize
+        junk = b"not an executable" * 10
+        import hashlib
+
+        meta["files"][EXECUTABLE] = {"bytes": len(junk), "sha256": hashlib.sha256(junk).hexdigest()}
+        exe.write_bytes(junk)
+        meta_path.write_text(json.dumps(meta))
+        reason = "deserialization failed"
+    with pytest.warns(StoreWarning, match=reason):
+        compiled, again = store.load_or_compile(make_spec())
+    assert again.status == "recompiled" and again.key == info.key
+    np.testing.assert_allclose(run(compiled), np.arange(8) * 2.0 + 1)
+    assert store.load_or_compile(make_spec())[1].status == "hit"  # the entry was replaced by a good one
+
+
+def test_concurrent_writers_leave_one_valid_entry(tmp_path: Path) -> None:
+    store = ExecutableStore(tmp_path)
+    spec = make_spec()
+    parts = key_parts(spec)
+    compiled, _, _ = store.compile(spec)
+    barrier = threading.Barrier(6)
+
+    def write() -> None:
+        barrier.wait()
+        store.save(spec, compiled, parts, compile_s=0.0, lower_s=0.0)
+
+    threads = [threading.Thread(target=write) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Two processes writing the same key at once, too.
+    code = ("import sys; from tests.test_compile_store import make_spec;"
+            "from flux2klein_cli.core.compile.store import ExecutableStore, key_parts;"
+            "s = ExecutableStore(sys.argv[1]); spec = make_spec(); c, _, _ = s.compile(spec);"
+            "[s.save(spec, c, key_parts(spec), compile_s=0.0, lower_s=0.0) for _ in range(5)]")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT))) for _ in range(2)]
+    assert all(p.wait() == 0 for p in procs)
+    assert [p.name for p in entry_dirs(tmp_path)] == [key_of(parts)]  # no temporaries or trash left
+    loaded, info = store.load_or_compile(spec)
+    assert info.status == "hit"
+    np.testing.assert_allclose(run(loaded), np.arange(8) * 2.0 + 1)
+    assert len(json.loads((tmp_path / MANIFEST).read_text())["executables"]) == 1
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_compile_all_then_all_hits(tmp_path: Path, parallel: bool) -> None:
+    store = ExecutableStore(tmp_path)
+    specs = [make_spec(2.0, "a"), make_spec(3.0, "b", n=16)]
+    first = compile_all(specs, store, parallel=parallel)
+    assert [info.status for _, info in first] == ["miss", "miss"]
+    second = compile_all(specs, store, parallel=parallel)
+    assert [(info.name, info.status) for _, info in second] == [("a", "hit"), ("b", "hit")]
+    np.testing.assert_allclose(run(second[1][0], 16), np.arange(16) * 3.0 + 1)
+
+
+def test_no_save_stores_nothing(tmp_path: Path) -> None:
+    _, info = ExecutableStore(tmp_path / "s").load_or_compile(make_spec(), save=False)
+    assert info.status == "miss" and not info.saved and not (tmp_path / "s").exists()
