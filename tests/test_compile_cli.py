@@ -1,0 +1,145 @@
+"""Pipeline programs from configs are the pipeline's own calls; `flux2klein compile` and its TPU targets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+# Other processes on a shared host may hold libtpu's machine-wide lock; topology compiles here
+# need none of the TPU itself. Set before jax touches libtpu (the CLI does the same).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from flux2klein_cli.cli.app import app  # noqa: E402
+from flux2klein_cli.core.compile import programs as P  # noqa: E402
+from flux2klein_cli.core.compile.store import ExecutableStore, compile_all  # noqa: E402
+from flux2klein_cli.core.compile.tpu import parse_preset  # noqa: E402
+from flux2klein_cli.core.errors import UserInputError  # noqa: E402
+
+runner = CliRunner()
+SMALL = ["--height", "32", "--width", "32", "--max-sequence-length", "16", "--steps", "2"]
+
+
+def _swap_in(pipeline: object, executables: dict[str, object]) -> None:
+    """Replace the pipeline's jitted calls with the stored executables (which cannot retrace)."""
+    pipeline._text = executables["text_encoder"]  # type: ignore[attr-defined]
+    pipeline._denoise = executables["denoise"]  # type: ignore[attr-defined]
+    pipeline._decode = executables["vae_decode"]  # type: ignore[attr-defined]
+    encodes = [v for k, v in executables.items() if k.startswith("vae_encode_")]
+    if encodes:
+        pipeline._encode = encodes[0]  # type: ignore[attr-defined]
+    if "reference_kv" in executables:
+        pipeline._reference_kv = executables["reference_kv"]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kv", [False, True], ids=["edit", "kv-edit"])
+def test_programs_from_configs_run_the_real_pipeline(request: pytest.FixtureRequest, tmp_path: Path,
+                                                     kv: bool) -> None:
+    """Executables compiled from configs alone accept the pipeline's real arguments (a Compiled
+    rejects any other tree, shape, dtype or sharding) and give its images."""
+    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+    checkpoint = request.getfixturevalue("tiny_kv_checkpoint" if kv else "tiny_checkpoint")
+    run = P.RunShape(32, 32, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
+                     dtype=jnp.float32, kv=kv)
+    specs = P.pipeline_programs(P.model_configs(str(checkpoint)), run)
+    results = compile_all(specs, ExecutableStore(tmp_path))
+    executables = {info.name: compiled for compiled, info in results}
+    assert set(executables) == {"text_encoder", "denoise", "vae_decode", "vae_encode_32x48"} | (
+        {"reference_kv"} if kv else set())
+
+    pipeline = KleinPipeline.load(checkpoint, dtype=jnp.float32)
+    ref = np.random.default_rng(0).uniform(-1, 1, (32, 48, 3)).astype(np.float32)
+    req = Request(prompts=["a fox", "a cat"], steps=2, guidance=1.0, height=32, width=32, references=[ref],
+                  max_sequence_length=16, **({"kv": True} if kv else {}))
+    expected = pipeline(req).images
+    _swap_in(pipeline, executables)
+    np.testing.assert_allclose(pipeline(req).images, expected, atol=1e-5)
+
+
+def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install 'flux2klein-cli[tpu]'); CI installs it")
+    args = ["compile", "--model", str(tiny_checkpoint), *SMALL, "--tpu", "v6e-4", "--cache-dir", str(tmp_path),
+            "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["target"]["topology"] == "v6e:2x2" and report["target"]["device_count"] == 4
+    assert report["target"]["device_kind"] == "TPU v6 lite"
+    assert {p["name"]: p["status"] for p in report["programs"]} == {
+        "text_encoder": "miss", "denoise": "miss", "vae_decode": "miss"}
+    assert report["verdict"]["fits"] and report["verdict"]["hbm_bytes_per_device"] == 32 * 1024**3
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert len(manifest["executables"]) == 3
+    for entry in manifest["executables"]:
+        memory = entry["memory"]
+        assert memory["argument"] > 0 and memory["generated_code"] > 0 and memory["peak"] > 0, entry["name"]
+        assert entry["key_parts"]["versions"]["libtpu"]
+    again = runner.invoke(app, args)  # verified from the store, not recompiled
+    assert again.exit_code == 0, again.stderr
+    assert [p["status"] for p in json.loads(again.stdout)["programs"]] == ["hit"] * 3
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--tpu", "v9-4"], "unknown TPU preset 'v9-4': use one of v4-8,"),
+        (["--tpu", "v6e-3"], "unknown TPU preset 'v6e-3'"),
+        (["--refs", "512by512"], "--refs: '512by512' is not HEIGHTxWIDTH"),
+        (["--refs", "512x500"], "multiples of 16"),
+        (["--mesh", "model=2"], "--mesh: 'model=2' is not AXIS=SIZE"),
+        (["--mesh", "fsdp=2", "--tpu", "v6e-4"], "give --mesh or --tpu, not both"),
+        (["--kv", "--refs", "32x32"], "--kv needs a KV-trained checkpoint"),
+        (["--kv"], "--kv needs a KV-trained checkpoint"),
+        (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(tiny_checkpoint: Path, tmp_path: Path, extra: list[str],
+                                         message: str) -> None:
+    result = runner.invoke(app, ["compile", "--model", str(tiny_checkpoint), "--cache-dir", str(tmp_path), *extra])
+    assert result.exit_code == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(" ".join(lines).split("error:")) == 2 and "Traceback" not in result.stderr
+    assert message in " ".join(" ".join(lines).split()), result.stderr
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("name, canonical, topology, chips", [
+    ("v6-4", "v6e-4", "v6e:2x2", 4), ("v6e:2x2", "v6e-4", "v6e:2x2", 4), ("v5e-4", "v5litepod-4", "v5e:2x2", 4),
+    ("v5litepod-8", "v5litepod-8", "v5e:2x4", 8), ("v5p-8", "v5p-8", "v5p:2x2x1", 4), ("v4-8", "v4-8", "v4:2x2x1", 4),
+    ("v7-2", "v7-2", "tpu7x:1x1x1", 1), ("V7-8", "v7-8", "tpu7x:2x2x1", 4), ("tpu7x-8", "v7-8", "tpu7x:2x2x1", 4),
+])
+def test_tpu_presets_by_runbook_and_cloud_names(name: str, canonical: str, topology: str, chips: int) -> None:
+    preset = parse_preset(name)
+    assert (preset.name, preset.topology_name, preset.chips) == (canonical, topology, chips)
+
+
+def test_registry_alias_needs_no_download(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flux2klein_cli.core import snapshot
+    from flux2klein_cli.core.errors import CheckpointError
+
+    def not_cached(*args: object, **kwargs: object) -> None:
+        raise CheckpointError("not in the Hugging Face cache")
+
+    monkeypatch.setattr(snapshot, "resolve", not_cached)
+    configs = P.model_configs("9b")
+    assert configs.source == "registry:9b" and configs.transformer["num_layers"] == 8
+    assert configs.vae["block_out_channels"] == [128, 256, 512, 512]
+    with pytest.raises(UserInputError):
+        P.RunShape(1000, 1024)
+
+
+def test_fsdp_rule_splits_the_largest_divisible_dimension() -> None:
+    from jax.sharding import PartitionSpec as Spec
+
+    assert P.fsdp_spec((3072, 9216), 4) == Spec(None, "fsdp")
+    assert P.fsdp_spec((8, 3072, 9216), 4) == Spec(None, None, "fsdp")  # never the scanned layer axis
+    assert P.fsdp_spec((3, 3, 128, 3), 4) == Spec(None, None, "fsdp", None)
+    assert P.fsdp_spec((3072,), 4) == Spec() and P.fsdp_spec((5, 7), 4) == Spec()
