@@ -79,10 +79,8 @@ def bench_load(
 
     converted: dict[str, Path] = {}
     if converted_dir is not None:
-        from flux2klein_cli.core.weights.converted import check_converted, component_layout
-
-        manifest = check_converted(converted_dir)
-        converted[component_layout(manifest, names[0])] = Path(converted_dir).expanduser().resolve()
+        converted_dir = Path(converted_dir).expanduser().resolve()
+        converted[_layout_of(converted_dir, names[0])] = converted_dir
     scratch = None
     missing = [layout for layout in LAYOUT_KINDS if layout in kinds and layout not in converted]
     if convert and missing:
@@ -108,6 +106,21 @@ def bench_load(
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _layout_of(directory: Path, name: str) -> str:
+    """The layout of a converted directory: its manifest's, or (a directory written component by
+    component, like the one `--convert` makes) the one whose folder is there."""
+    from flux2klein_cli.core.errors import UserInputError
+    from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
+    from flux2klein_cli.core.weights.converted import check_converted, component_layout
+
+    if (directory / CONVERTED_MANIFEST).is_file():
+        return component_layout(check_converted(directory), name)
+    found = [layout for layout in LAYOUT_KINDS if (directory / name / layout).is_dir()]
+    if len(found) != 1:
+        raise UserInputError(f"{directory}: not a converted directory (no manifest, no {name}/flat or {name}/orbax)")
+    return found[0]
 
 
 def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype: str, layout: str) -> None:
@@ -337,7 +350,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     parser = argparse.ArgumentParser(description="Time loading a checkpoint per component and per path.")
     parser.add_argument("model_dir", type=Path)
-    parser.add_argument("--converted", type=Path, help="Its `flux2klein convert` directory.")
+    parser.add_argument("--converted", type=Path,
+                        help="Its `flux2klein convert` directory (or one written by --convert-to).")
+    parser.add_argument("--convert-to", type=Path, metavar="DIR",
+                        help="Write the components in --layout to DIR (kept) and exit: for repeated runs.")
+    parser.add_argument("--layout", default="flat", choices=LAYOUT_KINDS, help="Layout for --convert-to.")
     parser.add_argument("--convert", action="store_true", help="Convert to a temporary directory for the run.")
     parser.add_argument("--components", default=",".join(COMPONENTS))
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
@@ -345,6 +362,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    if args.convert_to:
+        start = time.perf_counter()
+        _convert_components(args.model_dir.expanduser().resolve(), args.convert_to.expanduser().absolute(),
+                            [c for c in args.components.split(",") if (args.model_dir / c / "config.json").is_file()],
+                            args.dtype, args.layout)
+        print(json.dumps({"converted": str(args.convert_to), "layout": args.layout,
+                          "seconds": round(time.perf_counter() - start, 2), "peak_rss_bytes": _status_bytes("VmHWM")}))
+        return
     result = bench_load(args.model_dir, converted_dir=args.converted, convert=args.convert,
                         components=args.components.split(","), dtype=args.dtype, reps=args.reps,
                         kinds=args.kinds.split(","), log=lambda m: print(m, file=sys.stderr, flush=True))

@@ -161,7 +161,7 @@ def convert_component(
         check_plan(checkpoint, plan, dict(flat))
         write_flat(dst / FLAT_DIR, [
             (param_key(path), tuple(spec.shape), np.dtype(spec.dtype),
-             lambda out, source=plan.sources[path]: read_into(out, checkpoint, source))
+             lambda out, index, source=plan.sources[path]: read_into(out, checkpoint, source, index))
             for path, spec in flat
         ], progress=report)
     else:
