@@ -1,12 +1,73 @@
-"""Device meshes. One mesh with axes (data, fsdp, tensor, context); one device by default."""
+"""Device meshes. One mesh with axes (data, fsdp, tensor, context); one device by default.
+
+`--mesh data=2,fsdp=4` names the size of each axis (unnamed axes are 1); the product must
+be the number of devices of the run (every process's, on a multi-host slice).
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flux2klein_cli.core.errors import UserInputError
+
 MESH_AXES = ("data", "fsdp", "tensor", "context")
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    context: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> MeshSpec:
+        """`data=2,fsdp=4` -> MeshSpec(data=2, fsdp=4)."""
+        sizes: dict[str, int] = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in MESH_AXES:
+                raise UserInputError(f"--mesh: unknown axis {name!r}; axes are {', '.join(MESH_AXES)}")
+            if name in sizes:
+                raise UserInputError(f"--mesh: axis {name} given twice")
+            if not value.strip().isdigit() or int(value) < 1:
+                raise UserInputError(f"--mesh: {item!r} needs a positive size, as in fsdp=4")
+            sizes[name] = int(value)
+        if not sizes:
+            raise UserInputError("--mesh: give axis sizes, as in data=2,fsdp=4")
+        return cls(**sizes)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.data, self.fsdp, self.tensor, self.context)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape))
+
+    def __str__(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in zip(MESH_AXES, self.shape, strict=True) if n > 1) or "single device"
+
+
+def make_mesh(spec: MeshSpec, devices: list[jax.Device] | None = None) -> Mesh:
+    """The mesh of `spec` over all devices of the run (jax.devices(): every process's)."""
+    devices = list(jax.devices()) if devices is None else devices
+    if spec.size != len(devices):
+        raise UserInputError(
+            f"--mesh {spec} needs {spec.size} devices; this run has {len(devices)} ({devices[0].platform})"
+        )
+    try:  # lays axes out along the physical topology (ICI rings on TPU)
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(spec.shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.array(devices).reshape(spec.shape)
+    return Mesh(grid, MESH_AXES)
 
 
 def default_mesh() -> Mesh:
@@ -18,3 +79,16 @@ def default_mesh() -> Mesh:
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
+
+
+def check_divides(mesh: Mesh, *, batch: int, heads: int) -> None:
+    """A batch the batch axes do not divide, or heads the tensor axis does not, is an error
+    before any work (GSPMD would otherwise pad or replicate silently)."""
+    batch_axes = mesh.shape["data"] * mesh.shape["fsdp"]
+    if batch % batch_axes:
+        raise UserInputError(
+            f"batch {batch} does not divide over data x fsdp = {batch_axes} devices: use a batch that is a "
+            f"multiple of {batch_axes} (prompts x --num-images) or a smaller data/fsdp"
+        )
+    if heads % mesh.shape["tensor"]:
+        raise UserInputError(f"{heads} attention heads do not divide over tensor = {mesh.shape['tensor']}")

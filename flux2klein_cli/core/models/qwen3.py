@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, stack_blocks
+from flux2klein_cli.core.sharding import model_rule
 from flux2klein_cli.core.weights.configs import pick, read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, Layout, TensorSource, load_module, single, stacked
 
@@ -284,6 +285,7 @@ def load_qwen3(
         qwen3_key_plan,
         directory,
         mesh,
+        sharding_rule=model_rule(mesh),
     )
 
 

@@ -27,6 +27,7 @@ from flux2klein_cli.core.models.layers import (
     run_blocks,
     stack_blocks,
 )
+from flux2klein_cli.core.sharding import BATCH_AXES, constrain, model_rule
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
 
@@ -160,6 +161,9 @@ def _with_batch(x: jax.Array, batch: int) -> jax.Array:
 def joint_attention(q: jax.Array, k: jax.Array, v: jax.Array, mode: RefMode) -> tuple[jax.Array, KV | None]:
     """Attention under `mode`; returns (B, S, H*Dh) and, when extracting, the reference K / V."""
     t, r = mode.n_txt, mode.n_ref
+    # Queries keep their sequence shard (context parallel); keys and values are gathered.
+    q = constrain(q, BATCH_AXES, "context", "tensor", None)
+    k, v = (constrain(a, BATCH_AXES, None, "tensor", None) for a in (k, v))
     if mode.cached is not None:
         k_ref, v_ref = (_with_batch(a, q.shape[0]) for a in mode.cached)
         k = jnp.concatenate([k[:, :t], k_ref.astype(k.dtype), k[:, t:]], axis=1)
@@ -385,12 +389,12 @@ class Flux2Transformer(nnx.Module):
                           for r, m in zip(ref_single, mod_single, strict=True)]
             img = jnp.concatenate([refs.astype(img.dtype), img], axis=1)
 
-        img = self.x_embedder(img.astype(dt))
-        txt = self.context_embedder(txt.astype(dt))
+        img = constrain(self.x_embedder(img.astype(dt)), BATCH_AXES, "context", None)
+        txt = constrain(self.context_embedder(txt.astype(dt)), BATCH_AXES, None, None)
 
         def double_step(block: DoubleBlock, carry: tuple[jax.Array, jax.Array], kv: KV | None = None) -> Any:
             img, txt, ref_kv = block(*carry, mod_img, mod_txt, rope, RefMode(n_txt, n_ref, kv))
-            return (img, txt), ref_kv
+            return (constrain(img, BATCH_AXES, "context", None), constrain(txt, BATCH_AXES, None, None)), ref_kv
 
         double_xs = None if cache is None else (cache.double_k, cache.double_v)
         (img, txt), double_kv = run_blocks(
@@ -398,7 +402,8 @@ class Flux2Transformer(nnx.Module):
         )
 
         def single_step(block: SingleBlock, x: jax.Array, kv: KV | None = None) -> Any:
-            return block(x, mod_single, rope, RefMode(n_txt, n_ref, kv))
+            x, ref_kv = block(x, mod_single, rope, RefMode(n_txt, n_ref, kv))
+            return constrain(x, BATCH_AXES, "context", None), ref_kv
 
         single_xs = None if cache is None else (cache.single_k, cache.single_v)
         x, single_kv = run_blocks(
@@ -450,4 +455,5 @@ def load_transformer(
         transformer_key_plan,
         directory,
         mesh,
+        sharding_rule=model_rule(mesh),
     )

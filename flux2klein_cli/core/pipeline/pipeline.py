@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.checkpoint import LoadedModels, Snapshot, load_models
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.mesh import check_divides
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, reference_kv_fn
@@ -30,6 +31,7 @@ from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_d
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 from flux2klein_cli.core.registry import DEFAULT_SIZE
+from flux2klein_cli.core.sharding import batch_spec
 from flux2klein_cli.core.weights.configs import read_json
 
 LATENT_CHANNELS = 128
@@ -88,17 +90,19 @@ def _jit_module_call(module: nnx.Module, method: str = "__call__") -> Callable[.
 
 class KleinPipeline:
     def __init__(
-        self, snapshot: Snapshot, models: LoadedModels, tokenizer: PromptTokenizer, scheduler: SchedulerConfig
+        self, snapshot: Snapshot, models: LoadedModels, tokenizer: PromptTokenizer, scheduler: SchedulerConfig,
+        mesh: Mesh | None = None,
     ):
         self.snapshot, self.models, self.tokenizer, self.scheduler = snapshot, models, tokenizer, scheduler
+        self.mesh = mesh  # None: one device, arrays where JAX puts them
         self.transformer_state = nnx.state(models.transformer)
         self.text_state = nnx.state(models.text_encoder)
         self.vae_state = nnx.state(models.vae)
-        self._text = _jit_module_call(models.text_encoder)
-        self._encode = _jit_module_call(models.vae, "encode")
-        self._decode = _jit_module_call(models.vae, "decode")
-        self._denoise = denoise_fn(nnx.split(models.transformer)[0])
-        self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
+        self._text = self._on_mesh(_jit_module_call(models.text_encoder))
+        self._encode = self._on_mesh(_jit_module_call(models.vae, "encode"))
+        self._decode = self._on_mesh(_jit_module_call(models.vae, "decode"))
+        self._denoise = self._on_mesh(denoise_fn(nnx.split(models.transformer)[0]))
+        self._reference_kv = self._on_mesh(reference_kv_fn(nnx.split(models.transformer)[0]))
         self.kv_store: ReferenceKVStore | None = None
         self._kv_memory: dict[str, ReferenceKV] = {}
 
@@ -108,7 +112,39 @@ class KleinPipeline:
         models = load_models(snapshot, dtype=dtype, mesh=mesh)
         tokenizer = PromptTokenizer(snapshot.component("tokenizer"))
         scheduler = SchedulerConfig.from_dict(read_json(snapshot.component("scheduler") / "scheduler_config.json"))
-        return cls(snapshot, models, tokenizer, scheduler)
+        return cls(snapshot, models, tokenizer, scheduler, mesh)
+
+    # On a mesh every program input is a global array: batch inputs split over (data, fsdp)
+    # by `_batched`, everything else replicated; GSPMD partitions the programs from there.
+    def _global(self, x: Any, spec: PartitionSpec) -> jax.Array:
+        assert self.mesh is not None
+        if isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh:
+            return x
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, NamedSharding(self.mesh, spec), lambda index: host[index])
+
+    def _batched(self, x: Any) -> jax.Array:
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return self._global(x, batch_spec(self.mesh, np.shape(x)[0], np.ndim(x)))
+
+    def _on_mesh(self, program: Callable[..., Any]) -> Callable[..., Any]:
+        if self.mesh is None:
+            return program
+
+        def call(*args: Any) -> Any:
+            args = jax.tree.map(lambda x: self._global(x, PartitionSpec()), args)
+            with jax.set_mesh(self.mesh):
+                return program(*args)
+
+        return call
+
+    def _to_host(self, x: jax.Array) -> np.ndarray:
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
     @property
     def dtype(self) -> Any:
@@ -120,7 +156,7 @@ class KleinPipeline:
 
     def encode_text(self, prompts: list[str], max_length: int = 512) -> jax.Array:
         ids, mask = self.tokenizer(prompts, max_length)
-        return self._text(self.text_state, jnp.asarray(ids), jnp.asarray(mask))
+        return self._text(self.text_state, self._batched(ids), self._batched(mask))
 
     def encode_references(self, references: list[np.ndarray]) -> tuple[jax.Array | None, list[tuple[int, int]]]:
         """Each reference through the VAE at its own size; tokens concatenated in order, (1, R, 128)."""
@@ -128,7 +164,7 @@ class KleinPipeline:
             return None, []
         packed, grids = [], []
         for image in references:
-            latents = self._encode(self.vae_state, jnp.asarray(image, self.dtype)[None])
+            latents = self._encode(self.vae_state, np.asarray(image, self.dtype)[None])
             grids.append((latents.shape[1], latents.shape[2]))
             packed.append(tokens.pack_nhwc(latents))
         return jnp.concatenate(packed, axis=1), grids
@@ -180,6 +216,8 @@ class KleinPipeline:
         if request.steps < 1:
             raise UserInputError(f"--steps must be at least 1, got {request.steps}")
         seconds: dict[str, float] = {}
+        if self.mesh is not None:
+            check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.cfg.num_attention_heads)
         height, width = self.output_size(request)
         grid = (height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN)
         cfg = self.uses_guidance(request.guidance)
@@ -200,7 +238,7 @@ class KleinPipeline:
         else:
             refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references))
         if refs is not None:
-            refs = jnp.broadcast_to(refs, (request.batch, *refs.shape[1:]))
+            refs = self._batched(jnp.broadcast_to(refs, (request.batch, *refs.shape[1:])))
 
         noise, seeds = self.initial_noise(request, grid)
         noise = tokens.pack_nchw(noise)
@@ -208,11 +246,11 @@ class KleinPipeline:
         ids = np.concatenate([tokens.image_ids(*grid), tokens.reference_ids(grids)])
         cos, sin = self.models.transformer.rope(tokens.text_ids(text.shape[1]), ids)
         inputs = DenoiseInputs(
-            latents=jnp.asarray(noise), text=text, negative_text=negative, references=refs, reference_kv=kv,
+            latents=self._batched(noise), text=text, negative_text=negative, references=refs, reference_kv=kv,
             rope_cos=cos, rope_sin=sin, timesteps=jnp.asarray(schedule.timesteps),
             sigmas=jnp.asarray(schedule.sigmas), guidance=jnp.float32(request.guidance),
         )
         latents = _timed(seconds, "denoise", lambda: self._denoise(self.transformer_state, inputs))
         images = _timed(seconds, "decode", lambda: self._decode(
             self.vae_state, tokens.unpack_nhwc(latents.astype(self.dtype), *grid)))
-        return Result(np.asarray(images, np.float32), seeds, height, width, cfg, seconds, kv_source)
+        return Result(self._to_host(images).astype(np.float32), seeds, height, width, cfg, seconds, kv_source)

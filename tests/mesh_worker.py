@@ -1,0 +1,58 @@
+"""Runs in a subprocess with 8 virtual CPU devices (XLA_FLAGS set by the caller): the same
+requests on one device and on each mesh; prints one JSON line per (mesh, request)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from flux2klein_cli.core.images import postprocess, preprocess_reference
+from flux2klein_cli.core.mesh import MeshSpec, make_mesh
+from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+
+def synthetic(width: int, height: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.stack([x / width, y / height, (x + y) / (width + height)], -1) * 200
+    return np.clip(base + rng.normal(0, 25, (height, width, 3)), 0, 255).astype(np.uint8)
+
+
+def requests(kv: bool) -> dict[str, Request]:
+    from PIL import Image
+
+    refs = [preprocess_reference(Image.fromarray(synthetic(w, h, i))) for i, (w, h) in enumerate([(64, 64), (96, 64)])]
+    prompts = ["a red fox", "a lighthouse", "two cats", "a bowl of fruit"]
+    common = dict(prompts=prompts, num_images=2, steps=2, guidance=1.0, height=64, width=64, seed=3)
+    if kv:
+        return {"kv-edit": Request(**common, references=refs, kv=True)}
+    return {"text-to-image": Request(**common), "edit-2-refs": Request(**common, references=refs)}
+
+
+def main(checkpoint: str, kv_checkpoint: str, meshes: list[str]) -> None:
+    for path, kv in ((checkpoint, False), (kv_checkpoint, True)):
+        single = KleinPipeline.load(path, dtype=jnp.float32)
+        expected = {name: postprocess(single(r).images) for name, r in requests(kv).items()}
+        for text in meshes:
+            mesh = make_mesh(MeshSpec.parse(text))
+            pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=mesh)
+            kernel = pipeline.models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
+            qkv = pipeline.models.transformer.single_transformer_blocks.attn.to_qkv_mlp_proj.kernel.get_value()
+            out_kernel = pipeline.models.transformer.transformer_blocks.attn.to_out.kernel.get_value()
+            assert isinstance(kernel.sharding, NamedSharding)
+            for name, request in requests(kv).items():
+                images = postprocess(pipeline(request).images)
+                diff = int(np.abs(images.astype(int) - expected[name].astype(int)).max())
+                print(json.dumps(dict(mesh=text, request=name, max_diff=diff, std=float(images.std()),
+                                      q_spec=[str(a) for a in kernel.sharding.spec],
+                                      qkv_spec=[str(a) for a in qkv.sharding.spec],
+                                      out_spec=[str(a) for a in out_kernel.sharding.spec],
+                                      q_shards=len({str(s.index) for s in kernel.addressable_shards}))), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
