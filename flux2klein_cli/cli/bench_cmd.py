@@ -27,6 +27,7 @@ def bench(
                              "output size) instead of text-to-image."),
     kv: bool = typer.Option(False, "--kv", help="pipeline, with --refs on a KV model: time the edit plain and with "
                             "the reference KV cache; report the speed-up beside its token-count bound."),
+    mesh: str = typer.Option(None, "--mesh", help="pipeline: device mesh axis sizes, e.g. fsdp=4 (see generate)."),
     unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
     diffusers: bool = typer.Option(False, "--diffusers", help="ttfi: also time diffusers' pipeline (needs [parity])."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -54,6 +55,8 @@ def bench(
       flux2klein bench --model 9b --phase transformer-compile --reps 5 --json
 
       flux2klein bench --model 9b-kv --refs 4 --kv --height 1024 --width 1024
+
+      flux2klein bench --model 9b --mesh fsdp=4 --bs 8
     """
     with user_errors():
         from flux2klein_cli.core.checkpoint import parse_dtype
@@ -94,6 +97,13 @@ def bench(
             from flux2klein_cli.core.snapshot import resolve_model
 
             configure_jax()
+            from flux2klein_cli.core.distributed import DeviceOptions, run_mesh
+
+            run_on = run_mesh(DeviceOptions(mesh=mesh))
+            if run_on is not None:
+                from flux2klein_cli.core.mesh import check_divides
+
+                check_divides(run_on, batch=bs, heads=1)
             path = resolve_model(model)
             if kv:
                 from flux2klein_cli.core.checkpoint import Snapshot
@@ -102,7 +112,7 @@ def bench(
                 check_kv_model(Snapshot.open(path), model)
             with stderr.status(f"benchmarking {model}") if not as_json else nullcontext():
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
-                                        dtype=target, references=refs, kv=kv)
+                                        dtype=target, references=refs, kv=kv, mesh=run_on)
             result = dict(model=model, phase=phase, dtype=dtype, **result)
     if as_json:
         emit_json(result)
@@ -169,6 +179,10 @@ def _pipeline_table(result: dict[str, Any]) -> None:
     row("run", lambda r: timing(r["run_s"]))
     row("per image", lambda r: ("", f"{r['per_image_s']:.3f}"))
     stdout.print(table)
+    devices = result.get("devices")
+    if devices and devices["count"] > 1:
+        per = ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in devices["parameter_bytes"].items())
+        stdout.print(f"parameters per device ({devices['count']} devices, mesh {devices['mesh']}): {per}")
     if "kv_speedup" in result:
         s, reuse = result["kv_speedup"], result["kv_reuse"]
         stdout.print(f"KV speed-up: transformer {s['transformer']:.2f}x (bound {s['bound']:.2f}x, "

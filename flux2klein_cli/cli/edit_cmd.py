@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from flux2klein_cli.cli import image_options as o
+from flux2klein_cli.core.distributed import DeviceOptions
 
 
 def edit(
@@ -31,6 +32,11 @@ def edit(
                             "run through the model once, every step reuses their keys and values."),
     kv_cache_dir: Path = typer.Option(None, "--kv-cache-dir", help="With --kv: keep the references' KV cache "
                                       "here and reuse it in later runs with the same model and images."),
+    mesh: str = o.MESH,
+    tpu: str = o.TPU,
+    coordinator: str = o.COORDINATOR,
+    num_processes: int = o.NUM_PROCESSES,
+    process_id: int = o.PROCESS_ID,
     as_json: bool = o.JSON,
 ) -> None:
     """Edit or combine reference images following a prompt.
@@ -53,4 +59,5 @@ def edit(
         guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype,
         latents=latents, force=force,
         max_sequence_length=max_sequence_length, kv=kv, kv_cache_dir=kv_cache_dir,
+        devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id),
     ), as_json)

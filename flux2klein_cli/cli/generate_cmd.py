@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from flux2klein_cli.cli import image_options as o
+from flux2klein_cli.core.distributed import DeviceOptions
 
 
 def generate(
@@ -25,6 +26,11 @@ def generate(
     latents: Path = o.LATENTS,
     force: bool = o.FORCE,
     max_sequence_length: int = o.MAX_SEQUENCE,
+    mesh: str = o.MESH,
+    tpu: str = o.TPU,
+    coordinator: str = o.COORDINATOR,
+    num_processes: int = o.NUM_PROCESSES,
+    process_id: int = o.PROCESS_ID,
     as_json: bool = o.JSON,
 ) -> None:
     """Generate images from a text prompt.
@@ -41,4 +47,5 @@ def generate(
         model=model, output=output, height=height, width=width, steps=steps, guidance=guidance,
         negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype, latents=latents, force=force,
         max_sequence_length=max_sequence_length,
+        devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id),
     ), as_json)

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+from flux2klein_cli.core.distributed import native_stdout_to_stderr
 from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
 
 PROMPT_FILE = typer.Option(None, "--prompt-file", help="One prompt per line; each gets --num-images images.")
@@ -27,6 +28,13 @@ DTYPE = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32.")
 LATENTS = typer.Option(None, "--latents", help="Initial noise .npy, shape (B, 128, H/16, W/16) as diffusers' latents=.")
 FORCE = typer.Option(False, "--force", help="Overwrite existing output files.")
 MAX_SEQUENCE = typer.Option(512, "--max-sequence-length", help="Prompt tokens (padded and truncated to this).")
+MESH = typer.Option(None, "--mesh", help="Device mesh axis sizes over all devices of the run, e.g. data=2,fsdp=4 "
+                    "(axes data, fsdp, tensor, context) [default: one device]")
+TPU = typer.Option(None, "--tpu", help="On a TPU slice host: run FSDP over its chips, e.g. --tpu v6-4.")
+COORDINATOR = typer.Option(None, "--coordinator", help="Multi-process run: the coordinator HOST:PORT "
+                           "(process 0's); TPU slices need no flag.")
+NUM_PROCESSES = typer.Option(None, "--num-processes", help="Multi-process run: how many processes.")
+PROCESS_ID = typer.Option(None, "--process-id", help="Multi-process run: this process's index (0 writes outputs).")
 JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
 
 
@@ -35,18 +43,20 @@ def warn(message: str) -> None:
 
 
 def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bool) -> None:
-    """Build the options, run, and report: paths on stdout, or one JSON object."""
+    """Build the options, run, and report: paths on stdout, or one JSON object (process 0 only)."""
     from flux2klein_cli.core.runtime import configure_jax
     from flux2klein_cli.core.snapshot import resolve_model
 
     configure_jax()
-    with user_errors():
+    with user_errors(), native_stdout_to_stderr():
         opts = GenerateOptions(prompts=read_prompts(prompt, prompt_file), **options)
         if as_json:
             report = run_generate(opts, resolve_model, warn=warn)
         else:
             with stderr.status("starting") as status:
                 report = run_generate(opts, resolve_model, on_phase=lambda phase: status.update(phase), warn=warn)
+    if not report.get("writer", True):
+        return
     if as_json:
         emit_json(report)
         return

@@ -86,6 +86,7 @@ def bench_pipeline(
     dtype: Any = jnp.bfloat16,
     references: int = 0,
     kv: bool = False,
+    mesh: Any = None,
 ) -> dict[str, Any]:
     """Load, first call and steady-state phases of a text-to-image (or edit) run.
 
@@ -98,7 +99,7 @@ def bench_pipeline(
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
     start = time.perf_counter()
-    pipeline = KleinPipeline.load(model_dir, dtype=dtype)
+    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh)
     load_s = time.perf_counter() - start
     distilled = pipeline.snapshot.is_distilled
     rng = np.random.default_rng(0)
@@ -106,7 +107,8 @@ def bench_pipeline(
     request = Request(prompts=["a red fox in snow"] * batch, steps=steps or (4 if distilled else 50),
                       guidance=1.0 if distilled else 4.0, height=height, width=width, references=refs)
     result = dict(load_s=load_s, load_components_s=pipeline.models.seconds, steps=request.steps, batch=batch,
-                  height=height, width=width, references=references, **_time_request(pipeline, request, reps))
+                  height=height, width=width, references=references, **_time_request(pipeline, request, reps),
+                  devices=device_memory(pipeline))
     if not kv:
         return result
     kv_request = dataclasses.replace(request, kv=True)
@@ -122,6 +124,24 @@ def bench_pipeline(
                         bound=bound, of_bound=plain_s / kv_s / bound),
         kv_reuse=_time_reuse(pipeline, kv_request, prompts=4),
     )
+
+
+def device_memory(pipeline: Any) -> dict[str, Any]:
+    """Per device: the bytes of model parameters it holds and, where the runtime reports it,
+    its peak memory in use."""
+    params: dict[str, int] = {}
+    for leaf in jax.tree.leaves((pipeline.transformer_state, pipeline.text_state, pipeline.vae_state)):
+        for shard in leaf.addressable_shards:
+            key = str(shard.device.id)
+            params[key] = params.get(key, 0) + int(shard.data.nbytes)
+    peaks = {}
+    for device in jax.local_devices():
+        stats = device.memory_stats() or {}
+        if "peak_bytes_in_use" in stats:
+            peaks[str(device.id)] = int(stats["peak_bytes_in_use"])
+    mesh = pipeline.mesh
+    return dict(count=len(params), mesh=None if mesh is None else dict(mesh.shape), parameter_bytes=params,
+                peak_bytes=peaks or None)
 
 
 def _time_request(pipeline: Any, request: Any, reps: int) -> dict[str, Any]:

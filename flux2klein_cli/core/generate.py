@@ -16,6 +16,7 @@ from typing import Any
 
 from flux2klein_cli import __version__
 from flux2klein_cli.core.checkpoint import Snapshot, parse_dtype
+from flux2klein_cli.core.distributed import DeviceOptions, is_writer, run_mesh
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.images import load_reference, postprocess, preprocess_reference, validate_size
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
@@ -42,6 +43,7 @@ class GenerateOptions:
     max_sequence_length: int = 512
     kv: bool = False  # reference KV cache (edit --kv)
     kv_cache_dir: Path | None = None  # keep reference KV caches here across runs
+    devices: DeviceOptions = field(default_factory=DeviceOptions)
 
 
 def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
@@ -76,6 +78,7 @@ def _check_options(opts: GenerateOptions) -> None:
         raise UserInputError("--kv needs at least one reference image (--image)")
     if opts.kv_cache_dir is not None and not opts.kv:
         raise UserInputError("--kv-cache-dir needs --kv")
+    opts.devices.check()
 
 
 def check_kv_model(snapshot: Snapshot, model: str) -> None:
@@ -114,12 +117,19 @@ def run_generate(
     snapshot = Snapshot.open(model_dir)
     if opts.kv:
         check_kv_model(snapshot, opts.model)
+    mesh = run_mesh(opts.devices)
+    if mesh is not None:
+        from flux2klein_cli.core.mesh import check_divides
+        from flux2klein_cli.core.weights.configs import read_config
+
+        heads = int(read_config(snapshot.component("transformer")).get("num_attention_heads", 1))
+        check_divides(mesh, batch=batch, heads=heads)
     steps = opts.steps or (4 if snapshot.is_distilled else 50)
     guidance = opts.guidance if opts.guidance is not None else (1.0 if snapshot.is_distilled else 4.0)
     load_start = time.perf_counter()
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
-    pipeline = KleinPipeline.load(model_dir, dtype=dtype)
+    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh)
     load_seconds = time.perf_counter() - load_start
     if opts.kv_cache_dir is not None:
         from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, weights_identity
@@ -138,7 +148,8 @@ def run_generate(
 
     on_phase("writing")
     write_start = time.perf_counter()
-    for i, (path, image) in enumerate(zip(outputs, images, strict=True)):
+    writer = is_writer()
+    for i, (path, image) in enumerate(zip(outputs if writer else [], images, strict=False)):
         write_png(path, image, dict(
             prompt=opts.prompts[i // opts.num_images],
             negative_prompt=opts.negative_prompt if result.guidance_used else "",
@@ -153,6 +164,6 @@ def run_generate(
         seeds=result.seeds if noise is None else None,
         model=opts.model, model_path=str(model_dir), height=height, width=width, steps=steps, guidance=guidance,
         cfg=result.guidance_used, references=[str(p) for p in opts.references], dtype=opts.dtype,
-        kv=opts.kv, kv_cache=result.kv_cache,
+        kv=opts.kv, kv_cache=result.kv_cache, mesh=None if mesh is None else dict(mesh.shape), writer=writer,
         seconds={k: round(v, 4) for k, v in seconds.items()},
     )

@@ -1,0 +1,121 @@
+"""Many devices: meshes on 8 virtual CPU devices and a real two-process run, in subprocesses
+(the device count is fixed when JAX starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.mesh import MeshSpec
+
+MESHES = ["fsdp=8", "data=2,fsdp=4", "tensor=2,fsdp=4", "context=2,fsdp=4", "data=2,context=2,tensor=2"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def env_with_devices(n: int) -> dict[str, str]:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu",
+                FLUX2KLEIN_XLA_CACHE="off")
+
+
+def test_every_mesh_gives_the_single_device_images(tiny_checkpoint: Path, tiny_kv_checkpoint: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "tests.mesh_worker", str(tiny_checkpoint), str(tiny_kv_checkpoint),
+                           *MESHES], env=env_with_devices(8), cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted((r["mesh"], r["request"]) for r in rows) == sorted(
+        (m, r) for m in MESHES for r in ("text-to-image", "edit-2-refs", "kv-edit"))
+    for row in rows:
+        assert row["max_diff"] <= 1, row
+        assert row["std"] > 10, row  # real images, not blanks
+        spec = MeshSpec.parse(row["mesh"])
+        # Column-parallel q: input features over fsdp, heads over tensor; row-parallel out: the reverse.
+        assert row["q_spec"] == ["None", "fsdp", "tensor"] and row["out_spec"] == ["None", "tensor", "fsdp"]
+        assert row["q_shards"] == spec.fsdp * spec.tensor, row
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def generate_args(model: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "flux2klein_cli", "generate", "a red fox", "--model", str(model), "-o", str(out),
+            "-n", "2", "--height", "32", "--width", "32", "--steps", "2", "--dtype", "fp32",
+            "--max-sequence-length", "16", "--json"]
+
+
+def test_two_processes_make_the_one_process_images(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    one = subprocess.run(generate_args(tiny_checkpoint, tmp_path / "one.png"), env=env_with_devices(1),
+                         capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    port = free_port()
+    procs = [subprocess.Popen(generate_args(tiny_checkpoint, tmp_path / "two.png") + [
+        "--mesh", "fsdp=2,tensor=2,context=2", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+        "--process-id", str(i)], env=env_with_devices(4), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    outs = [p.communicate(timeout=900) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    report = json.loads(outs[0][0])  # process 0: exactly one JSON object on stdout
+    assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "context": 2}
+    assert outs[1][0] == ""  # process 1 writes nothing
+    for i in range(2):
+        a, b = (np.asarray(Image.open(tmp_path / f"{name}-{i}.png"), np.int16) for name in ("one", "two"))
+        assert np.abs(a - b).max() <= 1
+
+
+BAD = {
+    "more devices than the run has": (1, ["--mesh", "fsdp=3"], "needs 3 devices"),
+    "unknown axis": (1, ["--mesh", "pipeline=2"], "unknown axis"),
+    "batch does not divide": (2, ["--mesh", "fsdp=2"], "does not divide"),
+    "heads do not divide": (4, ["--mesh", "tensor=4"], "heads"),
+    "tpu preset on a cpu host": (1, ["--tpu", "v6-4"], "flux2klein compile --tpu"),
+    "coordinator alone": (1, ["--coordinator", "127.0.0.1:1234"], "go together"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_device_errors_are_exit_2_before_any_work(case: str, tiny_checkpoint: Path, tmp_path: Path) -> None:
+    devices, extra, expected = BAD[case]
+    args = [sys.executable, "-m", "flux2klein_cli", "generate", "x", "--model", str(tiny_checkpoint), "-o",
+            str(tmp_path / "out.png"), "--height", "32", "--width", "32", *extra]
+    done = subprocess.run(args, env=env_with_devices(devices), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and expected in lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mesh_spec_parsing() -> None:
+    assert MeshSpec.parse("data=2, fsdp=4").shape == (2, 4, 1, 1)
+    assert str(MeshSpec.parse("tensor=2,context=2")) == "tensor=2,context=2"
+    for bad in ("", "fsdp", "fsdp=0", "fsdp=2,fsdp=2", "fsdp=x"):
+        with pytest.raises(UserInputError):
+            MeshSpec.parse(bad)
+
+
+def test_bench_on_a_mesh_reports_memory_per_device(tiny_checkpoint: Path) -> None:
+    args = [sys.executable, "-m", "flux2klein_cli", "bench", "--model", str(tiny_checkpoint), "--mesh", "fsdp=4",
+            "--bs", "8", "--height", "32", "--width", "32", "--steps", "1", "--reps", "1", "--dtype", "fp32", "--json"]
+    done = subprocess.run(args, env=env_with_devices(4), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    devices = json.loads(done.stdout)["devices"]
+    assert devices["count"] == 4 and devices["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "context": 1}
+    per_device = list(devices["parameter_bytes"].values())
+    assert len(per_device) == 4 and len(set(per_device)) == 1
+    # FSDP: each device holds about a quarter of the sharded transformer and text encoder, not all of them.
+    single = subprocess.run([*args[:6], *args[8:]], env=env_with_devices(1), capture_output=True, text=True,
+                            timeout=900)
+    assert single.returncode == 0, single.stderr[-2000:]
+    whole = sum(json.loads(single.stdout)["devices"]["parameter_bytes"].values())
+    assert per_device[0] < 0.5 * whole
