@@ -20,8 +20,10 @@ returns before reading anything) pays for its pages at first use, so timing the 
 flatter it. Python imports are excluded (the child times only the load). Peak memory is the
 child's peak resident set during load and touch minus its resident set before (`VmHWM` after
 resetting it through /proc/self/clear_refs; mapped file pages count once touched), and its ratio
-to the component's bytes. For flat loads, `zero_copy_bytes` counts the parameter bytes whose
-device buffer lies inside the mapped file (all of them, when JAX adopted every view).
+to the component's bytes. `build_seconds` is the part spent building the abstract model
+(`nnx.eval_shape`), a fixed cost per model whatever its bytes. For flat loads, `zero_copy_bytes`
+counts the parameter bytes whose device buffer lies inside the mapped file (all of them, when
+JAX adopted every view).
 
     python -m flux2klein_cli.core.bench_load /tmp/medium --convert --reps 5 --json
 """
@@ -57,8 +59,12 @@ def bench_load(
     reps: int = 3,
     kinds: Sequence[str] = KINDS,
     log: Callable[[str], None] | None = None,
+    cold: bool = False,
 ) -> dict[str, Any]:
     """Load timings and peak memory per component and per path, with ratios to the limits.
+
+    `cold=True` evicts each run's files from the page cache first (posix_fadvise DONTNEED on
+    those files only, so nothing else on a shared host is disturbed) instead of reading them once.
 
     `model_dir` is a diffusers-layout snapshot (components may be missing: e.g. a transformer
     alone). `converted_dir` is its `flux2klein convert` output (timed as its manifest's layout);
@@ -97,11 +103,12 @@ def bench_load(
             "converted": {layout: str(path) for layout, path in converted.items()},
             "dtype": dtype,
             "reps": reps,
+            "page_cache": "cold" if cold else "warm",
             "cpu_count": os.cpu_count(),
             "components": {},
         }
         for name in names:
-            result["components"][name] = _bench_component(model_dir, converted, name, dtype, reps, kinds, say)
+            result["components"][name] = _bench_component(model_dir, converted, name, dtype, reps, kinds, say, cold)
         return result
     finally:
         if scratch:
@@ -137,7 +144,7 @@ def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype:
 
 
 def _bench_component(model_dir: Path, converted: dict[str, Path], name: str, dtype: str, reps: int,
-                     kinds: Sequence[str], say: Callable[[str], None]) -> dict[str, Any]:
+                     kinds: Sequence[str], say: Callable[[str], None], cold: bool = False) -> dict[str, Any]:
     weights = sorted((model_dir / name).glob("*.safetensors"))
     out: dict[str, Any] = {"file_bytes": sum(p.stat().st_size for p in weights)}
     plans: list[tuple[str, list[Path], list[str]]] = []
@@ -154,7 +161,7 @@ def _bench_component(model_dir: Path, converted: dict[str, Path], name: str, dty
     for kind, files, args in plans:
         runs = []
         for rep in range(reps):
-            _cat(files)  # warm page cache: every path starts from the same place
+            (_evict if cold else _cat)(files)  # every path starts from the same place
             runs.append(_cat_timed(files) if kind == "cat" else _child(args))
             say(f"{name} {kind} rep {rep + 1}/{reps}: {runs[-1]['seconds']:.2f} s")
         out[kind] = _summary(runs)
@@ -171,7 +178,7 @@ def _bench_component(model_dir: Path, converted: dict[str, Path], name: str, dty
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
-    for field in ("seconds", "touch_seconds"):
+    for field in ("seconds", "touch_seconds", "build_seconds"):
         if field in runs[0]:
             values = [r[field] for r in runs]
             summary[field] = {"min": float(np.min(values)), "median": float(np.median(values)), "n": len(values)}
@@ -203,6 +210,17 @@ def _cat(files: Sequence[Path]) -> None:
         with path.open("rb") as f:
             while f.read(64 << 20):
                 pass
+
+
+def _evict(files: Sequence[Path]) -> None:
+    """Drop these files' clean pages from the page cache (not other files', unlike drop_caches)."""
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def _cat_timed(files: Sequence[Path]) -> dict[str, Any]:
@@ -282,6 +300,17 @@ def _load_ours(kind: str, directory: str, name: str, dtype: str) -> dict[str, An
         def load() -> Any:
             return loader(directory, dtype=target)
 
+    # Time spent building the abstract model (nnx.eval_shape), a fixed cost whatever the bytes.
+    eval_shape, built = nnx.eval_shape, [0.0]
+
+    def timed_eval_shape(*args: Any, **kwargs: Any) -> Any:
+        begin = time.perf_counter()
+        try:
+            return eval_shape(*args, **kwargs)
+        finally:
+            built[0] += time.perf_counter() - begin
+
+    nnx.eval_shape = timed_eval_shape
     jax.devices()  # start the backend before timing
     before = _peak_reset()
     start = time.perf_counter()
@@ -292,8 +321,8 @@ def _load_ours(kind: str, directory: str, name: str, dtype: str) -> dict[str, An
     _touch([np.asarray(leaf) for leaf in leaves])  # host views of the CPU arrays, no copies
     seconds = time.perf_counter() - start
     peak = _status_bytes("VmHWM") - before
-    result = {"seconds": seconds, "touch_seconds": seconds - (loaded - start), "peak_bytes": peak,
-              "bytes": parameter_stats(module)[1]}
+    result = {"seconds": seconds, "touch_seconds": seconds - (loaded - start), "build_seconds": built[0],
+              "peak_bytes": peak, "bytes": parameter_stats(module)[1]}
     if kind == "flat":
         from flux2klein_cli.core.weights.flat_store import DATA_FILE
 
@@ -360,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--cold", action="store_true", help="Evict the files from the page cache before each run.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.convert_to:
@@ -372,7 +402,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     result = bench_load(args.model_dir, converted_dir=args.converted, convert=args.convert,
                         components=args.components.split(","), dtype=args.dtype, reps=args.reps,
-                        kinds=args.kinds.split(","), log=lambda m: print(m, file=sys.stderr, flush=True))
+                        kinds=args.kinds.split(","), log=lambda m: print(m, file=sys.stderr, flush=True),
+                        cold=args.cold)
     print(json.dumps(result, indent=None if args.json else 2))
 
 
