@@ -117,7 +117,8 @@ class ProgramSpec:
     model: str | None = None
 
     def lower(self) -> jax.stages.Lowered:
-        return self.fn.lower(*self.args)
+        with traced_for((self.target or Target.local()).platform):
+            return self.fn.lower(*self.args)
 
     @property
     def in_tree(self) -> Any:
@@ -143,6 +144,23 @@ class LoadInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+@contextlib.contextmanager
+def traced_for(platform: str) -> Iterator[None]:
+    """Trace as if `platform` were the default backend. Model code picks kernels by
+    `jax.default_backend()` (layers.dot_product_attention: the query-blocked form on CPU);
+    a TPU program compiled from a CPU host must get the TPU choice, as on the TPU host.
+    Lowering runs on one thread (compile_all), so the swap is not seen by other tracing."""
+    if platform == jax.default_backend():
+        yield
+        return
+    original = jax.default_backend
+    jax.default_backend = lambda: platform  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        jax.default_backend = original  # type: ignore[assignment]
 
 
 # ----------------------------------------------------------------------------- key
