@@ -10,6 +10,7 @@ from pathlib import Path
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # The CLI's persistent XLA cache goes to a fresh folder per run, never the user's.
 os.environ.setdefault("FLUX2KLEIN_XLA_CACHE", tempfile.mkdtemp(prefix="flux2klein-xla-"))
+os.environ.setdefault("FLUX2KLEIN_COMPILE_CACHE", tempfile.mkdtemp(prefix="flux2klein-executables-"))
 
 import pytest  # noqa: E402
 

@@ -37,6 +37,8 @@ def edit(
     coordinator: str = o.COORDINATOR,
     num_processes: int = o.NUM_PROCESSES,
     process_id: int = o.PROCESS_ID,
+    compile_cache: Path = o.COMPILE_CACHE,
+    no_save: bool = o.NO_SAVE,
     as_json: bool = o.JSON,
 ) -> None:
     """Edit or combine reference images following a prompt.
@@ -59,5 +61,6 @@ def edit(
         guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype,
         latents=latents, force=force,
         max_sequence_length=max_sequence_length, kv=kv, kv_cache_dir=kv_cache_dir,
-        devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id),
+        devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
+        save_executables=not no_save,
     ), as_json)

@@ -31,6 +31,8 @@ def generate(
     coordinator: str = o.COORDINATOR,
     num_processes: int = o.NUM_PROCESSES,
     process_id: int = o.PROCESS_ID,
+    compile_cache: Path = o.COMPILE_CACHE,
+    no_save: bool = o.NO_SAVE,
     as_json: bool = o.JSON,
 ) -> None:
     """Generate images from a text prompt.
@@ -47,5 +49,6 @@ def generate(
         model=model, output=output, height=height, width=width, steps=steps, guidance=guidance,
         negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype, latents=latents, force=force,
         max_sequence_length=max_sequence_length,
-        devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id),
+        devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
+        save_executables=not no_save,
     ), as_json)

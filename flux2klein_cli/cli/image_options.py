@@ -35,6 +35,9 @@ COORDINATOR = typer.Option(None, "--coordinator", help="Multi-process run: the c
                            "(process 0's); TPU slices need no flag.")
 NUM_PROCESSES = typer.Option(None, "--num-processes", help="Multi-process run: how many processes.")
 PROCESS_ID = typer.Option(None, "--process-id", help="Multi-process run: this process's index (0 writes outputs).")
+COMPILE_CACHE = typer.Option(None, "--compile-cache", help="Store of compiled executables (see `flux2klein "
+                             "compile`) [default: FLUX2KLEIN_COMPILE_CACHE or ~/.cache/flux2klein/executables]")
+NO_SAVE = typer.Option(False, "--no-save", help="Use stored executables but store no new ones.")
 JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
 
 

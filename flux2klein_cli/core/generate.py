@@ -44,6 +44,8 @@ class GenerateOptions:
     kv: bool = False  # reference KV cache (edit --kv)
     kv_cache_dir: Path | None = None  # keep reference KV caches here across runs
     devices: DeviceOptions = field(default_factory=DeviceOptions)
+    compile_cache: Path | None = None  # the executable store [default: FLUX2KLEIN_COMPILE_CACHE or the user cache]
+    save_executables: bool = True  # --no-save: use stored executables, store nothing new
 
 
 def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
@@ -131,6 +133,12 @@ def run_generate(
 
     pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh)
     load_seconds = time.perf_counter() - load_start
+    from flux2klein_cli.core.compile.attach import StoredExecutables
+    from flux2klein_cli.core.compile.store import ExecutableStore
+
+    pipeline.warn = warn
+    pipeline.executables = StoredExecutables(model_dir, ExecutableStore(opts.compile_cache, on_warning=warn),
+                                             mesh=mesh, save=opts.save_executables)
     if opts.kv_cache_dir is not None:
         from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, weights_identity
 
@@ -165,5 +173,6 @@ def run_generate(
         model=opts.model, model_path=str(model_dir), height=height, width=width, steps=steps, guidance=guidance,
         cfg=result.guidance_used, references=[str(p) for p in opts.references], dtype=opts.dtype,
         kv=opts.kv, kv_cache=result.kv_cache, mesh=None if mesh is None else dict(mesh.shape), writer=writer,
+        executables=pipeline.executables.report,
         seconds={k: round(v, 4) for k, v in seconds.items()},
     )

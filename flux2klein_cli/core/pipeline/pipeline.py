@@ -98,13 +98,19 @@ class KleinPipeline:
         self.transformer_state = nnx.state(models.transformer)
         self.text_state = nnx.state(models.text_encoder)
         self.vae_state = nnx.state(models.vae)
-        self._text = self._on_mesh(_jit_module_call(models.text_encoder))
-        self._encode = self._on_mesh(_jit_module_call(models.vae, "encode"))
-        self._decode = self._on_mesh(_jit_module_call(models.vae, "decode"))
-        self._denoise = self._on_mesh(denoise_fn(nnx.split(models.transformer)[0]))
-        self._reference_kv = self._on_mesh(reference_kv_fn(nnx.split(models.transformer)[0]))
+        self._text = _jit_module_call(models.text_encoder)
+        self._encode = _jit_module_call(models.vae, "encode")
+        self._decode = _jit_module_call(models.vae, "decode")
+        self._denoise = denoise_fn(nnx.split(models.transformer)[0])
+        self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
         self.kv_store: ReferenceKVStore | None = None
         self._kv_memory: dict[str, ReferenceKV] = {}
+        # With a store of executables (core/compile/attach.py), each request's programs are
+        # loaded or compiled up front and called directly; else each program is jitted.
+        self.executables: Any = None
+        self._compiled: dict[str, Any] = {}
+        self._prepared_run: Any = None
+        self.warn: Callable[[str], None] = lambda message: None
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
@@ -128,16 +134,45 @@ class KleinPipeline:
             return jnp.asarray(x)
         return self._global(x, batch_spec(self.mesh, np.shape(x)[0], np.ndim(x)))
 
-    def _on_mesh(self, program: Callable[..., Any]) -> Callable[..., Any]:
-        if self.mesh is None:
-            return program
-
-        def call(*args: Any) -> Any:
+    def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
+        """Run one program: its stored executable when there is one (arguments placed as it
+        was compiled for), else the jitted function."""
+        if self.mesh is not None:
             args = jax.tree.map(lambda x: self._global(x, PartitionSpec()), args)
-            with jax.set_mesh(self.mesh):
-                return program(*args)
+        compiled = self._compiled.get(name)
+        if compiled is not None:
+            try:
+                return compiled(*jax.device_put(args, compiled.input_shardings[0]))
+            except (TypeError, ValueError) as e:
+                self.warn(f"stored executable {name} does not fit this call ({str(e).splitlines()[0]}); "
+                          "compiling it instead")
+                del self._compiled[name]
+        if self.mesh is None:
+            return program(*args)
+        with jax.set_mesh(self.mesh):
+            return program(*args)
 
-        return call
+    def prepare(self, request: Request) -> list[dict[str, Any]]:
+        """Load (or compile and store) every executable `request` needs; returns what happened
+        per program. Without a store, nothing: programs are jitted on first use."""
+        if self.executables is None:
+            return []
+        from flux2klein_cli.core.compile.programs import RunShape
+
+        height, width = self.output_size(request)
+        run = RunShape(height=height, width=width, batch=request.batch, prompts=len(request.prompts),
+                       steps=request.steps, references=tuple(tuple(r.shape[:2]) for r in request.references),
+                       cfg=self.uses_guidance(request.guidance), max_sequence_length=request.max_sequence_length,
+                       dtype=self.dtype, kv=request.kv and bool(request.references))
+        if run != self._prepared_run:  # one load per run shape, not per call
+            try:
+                self._compiled = self.executables.for_run(run)
+            except Exception as e:  # the store is an optimisation: never the reason a run fails
+                self.warn(f"stored executables unavailable ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                          "compiling as needed")
+                self._compiled = {}
+            self._prepared_run = run
+        return self.executables.report
 
     def _to_host(self, x: jax.Array) -> np.ndarray:
         if x.is_fully_addressable:
@@ -154,9 +189,9 @@ class KleinPipeline:
         """Real classifier-free guidance only for undistilled (base) models, as the reference does."""
         return not self.snapshot.is_distilled and guidance > 1.0
 
-    def encode_text(self, prompts: list[str], max_length: int = 512) -> jax.Array:
+    def encode_text(self, prompts: list[str], max_length: int = 512, name: str = "text_encoder") -> jax.Array:
         ids, mask = self.tokenizer(prompts, max_length)
-        return self._text(self.text_state, self._batched(ids), self._batched(mask))
+        return self._call(name, self._text, self.text_state, self._batched(ids), self._batched(mask))
 
     def encode_references(self, references: list[np.ndarray]) -> tuple[jax.Array | None, list[tuple[int, int]]]:
         """Each reference through the VAE at its own size; tokens concatenated in order, (1, R, 128)."""
@@ -164,7 +199,8 @@ class KleinPipeline:
             return None, []
         packed, grids = [], []
         for image in references:
-            latents = self._encode(self.vae_state, np.asarray(image, self.dtype)[None])
+            pixels = np.asarray(image, self.dtype)[None]
+            latents = self._call(f"vae_encode_{image.shape[0]}x{image.shape[1]}", self._encode, self.vae_state, pixels)
             grids.append((latents.shape[1], latents.shape[2]))
             packed.append(tokens.pack_nhwc(latents))
         return jnp.concatenate(packed, axis=1), grids
@@ -183,7 +219,8 @@ class KleinPipeline:
         if kv is None:
             refs, grids = _timed(seconds, "references", lambda: self.encode_references(references))
             cos, sin = self.models.transformer.rope(np.zeros((0, 4), np.int32), tokens.reference_ids(grids))
-            kv = _timed(seconds, "reference_kv", lambda: self._reference_kv(self.transformer_state, refs, cos, sin))
+            kv = _timed(seconds, "reference_kv", lambda: self._call(
+                "reference_kv", self._reference_kv, self.transformer_state, refs, cos, sin))
             source = "computed"
             if self.kv_store:
                 self.kv_store.save(digest, kv)
@@ -216,6 +253,8 @@ class KleinPipeline:
         if request.steps < 1:
             raise UserInputError(f"--steps must be at least 1, got {request.steps}")
         seconds: dict[str, float] = {}
+        if self.executables is not None:
+            _timed(seconds, "executables", lambda: self.prepare(request))
         if self.mesh is not None:
             check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.cfg.num_attention_heads)
         height, width = self.output_size(request)
@@ -227,8 +266,9 @@ class KleinPipeline:
         text = jnp.repeat(text, request.num_images, axis=0)
         negative = None
         if cfg:
+            negative_name = "text_encoder" if len(request.prompts) == 1 else "text_encoder_negative"
             negative = _timed(seconds, "text", lambda: self.encode_text([request.negative_prompt],
-                                                                        request.max_sequence_length))
+                                                                        request.max_sequence_length, negative_name))
             negative = jnp.broadcast_to(negative, text.shape)
         refs, kv, kv_source, grids = None, None, None, []
         if request.kv:
@@ -250,7 +290,8 @@ class KleinPipeline:
             rope_cos=cos, rope_sin=sin, timesteps=jnp.asarray(schedule.timesteps),
             sigmas=jnp.asarray(schedule.sigmas), guidance=jnp.float32(request.guidance),
         )
-        latents = _timed(seconds, "denoise", lambda: self._denoise(self.transformer_state, inputs))
-        images = _timed(seconds, "decode", lambda: self._decode(
-            self.vae_state, tokens.unpack_nhwc(latents.astype(self.dtype), *grid)))
+        latents = _timed(seconds, "denoise",
+                         lambda: self._call("denoise", self._denoise, self.transformer_state, inputs))
+        images = _timed(seconds, "decode", lambda: self._call(
+            "vae_decode", self._decode, self.vae_state, tokens.unpack_nhwc(latents.astype(self.dtype), *grid)))
         return Result(self._to_host(images).astype(np.float32), seeds, height, width, cfg, seconds, kv_source)

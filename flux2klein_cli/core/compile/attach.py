@@ -1,0 +1,34 @@
+"""Stored executables for `generate`, `edit` and `bench`: the programs a request needs, built
+from the model's configs exactly as `flux2klein compile` builds them (same names, shapes,
+dtypes, shardings, so the same store keys), loaded when stored, compiled in parallel and
+stored when not. The pipeline then calls the executables themselves: nothing is traced or
+compiled during the run, and a call whose arguments do not fit an executable falls back
+to jit with a warning instead of using it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from flux2klein_cli.core.compile.programs import ModelConfigs, RunShape, configs_from_snapshot, pipeline_programs
+from flux2klein_cli.core.compile.store import ExecutableStore, Target, compile_all
+
+
+class StoredExecutables:
+    def __init__(self, model_dir: str | Path, store: ExecutableStore, *, mesh: Mesh | None = None, save: bool = True,
+                 progress: Callable[[str], None] | None = None):
+        self.configs: ModelConfigs = configs_from_snapshot(model_dir)
+        self.store, self.save, self.progress = store, save, progress
+        self.target = Target(mesh) if mesh is not None else Target.local()
+        self.report: list[dict[str, Any]] = []
+
+    def for_run(self, run: RunShape) -> dict[str, jax.stages.Compiled]:
+        specs = pipeline_programs(self.configs, run, self.target)
+        results = compile_all(specs, self.store, parallel=True, save=self.save, progress=self.progress)
+        self.report = [info.as_dict() for _, info in results]
+        return {spec.name: compiled for spec, (compiled, _) in zip(specs, results, strict=True)
+                if compiled is not None}

@@ -1,0 +1,47 @@
+"""Runs one request through a pipeline attached to an executable store and prints, as JSON,
+the store's statuses and the pipeline programs JAX compiled during the request itself."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from flux2klein_cli.core.compile.attach import StoredExecutables
+from flux2klein_cli.core.compile.store import ExecutableStore
+from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+PROGRAMS = ("jit(call)", "jit(run)")  # the pipeline's jitted programs (pipeline.py, denoise.py)
+
+
+class CompileLog(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiled: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Compiling") or "XLA compilation" in message:
+            self.compiled.append(message.split(" with ")[0][:120])
+
+
+def main(model: str, store_dir: str, use_store: bool) -> None:
+    pipeline = KleinPipeline.load(model, dtype=jnp.float32)
+    if use_store:
+        pipeline.executables = StoredExecutables(model, ExecutableStore(store_dir))
+    request = Request(prompts=["a red fox"], steps=2, guidance=1.0, height=64, width=64, seed=1)
+    report = pipeline.prepare(request)
+    log = CompileLog()
+    logging.getLogger("jax").addHandler(log)
+    jax.config.update("jax_log_compiles", True)
+    pipeline(request)
+    programs = [m for m in log.compiled if any(p in m for p in PROGRAMS)]
+    print(json.dumps(dict(statuses={r["name"]: r["status"] for r in report}, program_compiles=programs,
+                          all_compiles=log.compiled)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], "--no-store" not in sys.argv[3:])
