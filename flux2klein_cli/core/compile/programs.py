@@ -152,15 +152,19 @@ class AbstractModels:
         )
 
     def state(self, name: str, mesh: Mesh) -> Any:
-        """The module's state as ShapeDtypeStructs placed as the loader places them on `mesh`."""
-        module = getattr(self, name)
-        fsdp = mesh.shape.get("fsdp", 1)
+        """The module's state as ShapeDtypeStructs placed as the loader places them on `mesh`
+        (core/sharding.py's rules; the VAE replicated)."""
+        from flux2klein_cli.core.sharding import model_rule, replicated_rule
 
-        def place(leaf: Any) -> jax.ShapeDtypeStruct:
-            spec = fsdp_spec(leaf.shape, fsdp) if mesh.size > 1 else PartitionSpec()
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=NamedSharding(mesh, spec))
+        rule = model_rule(mesh) if mesh.size > 1 and name != "vae" else replicated_rule
 
-        return jax.tree.map(place, nnx.state(module))
+        def place(path: tuple[Any, ...], var: Any) -> Any:
+            leaf = var.get_value()
+            sharding = NamedSharding(mesh, rule(tuple(path), tuple(leaf.shape)))
+            return path, var.replace(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
+
+        flat = nnx.to_flat_state(nnx.state(getattr(self, name)))
+        return nnx.from_flat_state([place(path, var) for path, var in flat])
 
 
 def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
