@@ -124,4 +124,8 @@ def load_models(
 
 def _load_converted(load_component: Callable[..., Any], name: str, root: Path, _component_dir: Path, *,
                     dtype: Any, mesh: Mesh | None) -> Any:
-    return load_component(name, root, dtype=dtype, mesh=mesh)
+    from flux2klein_cli.core.sharding import model_rule, replicated_rule
+
+    # The same parameter rules as the safetensors path (the VAE stays replicated).
+    rule = replicated_rule if name == "vae" else model_rule(mesh)
+    return load_component(name, root, dtype=dtype, mesh=mesh, sharding_rule=rule)
