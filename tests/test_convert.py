@@ -404,3 +404,15 @@ def test_flat_files_written_in_small_pieces_are_the_same(source: Path, converted
         # Byte for byte after the header (which holds each conversion's id).
         assert (small / name / "flat" / "params.bin").read_bytes()[4096:] == \
             (converted / name / "flat" / "params.bin").read_bytes()[4096:]
+
+
+def test_bench_load_times_the_flat_layout_with_every_page_touched(source: Path, converted: Path) -> None:
+    """bench_load's flat figures: load plus touch, with every parameter byte adopted from the mapping."""
+    from flux2klein_cli.core.bench_load import bench_load
+
+    result = bench_load(source, converted_dir=converted, components=["vae"], reps=1, kinds=("flat", "cat"))
+    vae = result["components"]["vae"]
+    assert result["converted"] == {"flat": str(converted.resolve())}
+    assert vae["flat"]["zero_copy_bytes"] == vae["flat"]["bytes"] == vae["bytes"] > 0
+    assert vae["flat"]["seconds"]["min"] >= vae["flat"]["touch_seconds"]["min"] > 0
+    assert "flat/cat" in vae["ratios"]
