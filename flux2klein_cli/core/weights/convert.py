@@ -2,7 +2,7 @@
 flat or the Orbax layout (converted.py describes the directory and why there are two layouts).
 
 Writing streams: parameters are read from the safetensors one at a time, converted to the
-target dtype and JAX layout, and written either in place into the flat file's mapping
+target dtype and JAX layout, and written either in pieces into the flat file
 (flat_store.write_flat) or to Orbax in small groups (orbax_store.write_orbax). Everything is
 written into a temporary sibling directory renamed into place once complete (the manifest
 and model_index.json last): an interrupted convert leaves no directory `--model` accepts, and
@@ -140,9 +140,9 @@ def convert_component(
     layout: str = DEFAULT_LAYOUT,
 ) -> dict[str, Any]:
     """One component folder of a snapshot -> `dst/config.json` (and its other JSON) plus `dst/<layout>`,
-    every parameter in `dtype` and JAX layout; returns its manifest entry. Peak memory: about one
-    parameter over the baseline for flat (written in place into the file's mapping), about twice
-    the largest parameter or group for Orbax (which stages a host copy of what it writes)."""
+    every parameter in `dtype` and JAX layout; returns its manifest entry. Peak memory over the
+    baseline: about 64 MiB for flat (written in pieces through one buffer), about twice the
+    largest parameter or group for Orbax (which stages a host copy of what it writes)."""
     dst.mkdir(parents=True)
     for path in sorted(src.glob("*.json")):
         if not path.name.endswith(".safetensors.index.json"):

@@ -16,9 +16,10 @@ differ in how the bytes get into place, and `convert --layout` picks one per dir
 
 - **flat** (the default): one page-aligned file per component, memory-mapped at load. On a CPU
   host the arrays are views of the page cache adopted by JAX without a copy, so a load costs
-  what touching the pages costs (the 4B transformer: about the time of `cat`, not the 20 s of
-  a copying loader, see docs/benchmarks.md). With a sharding, each device's slice is cut from
-  the mapping and placed with `device_put`, so a device reads only its shard there too.
+  what touching the pages costs (the 4B transformer's 7.75 GB: 0.3-0.5 s with every page
+  touched, under half the time `cat` takes to read them, where a copying loader needs 20 s or
+  more on this project's VMs; docs/benchmarks.md). With a sharding, each device's slice is cut
+  from the mapping and placed with `device_put`, so a device reads only its shard there too.
 - **orbax**: an Orbax (TensorStore, OCDBT) checkpoint, chunked for the sharding it was written
   for. Its place is where a memory map cannot go: storage that is not a local file system
   (TensorStore also reads object stores; `--model` takes local directories only, so far) and
