@@ -11,8 +11,9 @@ JAX's CPU client adopts a host buffer aligned to 64 bytes as the array's own sto
 copying it, so on a CPU host a load costs opening the file and, later, the page faults of first
 use: no copy, no conversion, and no new memory (the pages are the page cache's, shared with any
 other process that maps the file). Each array holds its numpy view, which holds the mapping, so
-the mapping lives exactly as long as the last array that uses it. Nothing can write through
-it: the mapping is read-only, and JAX neither donates nor writes into buffers it does not own.
+the mapping lives exactly as long as the last array that uses it. Nothing writes through it:
+the mapping is read-only, and donating a mapped parameter to a jitted function gives the array
+up without writing into it (the output gets a buffer of its own; tested).
 
 With a sharding (several devices, or an accelerator), each device's slice is cut from the
 mapping and placed with `device_put`: an accelerator reads its bytes straight from the mapped
