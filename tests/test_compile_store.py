@@ -164,13 +164,16 @@ def test_concurrent_writers_leave_one_valid_entry(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("parallel", [True, False])
 def test_compile_all_then_all_hits(tmp_path: Path, parallel: bool) -> None:
+    # Shapes of their own per case: XLA's CPU runtime can fail to find a fused kernel when one
+    # process deserializes the same module again after compiling it (seen across the two cases).
+    n = 16 if parallel else 40
     store = ExecutableStore(tmp_path)
-    specs = [make_spec(2.0, "a"), make_spec(3.0, "b", n=16)]
+    specs = [make_spec(2.0, "a", n=n - 8), make_spec(3.0, "b", n=n)]
     first = compile_all(specs, store, parallel=parallel)
     assert [info.status for _, info in first] == ["miss", "miss"]
     second = compile_all(specs, store, parallel=parallel)
     assert [(info.name, info.status) for _, info in second] == [("a", "hit"), ("b", "hit")]
-    np.testing.assert_allclose(run(second[1][0], 16), np.arange(16) * 3.0 + 1)
+    np.testing.assert_allclose(run(second[1][0], n), np.arange(n) * 3.0 + 1)
 
 
 def test_no_save_stores_nothing(tmp_path: Path) -> None:

@@ -143,7 +143,7 @@ class KleinPipeline:
         if compiled is not None:
             try:
                 return compiled(*jax.device_put(args, compiled.input_shardings[0]))
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, jax.errors.JaxRuntimeError) as e:  # never fail the run for it
                 self.warn(f"stored executable {name} does not fit this call ({str(e).splitlines()[0]}); "
                           "compiling it instead")
                 del self._compiled[name]
