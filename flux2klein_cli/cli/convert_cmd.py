@@ -25,6 +25,8 @@ def convert(
         help="flat: one memory-mapped file per model, loaded without copying (the fastest load); "
              "orbax: an Orbax checkpoint, for tools and storage built around Orbax.",
     ),
+    mesh: str = typer.Option(None, "--mesh", help="orbax: lay the checkpoint out for this mesh's parameter "
+                             "shardings, e.g. fsdp=4 (flat files hold whole arrays; each device reads its slice)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
     revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
     offline: bool = typer.Option(False, "--offline", help="Use the local Hugging Face cache only."),
@@ -51,6 +53,13 @@ def convert(
             raise UserInputError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
         if layout not in LAYOUTS:
             raise UserInputError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+        run_on, rule = None, None
+        if mesh:
+            from flux2klein_cli.core.distributed import DeviceOptions, run_mesh
+            from flux2klein_cli.core.sharding import parameter_rule
+
+            run_on = run_mesh(DeviceOptions(mesh=mesh))
+            rule = parameter_rule(run_on) if run_on is not None else None
         resolved = resolve(model, revision=revision, offline=offline, download=True,
                            progress=lambda message: stderr.print(message, highlight=False))
         slug = _slug(model, resolved.repo_id, resolved.revision)
@@ -58,7 +67,8 @@ def convert(
         start = time.perf_counter()
         with _progress_bar(enabled=not as_json) as update:
             manifest = convert_snapshot_to(resolved, target, dtype=dtype, layout=layout, force=force, model=model,
-                                           progress=update)
+                                           progress=update, mesh=run_on,
+                                           **({"sharding_rule": rule} if rule is not None else {}))
         seconds = time.perf_counter() - start
     if as_json:
         emit_json({
