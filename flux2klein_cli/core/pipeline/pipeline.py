@@ -142,7 +142,10 @@ class KleinPipeline:
         compiled = self._compiled.get(name)
         if compiled is not None:
             try:
-                return compiled(*jax.device_put(args, compiled.input_shardings[0]))
+                # Waited for here: XLA's CPU runtime can fail to find a kernel of an executable
+                # re-loaded in a process that compiled the same code before, and says so only
+                # when the result is used.
+                return jax.block_until_ready(compiled(*jax.device_put(args, compiled.input_shardings[0])))
             except (TypeError, ValueError, jax.errors.JaxRuntimeError) as e:  # never fail the run for it
                 self.warn(f"stored executable {name} does not fit this call ({str(e).splitlines()[0]}); "
                           "compiling it instead")
