@@ -208,7 +208,7 @@ def _load_table(result: dict[str, Any]) -> None:
     for column in ("component", "path", "median s", "peak / bytes"):
         table.add_column(column, justify="left" if column in ("component", "path") else "right")
     for name, component in result["components"].items():
-        for kind in ("safetensors", "orbax", "cat", "fill", "diffusers"):
+        for kind in ("safetensors", "flat", "orbax", "cat", "fill", "diffusers"):
             if kind in component:
                 peak = component[kind].get("peak_ratio")
                 table.add_row(name, kind, f"{component[kind]['seconds']['median']:.3f}",
