@@ -13,20 +13,12 @@ from jax.sharding import NamedSharding
 from flux2klein_cli.core.images import postprocess, preprocess_reference
 from flux2klein_cli.core.mesh import MeshSpec, make_mesh
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-
-
-def synthetic(width: int, height: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    base = np.stack([x / width, y / height, (x + y) / (width + height)], -1) * 200
-    return np.clip(base + rng.normal(0, 25, (height, width, 3)), 0, 255).astype(np.uint8)
+from tests.test_pipeline_parity import synthetic_image
 
 
 def requests(kv: bool, batch: int) -> dict[str, Request]:
     """Small requests (1 step, 32 px, 16 text tokens): the meshes, not the sizes, are under test."""
-    from PIL import Image
-
-    refs = [preprocess_reference(Image.fromarray(synthetic(w, h, i))) for i, (w, h) in enumerate([(64, 64), (96, 64)])]
+    refs = [preprocess_reference(synthetic_image(w, h, i)) for i, (w, h) in enumerate([(64, 64), (96, 64)])]
     prompts = ["a red fox", "a lighthouse", "two cats", "a bowl of fruit"][: max(1, batch // 2)]
     common = dict(prompts=prompts, num_images=batch // len(prompts), steps=1, guidance=1.0, height=32, width=32,
                   seed=3, max_sequence_length=16)

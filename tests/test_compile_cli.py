@@ -137,9 +137,18 @@ def test_registry_alias_needs_no_download(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_fsdp_rule_splits_the_largest_divisible_dimension() -> None:
+    """The compile specs place parameters by the loader's rule (core/sharding.py)."""
+    from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as Spec
 
-    assert P.fsdp_spec((3072, 9216), 4) == Spec(None, "fsdp")
-    assert P.fsdp_spec((8, 3072, 9216), 4) == Spec(None, None, "fsdp")  # never the scanned layer axis
-    assert P.fsdp_spec((3, 3, 128, 3), 4) == Spec(None, None, "fsdp", None)
-    assert P.fsdp_spec((3072,), 4) == Spec() and P.fsdp_spec((5, 7), 4) == Spec()
+    from flux2klein_cli.core.mesh import MESH_AXES
+    from flux2klein_cli.core.sharding import parameter_spec
+
+    mesh = AbstractMesh((1, 4, 1, 1), MESH_AXES)
+    assert parameter_spec(mesh, ("context_embedder", "kernel"), (3072, 9216)) == Spec(None, "fsdp")
+    # never the scanned layer axis
+    assert parameter_spec(mesh, ("transformer_blocks", "norm_out", "kernel"), (8, 3072, 9216)) == Spec(
+        None, None, "fsdp")
+    assert parameter_spec(mesh, ("conv", "kernel"), (3, 3, 128, 3)) == Spec(None, None, "fsdp", None)
+    assert parameter_spec(mesh, ("norm", "scale"), (3072,)) == Spec(None) and parameter_spec(
+        mesh, ("proj", "kernel"), (5, 7)) == Spec(None, None)

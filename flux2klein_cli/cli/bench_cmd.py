@@ -97,14 +97,11 @@ def bench(
             from flux2klein_cli.core.snapshot import resolve_model
 
             configure_jax()
-            from flux2klein_cli.core.distributed import DeviceOptions, run_mesh
+            from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, run_mesh
 
             run_on = run_mesh(DeviceOptions(mesh=mesh))
-            if run_on is not None:
-                from flux2klein_cli.core.mesh import check_divides
-
-                check_divides(run_on, batch=bs, heads=1)
             path = resolve_model(model)
+            check_run_fits(run_on, path, bs)
             if kv:
                 from flux2klein_cli.core.checkpoint import Snapshot
                 from flux2klein_cli.core.generate import check_kv_model

@@ -134,12 +134,12 @@ def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype:
     import jax.numpy as jnp
 
     from flux2klein_cli.core.mesh import default_mesh
+    from flux2klein_cli.core.sharding import replicated_rule
     from flux2klein_cli.core.weights.convert import convert_component
-    from flux2klein_cli.core.weights.loader import _replicate
 
     target = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
     for name in names:
-        convert_component(name, model_dir / name, out / name, target, default_mesh(), _replicate, 256 << 20, None,
+        convert_component(name, model_dir / name, out / name, target, default_mesh(), replicated_rule, 256 << 20, None,
                           layout=layout)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from flux2klein_cli import __version__
 from flux2klein_cli.core.checkpoint import Snapshot, parse_dtype
-from flux2klein_cli.core.distributed import DeviceOptions, is_writer, run_mesh
+from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.images import load_reference, postprocess, preprocess_reference, validate_size
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
@@ -120,12 +120,7 @@ def run_generate(
     if opts.kv:
         check_kv_model(snapshot, opts.model)
     mesh = run_mesh(opts.devices)
-    if mesh is not None:
-        from flux2klein_cli.core.mesh import check_divides
-        from flux2klein_cli.core.weights.configs import read_config
-
-        heads = int(read_config(snapshot.component("transformer")).get("num_attention_heads", 1))
-        check_divides(mesh, batch=batch, heads=heads)
+    check_run_fits(mesh, model_dir, batch)
     steps = opts.steps or (4 if snapshot.is_distilled else 50)
     guidance = opts.guidance if opts.guidance is not None else (1.0 if snapshot.is_distilled else 4.0)
     load_start = time.perf_counter()

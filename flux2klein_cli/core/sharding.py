@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 BATCH_AXES = ("data", "fsdp")
 # Projections whose output features are heads or MLP width (column parallel) ...
@@ -90,7 +90,3 @@ def constrain(x: jax.Array, *axes: str | tuple[str, ...] | None) -> jax.Array:
         return x
     spec = [a if a is not None and x.shape[i] % axis_size(mesh, a) == 0 else None for i, a in enumerate(axes)]
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
-
-
-def sharding_of(mesh: Mesh, spec: PartitionSpec) -> NamedSharding:
-    return NamedSharding(mesh, spec)

@@ -167,19 +167,6 @@ class AbstractModels:
         return nnx.from_flat_state([place(path, var) for path, var in flat])
 
 
-def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> PartitionSpec:
-    """Split the largest dimension divisible by `fsdp` (not the leading layer axis of a 3D+
-    stack, which scan slices step by step); 1D parameters and the indivisible stay whole."""
-    if fsdp <= 1 or len(shape) < 2:
-        return PartitionSpec()
-    first = 1 if len(shape) >= 3 else 0
-    candidates = [i for i in range(first, len(shape)) if shape[i] % fsdp == 0]
-    if not candidates:
-        return PartitionSpec()
-    dim = max(candidates, key=lambda i: (shape[i], i))
-    return PartitionSpec(*[("fsdp" if i == dim else None) for i in range(len(shape))])
-
-
 def param_bytes_per_device(state: Any) -> int:
     """Bytes of a placed abstract state on one device (its shard of every leaf)."""
     total = 0

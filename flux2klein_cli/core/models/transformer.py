@@ -139,14 +139,6 @@ class ReferenceKV:
     single_k: jax.Array
     single_v: jax.Array
 
-    @property
-    def tokens(self) -> int:
-        return int(self.double_k.shape[2])
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(a.nbytes) for a in jax.tree.leaves(self))
-
 
 jax.tree_util.register_dataclass(
     ReferenceKV, data_fields=["double_k", "double_v", "single_k", "single_v"], meta_fields=[]

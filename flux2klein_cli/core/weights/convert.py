@@ -26,6 +26,7 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
 from flux2klein_cli.core.mesh import default_mesh
+from flux2klein_cli.core.sharding import replicated_rule
 from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
 from flux2klein_cli.core.weights.configs import read_config, read_json
 from flux2klein_cli.core.weights.converted import (
@@ -40,7 +41,7 @@ from flux2klein_cli.core.weights.converted import (
     components,
     param_key,
 )
-from flux2klein_cli.core.weights.loader import ShardingRule, _replicate, check_plan, iter_arrays, read_into
+from flux2klein_cli.core.weights.loader import ShardingRule, check_plan, iter_arrays, read_into
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 
 _GROUP_BYTES = 256 << 20  # parameters handed to Orbax per partial save
@@ -54,7 +55,7 @@ def convert(
     dtype: str = "bf16",
     layout: str = DEFAULT_LAYOUT,
     mesh: Mesh | None = None,
-    sharding_rule: ShardingRule = _replicate,
+    sharding_rule: ShardingRule = replicated_rule,
     force: bool = False,
     provenance: dict[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
@@ -116,7 +117,7 @@ def convert_snapshot_to(
     force: bool = False,
     model: str | None = None,
     mesh: Mesh | None = None,
-    sharding_rule: ShardingRule = _replicate,
+    sharding_rule: ShardingRule = replicated_rule,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """`convert` of a resolved `--model`, its provenance (name, repo id, commit) in the manifest."""

@@ -44,9 +44,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.mesh import default_mesh
+from flux2klein_cli.core.sharding import replicated_rule
 from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights.configs import read_config, read_json
-from flux2klein_cli.core.weights.loader import KeyPlan, ShardingRule, _replicate
+from flux2klein_cli.core.weights.loader import KeyPlan, ShardingRule
 
 FORMAT = "flux2klein-converted"
 FORMAT_VERSION = 2
@@ -150,7 +151,7 @@ def load_component(
     *,
     dtype: Any = jnp.bfloat16,
     mesh: Mesh | None = None,
-    sharding_rule: ShardingRule = _replicate,
+    sharding_rule: ShardingRule = replicated_rule,
     layout: str | None = None,
 ) -> nnx.Module:
     """One component of a converted directory, straight into `dtype` and its shardings.

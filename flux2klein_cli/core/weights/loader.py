@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.mesh import default_mesh
+from flux2klein_cli.core.sharding import replicated_rule
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint, _first
 
 Path_ = tuple[str, ...]
@@ -76,9 +77,6 @@ def _layout_shape(shape: tuple[int, ...], layout: Layout) -> tuple[int, ...]:
 
 ShardingRule = Callable[[Path_, tuple[int, ...]], PartitionSpec]
 
-
-def _replicate(path: Path_, shape: tuple[int, ...]) -> PartitionSpec:
-    return PartitionSpec()
 
 
 def raise_on_mismatch(
@@ -282,7 +280,7 @@ def iter_arrays(
     plan: KeyPlan,
     abstract_state: nnx.State,
     mesh: Mesh | None = None,
-    sharding_rule: ShardingRule = _replicate,
+    sharding_rule: ShardingRule = replicated_rule,
 ) -> Iterator[tuple[Path_, jax.Array]]:
     """Each parameter in turn, read from the checkpoint into its abstract dtype and sharding.
     One parameter at a time: a caller that writes and drops them (convert) holds one at most."""
@@ -306,7 +304,7 @@ def load_state(
     plan: KeyPlan,
     abstract_state: nnx.State,
     mesh: Mesh | None = None,
-    sharding_rule: ShardingRule = _replicate,
+    sharding_rule: ShardingRule = replicated_rule,
 ) -> nnx.State:
     """Fill an abstract NNX state from the checkpoint, each leaf in its abstract dtype."""
     flat = dict(nnx.to_flat_state(abstract_state))
@@ -319,7 +317,7 @@ def load_module(
     plan_for: Callable[[M], KeyPlan],
     directory: str | Path,
     mesh: Mesh | None = None,
-    sharding_rule: ShardingRule = _replicate,
+    sharding_rule: ShardingRule = replicated_rule,
 ) -> M:
     """Build a module abstractly, then load its weights from a component directory."""
     abstract_model = nnx.eval_shape(build)
