@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import typer
 from rich.table import Table
 
+from flux2klein_cli.cli import image_options as o
 from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
 
 PHASES = ("pipeline", "ttfi", "load", "transformer-compile")
@@ -30,17 +32,25 @@ def bench(
     mesh: str = typer.Option(None, "--mesh", help="pipeline: device mesh axis sizes, e.g. fsdp=4 (see generate)."),
     unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
     diffusers: bool = typer.Option(False, "--diffusers", help="ttfi: also time diffusers' pipeline (needs [parity])."),
+    compile_cache: Path = o.COMPILE_CACHE,
+    no_save: bool = o.NO_SAVE,
+    no_store: bool = typer.Option(False, "--no-store", help="pipeline: no executable store; jit-compile every "
+                                  "program on the first call (what compile measured before the store). Default: "
+                                  "load stored executables, compile and store the missing ones, as generate does."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Time the phases of a run: load, compile, text encoding, denoising, decoding.
 
-    pipeline loads the checkpoint, makes a first call (tracing and compilation) and then
-    --reps timed calls; compile is the first call's extra time over the steady state.
+    pipeline loads the checkpoint, makes a first call and then --reps timed calls; compile
+    is the first call's extra time over the steady state. By default the first call loads
+    each program from the executable store (--compile-cache), compiling and storing the
+    missing ones, as generate and edit do, and the result says per program which it was;
+    --no-store times plain jit compilation instead.
     load times loading each component from safetensors and from a converted (Orbax) copy,
     each in a fresh process, beside `cat` of the same files, filling as much new memory, and
     diffusers' from_pretrained plus touching every page; peak memory too.
     ttfi times process start to PNG on disk, each run a fresh `flux2klein generate`, cold
-    (no stored XLA programs) and warm (persistent cache filled), optionally beside diffusers.
+    (empty XLA cache and executable store) and warm (both filled), optionally beside diffusers.
     transformer-compile lowers and compiles one transformer forward at the model's real
     geometry from abstract shapes (no weights needed).
 
@@ -57,6 +67,10 @@ def bench(
       flux2klein bench --model 9b-kv --refs 4 --kv --height 1024 --width 1024
 
       flux2klein bench --model 9b --mesh fsdp=4 --bs 8
+
+      flux2klein bench --model 4b --compile-cache /shared/executables --no-save
+
+      flux2klein bench --model 4b --no-store
     """
     with user_errors():
         from flux2klein_cli.core.checkpoint import parse_dtype
@@ -73,6 +87,12 @@ def bench(
             raise UserInputError(f"--refs must be between 0 and 4, got {refs}")
         if kv and (phase != "pipeline" or refs < 1):
             raise UserInputError("--kv times edits: use it with --phase pipeline and --refs 1..4")
+        store_flags = [flag for flag, given in (("--compile-cache", compile_cache is not None),
+                                                ("--no-save", no_save), ("--no-store", no_store)) if given]
+        if store_flags and phase != "pipeline":
+            raise UserInputError(f"{' and '.join(store_flags)}: only with --phase pipeline")
+        if no_store and len(store_flags) > 1:
+            raise UserInputError(f"--no-store uses no executable store: drop {' and '.join(store_flags[:-1])}")
         if phase == "transformer-compile":
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
         elif phase == "load":
@@ -109,7 +129,8 @@ def bench(
                 check_kv_model(Snapshot.open(path), model)
             with stderr.status(f"benchmarking {model}") if not as_json else nullcontext():
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
-                                        dtype=target, references=refs, kv=kv, mesh=run_on)
+                                        dtype=target, references=refs, kv=kv, mesh=run_on, store=not no_store,
+                                        compile_cache=compile_cache, save=not no_save, warn=o.warn)
             result = dict(model=model, phase=phase, dtype=dtype, **result)
     if as_json:
         emit_json(result)
@@ -180,11 +201,40 @@ def _pipeline_table(result: dict[str, Any]) -> None:
     if devices and devices["count"] > 1:
         per = ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in devices["parameter_bytes"].items())
         stdout.print(f"parameters per device ({devices['count']} devices, mesh {devices['mesh']}): {per}")
+    _executables_table(result, runs)
+    for name, run in runs.items():
+        if run.get("timed_compiles"):
+            prefix = f"{name}: " if len(runs) > 1 else ""
+            stdout.print(f"{prefix}{len(run['timed_compiles'])} XLA program(s) compiled during the timed calls: "
+                         f"{', '.join(run['timed_compiles'])}")
     if "kv_speedup" in result:
         s, reuse = result["kv_speedup"], result["kv_reuse"]
         stdout.print(f"KV speed-up: transformer {s['transformer']:.2f}x (bound {s['bound']:.2f}x, "
                      f"{100 * s['of_bound']:.0f}% of it), whole run {s['run']:.2f}x; reusing one cache over "
                      f"{reuse['prompts']} prompts saves {100 * reuse['saving']:.0f}%")
+
+
+STORE_ACTIONS = {"hit": "hit (loaded)", "miss": "compiled", "recompiled": "recompiled"}
+
+
+def _executables_table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) -> None:
+    """Per program of each run: what the executable store did on the first call."""
+    store = result.get("store")
+    if store is None:
+        stdout.print("executables: no store (--no-store): jit-compiled on the first call")
+        return
+    saving = "" if store["save"] else ", --no-save"
+    table = Table(title=f"executables ({store['root']}{saving})")
+    if len(runs) > 1:
+        table.add_column("run")
+    for column in ("program", "store", "seconds", "saved"):
+        table.add_column(column, justify="right" if column == "seconds" else "left")
+    for name, run in runs.items():
+        for p in run.get("executables") or []:
+            cells = [p["name"], STORE_ACTIONS.get(p["status"], p["status"]), f"{p['seconds']:.2f}",
+                     "yes" if p.get("saved") else ""]
+            table.add_row(*([name] if len(runs) > 1 else []), *cells)
+    stdout.print(table)
 
 
 def _ttfi_table(result: dict[str, Any]) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import sys
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -75,6 +79,10 @@ def kv_speedup_bound(cfg: TransformerConfig, *, text: int, image: int, refs: int
     return plain / (flops(refs, refs) + steps * flops(n, n + refs))
 
 
+def _warn_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 def bench_pipeline(
     model_dir: Any,
     *,
@@ -87,27 +95,50 @@ def bench_pipeline(
     references: int = 0,
     kv: bool = False,
     mesh: Any = None,
+    store: bool = True,
+    compile_cache: Path | None = None,
+    save: bool = True,
+    warn: Callable[[str], None] = _warn_stderr,
 ) -> dict[str, Any]:
     """Load, first call and steady-state phases of a text-to-image (or edit) run.
 
-    `compile` is the first call's extra time over the steady-state median of each phase:
-    tracing and XLA compilation, what an operator waits for once per shape. With `kv` the
-    same edit runs plain and with the reference KV cache (each timed request computes its
-    cache: no reuse), and the speed-up is reported beside the token-count bound, with the
-    saving of reusing one cache over four prompts.
+    With `store` (the default, as `generate` and `edit` run) the pipeline's programs come from
+    the executable store at `compile_cache` (None: the default store): loaded when stored,
+    compiled (and stored, unless not `save`) when not, in the first call's `executables`
+    phase; each run reports what the store did per program. Without it every program is
+    jit-compiled on first use, which is what `compile_s` measured before there was a store.
+
+    `compile_s` is the first call's extra time over the steady-state median of each phase:
+    with a store, the executables phase plus whatever still traces or compiles on the first
+    call; without, tracing and XLA compilation. Either way, what an operator waits for once
+    per shape. `timed_compiles` lists the XLA programs built during the timed calls (empty
+    when the steady state holds no compilation). With `kv` the same edit runs plain and with
+    the reference KV cache (each timed request computes its cache: no reuse), and the
+    speed-up is reported beside the token-count bound, with the saving of reusing one cache
+    over four prompts.
     """
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
     start = time.perf_counter()
     pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh)
     load_s = time.perf_counter() - start
+    store_info = None
+    if store:
+        from flux2klein_cli.core.compile.attach import StoredExecutables
+        from flux2klein_cli.core.compile.store import ExecutableStore
+
+        executable_store = ExecutableStore(compile_cache, on_warning=warn)
+        pipeline.warn = warn
+        pipeline.executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save)
+        store_info = dict(root=str(executable_store.root), save=save)
     distilled = pipeline.snapshot.is_distilled
     rng = np.random.default_rng(0)
     refs = [rng.uniform(-1, 1, (height, width, 3)).astype(np.float32) for _ in range(references)]
     request = Request(prompts=["a red fox in snow"] * batch, steps=steps or (4 if distilled else 50),
                       guidance=1.0 if distilled else 4.0, height=height, width=width, references=refs)
     result = dict(load_s=load_s, load_components_s=pipeline.models.seconds, steps=request.steps, batch=batch,
-                  height=height, width=width, references=references, **_time_request(pipeline, request, reps),
+                  height=height, width=width, references=references, store=store_info,
+                  **_time_request(pipeline, request, reps),
                   devices=device_memory(pipeline))
     if not kv:
         return result
@@ -149,14 +180,38 @@ def _time_request(pipeline: Any, request: Any, reps: int) -> dict[str, Any]:
         pipeline._kv_memory.clear()  # every timed KV request computes its cache
         return pipeline(request).seconds
 
+    if pipeline.executables is not None:
+        pipeline.executables.report = []  # a failed load must not show an earlier run's report
     first = call()
-    runs = [call() for _ in range(reps)]
+    executables = list(pipeline.executables.report) if pipeline.executables is not None else None
+    with xla_builds() as built:
+        runs = [call() for _ in range(reps)]
     phases = list(first)
     steady = {p: summarize([r[p] for r in runs]) for p in phases}
     compile_s = sum(max(first[p] - steady[p]["median"], 0.0) for p in phases)
     total = {"min": sum(steady[p]["min"] for p in phases), "median": sum(steady[p]["median"] for p in phases)}
-    return dict(compile_s=compile_s, first_call_s=sum(first.values()), phases=steady, run_s=total,
-                per_image_s=total["median"] / request.batch)
+    return dict(compile_s=compile_s, first_call_s=sum(first.values()), first_call=first, phases=steady, run_s=total,
+                per_image_s=total["median"] / request.batch, executables=executables, timed_compiles=built)
+
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax's dispatch.BACKEND_COMPILE_EVENT
+
+
+@contextlib.contextmanager
+def xla_builds() -> Iterator[list[str]]:
+    """The names of the XLA programs JAX builds (compiles, or reads from its persistent cache)
+    while inside: a deserialized stored executable is not one."""
+    names: list[str] = []
+
+    def listener(event: str, seconds: float, **kwargs: Any) -> None:
+        if event == _BACKEND_COMPILE:
+            names.append(str(kwargs.get("fun_name", "?")))
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield names
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _time_reuse(pipeline: Any, request: Any, prompts: int) -> dict[str, Any]:
@@ -191,7 +246,6 @@ out.images[0].save({out!r})
 def _timed_process(args: list[str], env: dict[str, str], output: Any) -> float:
     """Wall seconds from process start until it exits with the PNG on disk."""
     import subprocess
-    from pathlib import Path
 
     Path(output).unlink(missing_ok=True)
     start = time.perf_counter()
@@ -216,12 +270,11 @@ def bench_ttfi(
 ) -> dict[str, Any]:
     """Time to first image, process start to PNG on disk, each run a fresh process.
 
-    Ours cold (no stored XLA programs) and warm (the persistent cache filled by a first run);
-    with `diffusers`, the same image through diffusers' pipeline, torch threads = 2."""
+    Ours cold (no stored XLA programs: an empty persistent cache and executable store each
+    run) and warm (both filled by a first run); with `diffusers`, the same image through
+    diffusers' pipeline, torch threads = 2."""
     import os
-    import sys
     import tempfile
-    from pathlib import Path
 
     from flux2klein_cli.core.checkpoint import Snapshot
 
@@ -233,8 +286,11 @@ def bench_ttfi(
             "--height", str(height), "--width", str(width), "--steps", str(steps), "--guidance", str(guidance),
             "--dtype", dtype, "--force", "--json"]
     env = dict(os.environ)
-    cold = [_timed_process(ours, dict(env, FLUX2KLEIN_XLA_CACHE=str(work / f"cold-{i}")), out) for i in range(reps)]
-    warm_env = dict(env, FLUX2KLEIN_XLA_CACHE=str(work / "warm"))
+    cold = [_timed_process(ours, dict(env, FLUX2KLEIN_XLA_CACHE=str(work / f"cold-{i}"),
+                                      FLUX2KLEIN_COMPILE_CACHE=str(work / f"cold-{i}-executables")), out)
+            for i in range(reps)]
+    warm_env = dict(env, FLUX2KLEIN_XLA_CACHE=str(work / "warm"),
+                    FLUX2KLEIN_COMPILE_CACHE=str(work / "warm-executables"))
     _timed_process(ours, warm_env, out)  # fills the cache
     warm = [_timed_process(ours, warm_env, out) for _ in range(reps)]
     result: dict[str, Any] = dict(ours_cold_s=summarize(cold), ours_warm_s=summarize(warm))
