@@ -99,6 +99,7 @@ def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: 
         (["--kv", "--refs", "32x32"], "--kv needs a KV-trained checkpoint"),
         (["--kv"], "--kv needs a KV-trained checkpoint"),
         (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+        (["--effort", "max"], "--effort must be one of default, fast, got 'max'"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tiny_checkpoint: Path, tmp_path: Path, extra: list[str],

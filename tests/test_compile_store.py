@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +88,28 @@ def test_config_change_is_recompiled_with_a_warning(tmp_path: Path) -> None:
     assert info.status == "recompiled"
     np.testing.assert_allclose(run(compiled), np.arange(8) * 3.0 + 1)  # the new code, not the stored one
     assert store.load_or_compile(make_spec(3.0))[1].status == "hit"
+
+
+def test_effort_is_its_own_entry_and_reaches_the_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = ExecutableStore(tmp_path)
+    default = store.load_or_compile(make_spec())[1]
+    mesh = store_mod.Target.local().mesh
+    fast_spec = dataclasses.replace(make_spec(), target=store_mod.Target(mesh, effort="fast"))
+    seen: list[Any] = []
+    real_compile = jax.stages.Lowered.compile
+
+    def spy(self: jax.stages.Lowered, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
+        seen.append(args[0] if args else kwargs.get("compiler_options"))
+        return real_compile(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
+    compiled, fast = store.load_or_compile(fast_spec)  # a separate entry, not a stale one: no warning
+    assert seen == [{"exec_time_optimization_effort": -1.0}]
+    assert fast.status == "miss" and fast.warning is None and fast.key != default.key
+    np.testing.assert_allclose(run(compiled), np.arange(8) * 2.0 + 1)
+    meta = json.loads((Path(fast.path) / META).read_text())
+    assert meta["key_parts"]["compiler_options"] == {"exec_time_optimization_effort": -1.0}
+    assert store.load_or_compile(make_spec())[1].status == "hit"  # the default entry is untouched
 
 
 def test_version_change_is_recompiled_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,7 @@ def bench(
     unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
     diffusers: bool = typer.Option(False, "--diffusers", help="ttfi: also time diffusers' pipeline (needs [parity])."),
     compile_cache: Path = o.COMPILE_CACHE,
+    effort: str = o.EFFORT,
     no_save: bool = o.NO_SAVE,
     no_store: bool = typer.Option(False, "--no-store", help="pipeline: no executable store; jit-compile every "
                                   "program on the first call (what compile measured before the store). Default: "
@@ -74,6 +75,7 @@ def bench(
     """
     with user_errors():
         from flux2klein_cli.core.checkpoint import parse_dtype
+        from flux2klein_cli.core.compile.store import parse_effort
         from flux2klein_cli.core.errors import UserInputError
         from flux2klein_cli.core.images import validate_size
 
@@ -83,12 +85,14 @@ def bench(
         if bs < 1 or reps < 1 or (steps is not None and steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
         target = parse_dtype(dtype)
+        parse_effort(effort)
         if refs < 0 or refs > 4:
             raise UserInputError(f"--refs must be between 0 and 4, got {refs}")
         if kv and (phase != "pipeline" or refs < 1):
             raise UserInputError("--kv times edits: use it with --phase pipeline and --refs 1..4")
         store_flags = [flag for flag, given in (("--compile-cache", compile_cache is not None),
-                                                ("--no-save", no_save), ("--no-store", no_store)) if given]
+                                                ("--no-save", no_save), ("--effort", effort != "default"),
+                                                ("--no-store", no_store)) if given]
         if store_flags and phase != "pipeline":
             raise UserInputError(f"{' and '.join(store_flags)}: only with --phase pipeline")
         if no_store and len(store_flags) > 1:
@@ -130,7 +134,8 @@ def bench(
             with stderr.status(f"benchmarking {model}") if not as_json else nullcontext():
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
                                         dtype=target, references=refs, kv=kv, mesh=run_on, store=not no_store,
-                                        compile_cache=compile_cache, save=not no_save, warn=o.warn)
+                                        compile_cache=compile_cache, save=not no_save, effort=effort,
+                                        warn=o.warn)
             result = dict(model=model, phase=phase, dtype=dtype, **result)
     if as_json:
         emit_json(result)

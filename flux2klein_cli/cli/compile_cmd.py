@@ -30,6 +30,8 @@ def compile_programs(
                                    "or ~/.cache/flux2klein/executables]."),
     sequential: bool = typer.Option(False, "--sequential", help="Compile one program at a time."),
     no_save: bool = typer.Option(False, "--no-save", help="Compile without storing the executables."),
+    effort: str = typer.Option("default", "--effort", help="XLA optimisation effort: default, or fast "
+                               "(far quicker to compile, possibly slower to run; keyed apart in the store)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32."),
     max_sequence_length: int = typer.Option(512, "--max-sequence-length", help="Prompt token budget."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -48,6 +50,8 @@ def compile_programs(
 
       flux2klein compile --model 9b --height 1024 --width 1024 --bs 8 --tpu v6-4 --json
 
+      flux2klein compile --model 9b --height 1024 --width 1024 --bs 8 --tpu v6-4 --effort fast
+
       flux2klein compile --model 4b --refs 1024x1024,768x1024 --cache-dir /shared/executables
     """
     with user_errors():
@@ -56,7 +60,7 @@ def compile_programs(
         opts = CompileOptions(model=model, height=height, width=width, batch=bs, prompts=prompts, steps=steps,
                               guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu, cache_dir=cache_dir,
                               sequential=sequential, dtype=dtype, max_sequence_length=max_sequence_length,
-                              save=not no_save)
+                              save=not no_save, effort=effort)
         report = run_compile(opts, progress=lambda m: stderr.print(m, highlight=False),
                              warn=lambda m: stderr.print(f"[yellow]warning:[/] {m}", highlight=False, soft_wrap=True))
     if as_json:

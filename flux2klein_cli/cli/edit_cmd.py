@@ -39,6 +39,7 @@ def edit(
     process_id: int = o.PROCESS_ID,
     compile_cache: Path = o.COMPILE_CACHE,
     no_save: bool = o.NO_SAVE,
+    effort: str = o.EFFORT,
     as_json: bool = o.JSON,
 ) -> None:
     """Edit or combine reference images following a prompt.
@@ -62,5 +63,5 @@ def edit(
         latents=latents, force=force,
         max_sequence_length=max_sequence_length, kv=kv, kv_cache_dir=kv_cache_dir,
         devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
-        save_executables=not no_save,
+        save_executables=not no_save, effort=effort,
     ), as_json)

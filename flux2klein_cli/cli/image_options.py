@@ -37,6 +37,8 @@ NUM_PROCESSES = typer.Option(None, "--num-processes", help="Multi-process run: h
 PROCESS_ID = typer.Option(None, "--process-id", help="Multi-process run: this process's index (0 writes outputs).")
 COMPILE_CACHE = typer.Option(None, "--compile-cache", help="Store of compiled executables (see `flux2klein "
                              "compile`) [default: FLUX2KLEIN_COMPILE_CACHE or ~/.cache/flux2klein/executables]")
+EFFORT = typer.Option("default", "--effort", help="XLA optimisation effort of compiled executables: default, "
+                      "or fast (quicker to compile, possibly slower to run).")
 NO_SAVE = typer.Option(False, "--no-save", help="Use stored executables but store no new ones.")
 JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
 

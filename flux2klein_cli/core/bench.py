@@ -98,6 +98,7 @@ def bench_pipeline(
     store: bool = True,
     compile_cache: Path | None = None,
     save: bool = True,
+    effort: str = "default",
     warn: Callable[[str], None] = _warn_stderr,
 ) -> dict[str, Any]:
     """Load, first call and steady-state phases of a text-to-image (or edit) run.
@@ -129,8 +130,9 @@ def bench_pipeline(
 
         executable_store = ExecutableStore(compile_cache, on_warning=warn)
         pipeline.warn = warn
-        pipeline.executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save)
-        store_info = dict(root=str(executable_store.root), save=save)
+        pipeline.executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save,
+                                                 effort=effort)
+        store_info = dict(root=str(executable_store.root), save=save, effort=effort)
     distilled = pipeline.snapshot.is_distilled
     rng = np.random.default_rng(0)
     refs = [rng.uniform(-1, 1, (height, width, 3)).astype(np.float32) for _ in range(references)]

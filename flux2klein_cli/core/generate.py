@@ -46,6 +46,7 @@ class GenerateOptions:
     devices: DeviceOptions = field(default_factory=DeviceOptions)
     compile_cache: Path | None = None  # the executable store [default: FLUX2KLEIN_COMPILE_CACHE or the user cache]
     save_executables: bool = True  # --no-save: use stored executables, store nothing new
+    effort: str = "default"  # XLA optimisation effort of compiled executables (store.EFFORTS)
 
 
 def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
@@ -102,6 +103,9 @@ def run_generate(
     start = time.perf_counter()
     _check_options(opts)
     dtype = parse_dtype(opts.dtype)
+    from flux2klein_cli.core.compile.store import parse_effort
+
+    parse_effort(opts.effort)
     references = [preprocess_reference(load_reference(path)) for path in opts.references]
     side = default_size(opts.model)
     first = references[0].shape[:2] if references else (side, side)
@@ -133,7 +137,8 @@ def run_generate(
 
     pipeline.warn = warn
     pipeline.executables = StoredExecutables(model_dir, ExecutableStore(opts.compile_cache, on_warning=warn),
-                                             mesh=mesh, save=opts.save_executables)
+                                             mesh=mesh, save=opts.save_executables,
+                                             effort=opts.effort)
     if opts.kv_cache_dir is not None:
         from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, weights_identity
 

@@ -7,6 +7,7 @@ to jit with a warning instead of using it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,11 @@ from flux2klein_cli.core.compile.store import ExecutableStore, Target, compile_a
 
 class StoredExecutables:
     def __init__(self, model_dir: str | Path, store: ExecutableStore, *, mesh: Mesh | None = None, save: bool = True,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, effort: str = "default"):
         self.configs: ModelConfigs = configs_from_snapshot(model_dir)
         self.store, self.save, self.progress = store, save, progress
-        self.target = Target(mesh) if mesh is not None else Target.local()
+        target = Target(mesh) if mesh is not None else Target.local()
+        self.target = dataclasses.replace(target, effort=effort)
         self.report: list[dict[str, Any]] = []
 
     def for_run(self, run: RunShape) -> dict[str, jax.stages.Compiled]:

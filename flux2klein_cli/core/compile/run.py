@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ class CompileOptions:
     dtype: str = "bf16"
     max_sequence_length: int = 512
     save: bool = True
+    effort: str = "default"  # XLA optimisation effort, a key of store.EFFORTS
 
 
 def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
@@ -78,10 +80,11 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     """Resolve, build every program of the run, load or compile each, and report."""
     from flux2klein_cli.core.checkpoint import parse_dtype
     from flux2klein_cli.core.compile import programs as P
-    from flux2klein_cli.core.compile.store import ExecutableStore, Target, compile_all
+    from flux2klein_cli.core.compile.store import ExecutableStore, Target, compile_all, parse_effort
     from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
     from flux2klein_cli.core.registry import default_size
 
+    parse_effort(opts.effort)
     if opts.mesh and opts.tpu:
         raise UserInputError("give --mesh or --tpu, not both (a TPU preset sets its own mesh)")
     preset = parse_preset(opts.tpu) if opts.tpu else None
@@ -110,6 +113,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         target = local_mesh_target(opts.mesh)
     else:
         target = Target.local()
+    target = dataclasses.replace(target, effort=opts.effort)
     progress(f"building abstract programs for {configs.source}")
     specs = P.pipeline_programs(configs, run, target)
     store = ExecutableStore(opts.cache_dir, on_warning=warn)
