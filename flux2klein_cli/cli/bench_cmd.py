@@ -30,6 +30,8 @@ def bench(
     kv: bool = typer.Option(False, "--kv", help="pipeline, with --refs on a KV model: time the edit plain and with "
                             "the reference KV cache; report the speed-up beside its token-count bound."),
     mesh: str = typer.Option(None, "--mesh", help="pipeline: device mesh axis sizes, e.g. fsdp=4 (see generate)."),
+    tpu: str = typer.Option(None, "--tpu", help="pipeline, on a TPU slice host: the preset's mesh (FSDP over its "
+                            "chips), e.g. v6-4. From another host, `flux2klein compile --tpu` gives compile figures."),
     unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
     diffusers: bool = typer.Option(False, "--diffusers", help="ttfi: also time diffusers' pipeline (needs [parity])."),
     compile_cache: Path = o.COMPILE_CACHE,
@@ -69,6 +71,8 @@ def bench(
 
       flux2klein bench --model 9b --mesh fsdp=4 --bs 8
 
+      flux2klein bench --model 9b --tpu v6-4 --bs 8
+
       flux2klein bench --model 4b --compile-cache /shared/executables --no-save
 
       flux2klein bench --model 4b --no-store
@@ -88,6 +92,8 @@ def bench(
         parse_effort(effort)
         if refs < 0 or refs > 4:
             raise UserInputError(f"--refs must be between 0 and 4, got {refs}")
+        if (mesh or tpu) and phase != "pipeline":
+            raise UserInputError("--mesh and --tpu: only with --phase pipeline")
         if kv and (phase != "pipeline" or refs < 1):
             raise UserInputError("--kv times edits: use it with --phase pipeline and --refs 1..4")
         store_flags = [flag for flag, given in (("--compile-cache", compile_cache is not None),
@@ -123,7 +129,7 @@ def bench(
             configure_jax()
             from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, run_mesh
 
-            run_on = run_mesh(DeviceOptions(mesh=mesh))
+            run_on = run_mesh(DeviceOptions(mesh=mesh, tpu=tpu))
             path = resolve_model(model)
             check_run_fits(run_on, path, bs)
             if kv:

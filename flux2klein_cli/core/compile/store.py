@@ -141,7 +141,11 @@ class ProgramSpec:
     model: str | None = None
 
     def lower(self) -> jax.stages.Lowered:
-        with traced_for((self.target or Target.local()).platform):
+        target = self.target or Target.local()
+        # The pipeline calls its programs under `jax.set_mesh` when it has a mesh: the model's
+        # sharding constraints and shard_maps (core/sharding.py) must see the same mesh here.
+        mesh = jax.set_mesh(target.mesh) if target.mesh.size > 1 else contextlib.nullcontext()
+        with traced_for(target.platform), mesh:
             return self.fn.lower(*self.args)
 
     @property
