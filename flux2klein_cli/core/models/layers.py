@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flux2klein_cli.core.models import tpu_attention
+
 B = TypeVar("B", bound=nnx.Module)
 Carry = TypeVar("Carry")
 
@@ -130,8 +132,11 @@ def _blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = CP
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Unmasked attention (B, S, H, Dh) -> (B, S, H, Dh): XLA's fused attention on accelerators,
-    the query-blocked form on the host CPU."""
+    """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh): the Pallas splash
+    kernel on TPU (core/models/tpu_attention.py), XLA's fused attention on GPU, the query-blocked
+    form on the host CPU."""
+    if tpu_attention.use_kernel() and tpu_attention.supports(q, k, v):
+        return tpu_attention.splash_attention(q, k, v)
     if jax.default_backend() == "cpu":
         return _blocked_attention(q, k, v)
     return jax.nn.dot_product_attention(q, k, v)
