@@ -1,5 +1,6 @@
 """Runs one request through a pipeline attached to an executable store and prints, as JSON,
-the store's statuses and the pipeline programs JAX compiled during the request itself."""
+the store's statuses and everything JAX compiled during the request itself (and, apart, the
+pipeline's own programs among them). `--edit` makes it an edit with two references."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flux2klein_cli.core.compile.attach import StoredExecutables
 from flux2klein_cli.core.compile.store import ExecutableStore
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
-PROGRAMS = ("jit(call)", "jit(run)")  # the pipeline's jitted programs (pipeline.py, denoise.py)
+PROGRAMS = ("jit(call)", "jit(run)", "jit(draw)")  # the pipeline's programs (pipeline.py, denoise.py)
 
 
 class CompileLog(logging.Handler):
@@ -28,11 +30,14 @@ class CompileLog(logging.Handler):
             self.compiled.append(message.split(" with ")[0][:120])
 
 
-def main(model: str, store_dir: str, use_store: bool) -> None:
+def main(model: str, store_dir: str, use_store: bool, edit: bool) -> None:
     pipeline = KleinPipeline.load(model, dtype=jnp.float32)
     if use_store:
         pipeline.executables = StoredExecutables(model, ExecutableStore(store_dir))
-    request = Request(prompts=["a red fox"], steps=2, guidance=1.0, height=64, width=64, seed=1)
+    rng = np.random.default_rng(0)
+    references = [rng.uniform(-1, 1, (h, w, 3)).astype(np.float32) for h, w in ((64, 64), (32, 48))] if edit else []
+    request = Request(prompts=["a red fox"], steps=2, guidance=1.0, height=64, width=64, seed=1,
+                      references=references)
     report = pipeline.prepare(request)
     log = CompileLog()
     logging.getLogger("jax").addHandler(log)
@@ -44,4 +49,4 @@ def main(model: str, store_dir: str, use_store: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--no-store" not in sys.argv[3:])
+    main(sys.argv[1], sys.argv[2], "--no-store" not in sys.argv[3:], "--edit" in sys.argv[3:])

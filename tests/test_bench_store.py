@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli.app import app
 
 runner = CliRunner()
-PROGRAMS = {"text_encoder", "denoise", "vae_decode"}  # a text-to-image run's programs
+PROGRAMS = {"text_encoder", "noise", "denoise", "vae_decode"}  # a text-to-image run's programs
 
 
 def bench(model: Path, *extra: str) -> dict:
@@ -31,7 +31,7 @@ def entries(store: Path) -> list[Path]:
 def test_first_run_compiles_and_stores_then_the_second_loads(tiny_checkpoint: Path, tmp_path: Path) -> None:
     store = tmp_path / "executables"
     first = bench(tiny_checkpoint, "--compile-cache", str(store))
-    assert first["store"] == {"root": str(store), "save": True}
+    assert first["store"] == {"root": str(store), "save": True, "effort": "default"}
     assert {p["name"] for p in first["executables"]} == PROGRAMS
     assert {p["name"]: p["status"] for p in first["executables"]} == dict.fromkeys(PROGRAMS, "miss")
     assert all(p["saved"] and p["seconds"] > 0 for p in first["executables"])
@@ -55,7 +55,7 @@ def test_no_save_leaves_the_store_empty(tiny_checkpoint: Path, tmp_path: Path,
     store = tmp_path / "executables"
     monkeypatch.setenv("FLUX2KLEIN_COMPILE_CACHE", str(store))  # the default store, as for generate
     result = bench(tiny_checkpoint, "--no-save")
-    assert result["store"] == {"root": str(store), "save": False}
+    assert result["store"] == {"root": str(store), "save": False, "effort": "default"}
     assert {p["name"]: p["status"] for p in result["executables"]} == dict.fromkeys(PROGRAMS, "miss")
     assert not any(p["saved"] for p in result["executables"])
     assert entries(store) == []

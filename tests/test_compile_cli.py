@@ -51,7 +51,7 @@ def test_programs_from_configs_run_the_real_pipeline(request: pytest.FixtureRequ
     specs = P.pipeline_programs(P.model_configs(str(checkpoint)), run)
     results = compile_all(specs, ExecutableStore(tmp_path))
     executables = {info.name: compiled for compiled, info in results}
-    assert set(executables) == {"text_encoder", "denoise", "vae_decode", "vae_encode_32x48"} | (
+    assert set(executables) == {"text_encoder", "noise", "denoise", "vae_decode", "vae_encode_32x48"} | (
         {"reference_kv"} if kv else set())
 
     pipeline = KleinPipeline.load(checkpoint, dtype=jnp.float32)
@@ -61,6 +61,9 @@ def test_programs_from_configs_run_the_real_pipeline(request: pytest.FixtureRequ
     expected = pipeline(req).images
     _swap_in(pipeline, executables)
     np.testing.assert_allclose(pipeline(req).images, expected, atol=1e-5)
+    noise, seeds = pipeline.noise_latents(req, (2, 2))
+    assert seeds == [0, 1]
+    np.testing.assert_array_equal(np.asarray(executables["noise"](np.asarray(seeds, np.uint32))), np.asarray(noise))
 
 
 def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: Path, tmp_path: Path) -> None:

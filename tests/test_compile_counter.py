@@ -1,10 +1,11 @@
 """Zero recompiles: after `flux2klein compile`, a run loads the stored executables and JAX
-compiles none of the pipeline's programs, in the same process and in a new one.
+compiles nothing at all, in the same process and in a new one, for text-to-image and for an
+edit with two references of different sizes.
 
-Counted with JAX's compile log (`jax_log_compiles`), restricted to the pipeline's jitted
-programs; the few tiny eager operations around them (drawing noise, a reshape) are compiled
-by JAX itself and served from its persistent cache in later runs. Without a store the same
-count sees every program compile (the last test), so the count can fail."""
+Counted with JAX's compile log (`jax_log_compiles`): every compilation, the pipeline's
+programs and any eager operation alike (the pipeline has none between its programs: noise is
+a stored program, arrays are placed with device_put). Without a store the same count sees
+every program compile (the last test), so the count can fail."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,25 +28,31 @@ def worker(model: Path, store: Path, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_no_program_compiles_after_compile_in_this_or_a_new_process(tiny_checkpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("edit", [False, True], ids=["text-to-image", "edit"])
+def test_nothing_compiles_after_compile_in_this_or_a_new_process(tiny_checkpoint: Path, tmp_path: Path,
+                                                                  edit: bool) -> None:
     store = tmp_path / "store"
     env = dict(os.environ, JAX_PLATFORMS="cpu", FLUX2KLEIN_XLA_CACHE="off")
+    refs = ["--refs", "64x64,32x48"] if edit else []
     done = subprocess.run([sys.executable, "-m", "flux2klein_cli", "compile", "--model", str(tiny_checkpoint),
                            "--height", "64", "--width", "64", "--steps", "2", "--dtype", "fp32", "--cache-dir",
-                           str(store), "--json"], env=env, capture_output=True, text=True, timeout=900)
+                           str(store), *refs, "--json"], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    mode = ["--edit"] if edit else []
+    programs = {"text_encoder", "noise", "denoise", "vae_decode"} | ({"vae_encode_64x64", "vae_encode_32x48"}
+                                                                     if edit else set())
 
     # A new process: every program is a hit on what `compile` stored, nothing is compiled.
-    later = worker(tiny_checkpoint, store)
-    assert later["statuses"] == {"text_encoder": "hit", "denoise": "hit", "vae_decode": "hit"}
-    assert later["program_compiles"] == []
+    later = worker(tiny_checkpoint, store, *mode)
+    assert later["statuses"] == dict.fromkeys(programs, "hit")
+    assert later["all_compiles"] == []
 
     # The same process that compiles (a fresh store): compiled up front, then none during the run.
-    fresh = worker(tiny_checkpoint, tmp_path / "fresh")
-    assert set(fresh["statuses"].values()) == {"miss"}
-    assert fresh["program_compiles"] == []
+    fresh = worker(tiny_checkpoint, tmp_path / "fresh", *mode)
+    assert fresh["statuses"] == dict.fromkeys(programs, "miss")
+    assert fresh["all_compiles"] == []
 
 
 def test_the_count_sees_compiles_without_a_store(tiny_checkpoint: Path, tmp_path: Path) -> None:
     counted = worker(tiny_checkpoint, tmp_path / "unused", "--no-store")
-    assert len(counted["program_compiles"]) >= 3  # text encoder, denoise loop, decoder
+    assert len(counted["program_compiles"]) >= 4  # text encoder, noise, denoise loop, decoder

@@ -91,6 +91,8 @@ BAD = {
                                     "{tmp}/noise.npy"], "shape"),
     "existing output without --force": (["generate", "x", "-o", "{tmp}/exists.png"], "--force"),
     "unknown dtype": (["generate", "x", "--dtype", "fp8"], "dtype"),
+    "seed past 32 bits": (["generate", "x", "--seed", "4294967295", "--num-images", "2"], "below 2**32"),
+    "unknown effort": (["generate", "x", "--effort", "max"], "--effort must be one of"),
 }
 
 

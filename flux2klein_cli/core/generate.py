@@ -74,6 +74,9 @@ def _check_options(opts: GenerateOptions) -> None:
         raise UserInputError(f"--guidance must not be negative, got {opts.guidance}")
     if opts.seed < 0:
         raise UserInputError(f"--seed must not be negative, got {opts.seed}")
+    last_seed = opts.seed + len(opts.prompts) * opts.num_images - 1
+    if last_seed >= 2**32:  # a noise key holds 32 bits: a larger seed would repeat a smaller one's noise
+        raise UserInputError(f"--seed + image index must stay below 2**32 (4294967296), got {last_seed}")
     if opts.max_sequence_length < 1:
         raise UserInputError("--max-sequence-length must be at least 1")
     validate_size(opts.height, opts.width)

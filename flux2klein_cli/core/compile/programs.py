@@ -1,7 +1,8 @@
 """Abstract program specs for a whole run, from a model's configs alone (no weights).
 
 Each spec lowers the very function the pipeline calls (`_jit_module_call` of the text
-encoder and the VAE, `denoise_fn` of the transformer) on the very argument pytrees it
+encoder, `_jit_encode_tokens` and `_jit_decode` of the VAE, `denoise_fn` of the transformer,
+`noise_fn`) on the very argument pytrees it
 passes: the same `nnx.State` structure, shapes, dtypes and shardings, so an executable
 compiled here is the one a real call needs. A program is one short function below; the
 denoise inputs are a `DenoiseInputs` of ShapeDtypeStructs built field by field, so a field
@@ -202,19 +203,22 @@ def denoise_fields(models: AbstractModels, run: RunShape, mesh: Mesh) -> dict[st
     from flux2klein_cli.core.models.transformer import TransformerConfig
 
     cfg = TransformerConfig.from_dict(models.configs.transformer)
-    b, n, r, t = run.batch, run.grid[0] * run.grid[1], run.reference_tokens, run.max_sequence_length
+    b, (h, w), r, t = run.batch, run.grid, run.reference_tokens, run.max_sequence_length
+    n = h * w
     text_width = _text_width(models)
-    text = _input((b, t, text_width), models.dtype, mesh)
+    # One row per prompt (and one negative): the program repeats them per image.
+    text = _input((run.prompts, t, text_width), models.dtype, mesh)
+    negative = _input((1, t, text_width), models.dtype, mesh, batched=False)
     kv = None
     if run.kv:  # references enter as their cached K / V, not as tokens
         shapes = reference_kv_shapes(models, run, mesh)
         kv = jax.tree.map(lambda x: _input(x.shape, x.dtype, mesh, batched=False), shapes)
         r = 0
     return {
-        "latents": _input((b, n, cfg.in_channels), jnp.float32, mesh),
+        "latents": _input((b, h, w, cfg.in_channels), jnp.float32, mesh),
         "text": text,
-        "negative_text": text if run.cfg else None,
-        "references": _input((b, r, cfg.in_channels), jnp.float32, mesh) if r else None,
+        "negative_text": negative if run.cfg else None,
+        "references": _input((1, r, cfg.in_channels), jnp.float32, mesh, batched=False) if r else None,
         "reference_kv": kv,
         "rope_cos": _input((t + n + r, cfg.attention_head_dim), jnp.float32, mesh, batched=False),
         "rope_sin": _input((t + n + r, cfg.attention_head_dim), jnp.float32, mesh, batched=False),
@@ -299,22 +303,32 @@ def reference_kv_program(models: AbstractModels, target: Target, run: RunShape) 
 
 
 def vae_decode_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
-    """pipeline's decode: latents (B, h, w, patched channels) in the model dtype."""
-    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call
+    """pipeline's decode: the denoise loop's latents (B, h, w, patched channels), float32."""
+    from flux2klein_cli.core.pipeline.pipeline import _jit_decode
 
     h, w = run.grid
-    latents = _input((run.batch, h, w, models.vae.config.patched_channels), models.dtype, target.mesh)
-    return ProgramSpec("vae_decode", _jit_module_call(models.vae, "decode"), (models.states["vae"], latents),
+    latents = _input((run.batch, h, w, models.vae.config.patched_channels), jnp.float32, target.mesh)
+    return ProgramSpec("vae_decode", _jit_decode(models.vae), (models.states["vae"], latents),
                        _key(models, "vae"), target, model="vae")
 
 
 def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, int]) -> ProgramSpec:
     """pipeline.encode_references, one reference at its own size: (1, H, W, 3) in the model dtype."""
-    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call
+    from flux2klein_cli.core.pipeline.pipeline import _jit_encode_tokens
 
     pixels = _input((1, *size, models.vae.config.in_channels), models.dtype, target.mesh)
-    return ProgramSpec(f"vae_encode_{size[0]}x{size[1]}", _jit_module_call(models.vae, "encode"),
+    return ProgramSpec(f"vae_encode_{size[0]}x{size[1]}", _jit_encode_tokens(models.vae),
                        (models.states["vae"], pixels), _key(models, "vae"), target, model="vae")
+
+
+def noise_program(target: Target, run: RunShape, channels: int) -> ProgramSpec:
+    """pipeline.noise_latents: seeds (B,) uint32 -> (B, h, w, channels) float32 noise."""
+    from flux2klein_cli.core.pipeline.denoise import noise_fn
+
+    seeds = _input((run.batch,), jnp.uint32, target.mesh, batched=False)
+    # The output shape is not in the arguments: the key must name it.
+    return ProgramSpec("noise", noise_fn(channels, *run.grid), (seeds,), {"channels": channels,
+                       "grid": list(run.grid)}, target)
 
 
 def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | None = None,
@@ -329,6 +343,7 @@ def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | Non
     programs = [text_encoder_program(models, target, run.prompts, length)]
     if run.cfg and run.prompts != 1:
         programs.append(text_encoder_program(models, target, 1, length, name="text_encoder_negative"))
+    programs.append(noise_program(target, run, models.vae.config.patched_channels))
     programs.append(denoise_program(models, target, run))
     programs.append(vae_decode_program(models, target, run))
     for size in dict.fromkeys(run.references):  # distinct sizes, in order

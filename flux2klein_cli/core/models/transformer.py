@@ -322,7 +322,7 @@ class Flux2Transformer(nnx.Module):
     def rope(self, txt_ids: np.ndarray, img_ids: np.ndarray) -> Rope:
         """RoPE tables for the joint sequence [txt, img] from (T, 4) and (N, 4) position ids."""
         cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.cfg.axes_dims_rope, self.cfg.rope_theta)
-        return jnp.asarray(cos), jnp.asarray(sin)
+        return jax.device_put(cos), jax.device_put(sin)  # jnp.asarray would compile a copy program
 
     def __call__(
         self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, reference_kv: ReferenceKV | None = None

@@ -1,12 +1,16 @@
 """The whole denoising loop as one program: a scan over steps of transformer + Euler update.
 
-Shapes: B images, N output image tokens, R reference tokens (0 for text-to-image), T text
-tokens, C = 128 latent channels. Latents stay float32 between steps (the Euler update is
-float32 in the reference too); the transformer runs in its parameter dtype.
+Shapes: B images on an h x w latent grid (N = h * w image tokens), P prompts, R reference
+tokens (0 for text-to-image), T text tokens, C = 128 latent channels. Latents stay float32
+between steps (the Euler update is float32 in the reference too); the transformer runs in its
+parameter dtype. Repeating prompts per image, broadcasting references and packing the grid
+into tokens happen inside the program, so a run calls nothing but its programs (and compiles
+nothing once they are stored).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -18,10 +22,10 @@ from flux2klein_cli.core.models.transformer import Flux2Transformer, ReferenceKV
 
 @dataclass(frozen=True)
 class DenoiseInputs:
-    latents: jax.Array  # (B, N, C) float32 initial noise
-    text: jax.Array  # (B, T, joint) prompt features
-    negative_text: jax.Array | None  # (B, T, joint) for classifier-free guidance, else None
-    references: jax.Array | None  # (B, R, C) packed reference latents (plain edit), else None
+    latents: jax.Array  # (B, h, w, C) float32 initial noise
+    text: jax.Array  # (P, T, joint) prompt features; each prompt serves B / P images, prompt-major
+    negative_text: jax.Array | None  # (1, T, joint) for classifier-free guidance, else None
+    references: jax.Array | None  # (1, R, C) packed reference latents (plain edit), else None
     reference_kv: ReferenceKV | None  # the references' cached K / V (KV edit), else None
     rope_cos: jax.Array  # (T + N + R, head_dim); R = 0 with reference_kv
     rope_sin: jax.Array
@@ -31,16 +35,19 @@ class DenoiseInputs:
 
 
 def denoise(model: Flux2Transformer, x: DenoiseInputs) -> jax.Array:
-    """Run every step; returns the final (B, N, C) float32 latents."""
-    n_img = x.latents.shape[1]
+    """Run every step; returns the final (B, h, w, C) float32 latents."""
+    b, h, w, c = x.latents.shape
+    n_img = h * w
     cfg = x.negative_text is not None
     rope = (x.rope_cos, x.rope_sin)
-    # With guidance, the positive and negative branches run as one batch of 2B.
-    text = jnp.concatenate([x.text, x.negative_text]) if cfg else x.text
+    text = jnp.repeat(x.text, b // x.text.shape[0], axis=0)
+    if cfg:  # the positive and negative branches run as one batch of 2B
+        text = jnp.concatenate([text, jnp.broadcast_to(x.negative_text, text.shape)])
+    references = None if x.references is None else jnp.broadcast_to(x.references, (b, *x.references.shape[1:]))
 
     def step(latents: jax.Array, schedule: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
         t, sigma, sigma_next = schedule
-        tokens = latents if x.references is None else jnp.concatenate([latents, x.references], axis=1)
+        tokens = latents if references is None else jnp.concatenate([latents, references], axis=1)
         if cfg:
             tokens = jnp.concatenate([tokens, tokens])
         velocity = model(tokens, text, jnp.full((tokens.shape[0],), t), rope, x.reference_kv)[:, :n_img]
@@ -49,8 +56,21 @@ def denoise(model: Flux2Transformer, x: DenoiseInputs) -> jax.Array:
             velocity = negative + x.guidance.astype(velocity.dtype) * (positive - negative)
         return latents + (sigma_next - sigma) * velocity.astype(jnp.float32), None
 
-    final, _ = jax.lax.scan(step, x.latents, (x.timesteps, x.sigmas[:-1], x.sigmas[1:]))
-    return final
+    packed = x.latents.reshape(b, n_img, c)  # row-major grid -> tokens, as the position ids
+    final, _ = jax.lax.scan(step, packed, (x.timesteps, x.sigmas[:-1], x.sigmas[1:]))
+    return final.reshape(b, h, w, c)
+
+
+@functools.cache
+def noise_fn(channels: int, height: int, width: int) -> jax.stages.Wrapped:
+    """seeds (B,) uint32 -> (B, height, width, channels) float32 standard normal noise: image i
+    draws jax.random.normal(key(seed_i)) in diffusers' (C, h, w) layout, moved to NHWC, so a
+    seed gives the same image alone or in a batch."""
+
+    def draw(seed: jax.Array) -> jax.Array:
+        return jax.random.normal(jax.random.key(seed), (channels, height, width), jnp.float32).transpose(1, 2, 0)
+
+    return jax.jit(jax.vmap(draw))
 
 
 def denoise_fn(graphdef: nnx.GraphDef) -> jax.stages.Wrapped:

@@ -26,7 +26,7 @@ from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.mesh import check_divides
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import tokens
-from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, reference_kv_fn
+from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
@@ -88,6 +88,28 @@ def _jit_module_call(module: nnx.Module, method: str = "__call__") -> Callable[.
     return jax.jit(call)
 
 
+def _jit_encode_tokens(vae: nnx.Module) -> Callable[..., Any]:
+    """(state, pixels (1, H, W, 3)) -> the reference's packed latents (1, H/16 * W/16, 128)."""
+    graphdef, _ = nnx.split(vae)
+
+    def call(state: nnx.State, pixels: jax.Array) -> jax.Array:
+        return tokens.pack_nhwc(nnx.merge(graphdef, state).encode(pixels))
+
+    return jax.jit(call)
+
+
+def _jit_decode(vae: nnx.Module) -> Callable[..., Any]:
+    """(state, latents (B, h, w, 128) float32 from the denoise loop) -> images; the latents are
+    rounded to the VAE's dtype first, as diffusers hands them over."""
+    graphdef, _ = nnx.split(vae)
+
+    def call(state: nnx.State, latents: jax.Array) -> jax.Array:
+        model = nnx.merge(graphdef, state)
+        return model.decode(latents.astype(model.dtype))
+
+    return jax.jit(call)
+
+
 class KleinPipeline:
     def __init__(
         self, snapshot: Snapshot, models: LoadedModels, tokenizer: PromptTokenizer, scheduler: SchedulerConfig,
@@ -99,8 +121,8 @@ class KleinPipeline:
         self.text_state = nnx.state(models.text_encoder)
         self.vae_state = nnx.state(models.vae)
         self._text = _jit_module_call(models.text_encoder)
-        self._encode = _jit_module_call(models.vae, "encode")
-        self._decode = _jit_module_call(models.vae, "decode")
+        self._encode = _jit_encode_tokens(models.vae)
+        self._decode = _jit_decode(models.vae)
         self._denoise = denoise_fn(nnx.split(models.transformer)[0])
         self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
         self.kv_store: ReferenceKVStore | None = None
@@ -131,7 +153,7 @@ class KleinPipeline:
 
     def _batched(self, x: Any) -> jax.Array:
         if self.mesh is None:
-            return jnp.asarray(x)
+            return jax.device_put(x)  # unlike jnp.asarray, compiles nothing
         return self._global(x, batch_spec(self.mesh, np.shape(x)[0], np.ndim(x)))
 
     def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
@@ -196,17 +218,20 @@ class KleinPipeline:
         ids, mask = self.tokenizer(prompts, max_length)
         return self._call(name, self._text, self.text_state, self._batched(ids), self._batched(mask))
 
-    def encode_references(self, references: list[np.ndarray]) -> tuple[jax.Array | None, list[tuple[int, int]]]:
+    def encode_references(self, references: list[np.ndarray]) -> tuple[Any, list[tuple[int, int]]]:
         """Each reference through the VAE at its own size; tokens concatenated in order, (1, R, 128)."""
         if not references:
             return None, []
         packed, grids = [], []
         for image in references:
             pixels = np.asarray(image, self.dtype)[None]
-            latents = self._call(f"vae_encode_{image.shape[0]}x{image.shape[1]}", self._encode, self.vae_state, pixels)
-            grids.append((latents.shape[1], latents.shape[2]))
-            packed.append(tokens.pack_nhwc(latents))
-        return jnp.concatenate(packed, axis=1), grids
+            packed.append(self._call(f"vae_encode_{image.shape[0]}x{image.shape[1]}", self._encode, self.vae_state,
+                                     pixels))
+            grids.append((image.shape[0] // PIXELS_PER_TOKEN, image.shape[1] // PIXELS_PER_TOKEN))
+        if len(packed) == 1:
+            return packed[0], grids
+        # Joined on the host (a few MB): an eager concatenate would compile a program per run shape.
+        return np.concatenate([self._to_host(p) for p in packed], axis=1), grids
 
     def reference_kv(
         self, references: list[np.ndarray], seconds: dict[str, float] | None = None
@@ -231,17 +256,24 @@ class KleinPipeline:
         self._kv_memory = {digest: kv}
         return kv, source
 
-    def initial_noise(self, request: Request, grid: tuple[int, int]) -> tuple[np.ndarray, list[int]]:
-        """(B, 128, h, w) float32 noise in diffusers' layout (`--latents` if given); image i draws
-        from seed + i, so each image can be reproduced alone."""
+    def noise_latents(self, request: Request, grid: tuple[int, int]) -> tuple[Any, list[int]]:
+        """(B, h, w, 128) float32 initial noise, the denoise loop's layout (`--latents` if given);
+        image i draws from seed + i, so each image can be reproduced alone."""
         shape = (request.batch, LATENT_CHANNELS, *grid)
         seeds = [request.seed + i for i in range(request.batch)]
         if request.latents is not None:
             if tuple(request.latents.shape) != shape:
                 raise UserInputError(f"--latents has shape {tuple(request.latents.shape)}, expected {shape}")
-            return np.asarray(request.latents, np.float32), seeds
-        draws = [jax.random.normal(jax.random.key(s), shape[1:], jnp.float32) for s in seeds]
-        return np.stack([np.asarray(d) for d in draws]), seeds
+            return np.asarray(request.latents, np.float32).transpose(0, 2, 3, 1), seeds
+        if seeds[-1] >= 2**32:
+            raise UserInputError(f"--seed + image index must stay below 2**32, got {seeds[-1]}")
+        noise = self._call("noise", noise_fn(LATENT_CHANNELS, *grid), np.asarray(seeds, np.uint32))
+        return noise, seeds
+
+    def initial_noise(self, request: Request, grid: tuple[int, int]) -> tuple[np.ndarray, list[int]]:
+        """The same noise as a host array in diffusers' (B, 128, h, w) layout, e.g. for parity."""
+        noise, seeds = self.noise_latents(request, grid)
+        return np.ascontiguousarray(self._to_host(noise).transpose(0, 3, 1, 2)), seeds
 
     def output_size(self, request: Request) -> tuple[int, int]:
         first = request.references[0].shape[:2] if request.references else (DEFAULT_SIZE, DEFAULT_SIZE)
@@ -265,14 +297,13 @@ class KleinPipeline:
         cfg = self.uses_guidance(request.guidance)
 
         # Features per prompt, repeated per image: image order is prompt-major, as in diffusers.
+        # The denoise program repeats them per image and broadcasts the negative one.
         text = _timed(seconds, "text", lambda: self.encode_text(request.prompts, request.max_sequence_length))
-        text = jnp.repeat(text, request.num_images, axis=0)
         negative = None
         if cfg:
             negative_name = "text_encoder" if len(request.prompts) == 1 else "text_encoder_negative"
             negative = _timed(seconds, "text", lambda: self.encode_text([request.negative_prompt],
                                                                         request.max_sequence_length, negative_name))
-            negative = jnp.broadcast_to(negative, text.shape)
         refs, kv, kv_source, grids = None, None, None, []
         if request.kv:
             if not request.references:
@@ -280,21 +311,16 @@ class KleinPipeline:
             kv, kv_source = self.reference_kv(request.references, seconds)
         else:
             refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references))
-        if refs is not None:
-            refs = self._batched(jnp.broadcast_to(refs, (request.batch, *refs.shape[1:])))
-
-        noise, seeds = self.initial_noise(request, grid)
-        noise = tokens.pack_nchw(noise)
+        noise, seeds = self.noise_latents(request, grid)
         schedule = make_schedule(request.steps, grid[0] * grid[1], self.scheduler)
         ids = np.concatenate([tokens.image_ids(*grid), tokens.reference_ids(grids)])
         cos, sin = self.models.transformer.rope(tokens.text_ids(text.shape[1]), ids)
         inputs = DenoiseInputs(
             latents=self._batched(noise), text=text, negative_text=negative, references=refs, reference_kv=kv,
-            rope_cos=cos, rope_sin=sin, timesteps=jnp.asarray(schedule.timesteps),
-            sigmas=jnp.asarray(schedule.sigmas), guidance=jnp.float32(request.guidance),
+            rope_cos=cos, rope_sin=sin, timesteps=np.asarray(schedule.timesteps, np.float32),
+            sigmas=np.asarray(schedule.sigmas, np.float32), guidance=np.float32(request.guidance),
         )
         latents = _timed(seconds, "denoise",
                          lambda: self._call("denoise", self._denoise, self.transformer_state, inputs))
-        images = _timed(seconds, "decode", lambda: self._call(
-            "vae_decode", self._decode, self.vae_state, tokens.unpack_nhwc(latents.astype(self.dtype), *grid)))
+        images = _timed(seconds, "decode", lambda: self._call("vae_decode", self._decode, self.vae_state, latents))
         return Result(self._to_host(images).astype(np.float32), seeds, height, width, cfg, seconds, kv_source)
