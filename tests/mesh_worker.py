@@ -1,5 +1,8 @@
 """Runs in a subprocess with 8 virtual CPU devices (XLA_FLAGS set by the caller): the same
-requests on one device and on each mesh; prints one JSON line per (mesh, request)."""
+requests on one device and on each mesh; prints one JSON line per (mesh, request).
+
+`CKPT KV_CKPT MESH...` runs text-to-image, a 2-reference edit and a KV edit;
+`--cfg BASE_CKPT MESH...` runs classifier-free guidance on an undistilled checkpoint."""
 
 from __future__ import annotations
 
@@ -16,25 +19,27 @@ from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 from tests.test_pipeline_parity import synthetic_image
 
 
-def requests(kv: bool, batch: int) -> dict[str, Request]:
+def requests(kind: str, batch: int) -> dict[str, Request]:
     """Small requests (1 step, 32 px, 16 text tokens): the meshes, not the sizes, are under test."""
     refs = [preprocess_reference(synthetic_image(w, h, i)) for i, (w, h) in enumerate([(64, 64), (96, 64)])]
     prompts = ["a red fox", "a lighthouse", "two cats", "a bowl of fruit"][: max(1, batch // 2)]
     common = dict(prompts=prompts, num_images=batch // len(prompts), steps=1, guidance=1.0, height=32, width=32,
                   seed=3, max_sequence_length=16)
-    if kv:
+    if kind == "kv":
         return {"kv-edit": Request(**common, references=refs, kv=True)}
+    if kind == "cfg":  # positive and negative branches as one batch of 2B inside the program
+        return {"cfg": Request(**dict(common, guidance=4.0), negative_prompt="blurry")}
     return {"text-to-image": Request(**common), "edit-2-refs": Request(**common, references=refs)}
 
 
-def main(checkpoint: str, kv_checkpoint: str, meshes: list[str]) -> None:
-    for path, kv in ((checkpoint, False), (kv_checkpoint, True)):
+def main(runs: list[tuple[str, str]], meshes: list[str]) -> None:
+    for path, kind in runs:
         single = KleinPipeline.load(path, dtype=jnp.float32)
         expected: dict[tuple[str, int], np.ndarray] = {}
         for text in meshes:
             spec = MeshSpec.parse(text)
             batch = spec.data * spec.fsdp
-            for name, r in requests(kv, batch).items():
+            for name, r in requests(kind, batch).items():
                 if (name, batch) not in expected:
                     expected[name, batch] = postprocess(single(r).images)
             mesh = make_mesh(spec)
@@ -43,7 +48,7 @@ def main(checkpoint: str, kv_checkpoint: str, meshes: list[str]) -> None:
             qkv = pipeline.models.transformer.single_transformer_blocks.attn.to_qkv_mlp_proj.kernel.get_value()
             out_kernel = pipeline.models.transformer.transformer_blocks.attn.to_out.kernel.get_value()
             assert isinstance(kernel.sharding, NamedSharding)
-            for name, request in requests(kv, batch).items():
+            for name, request in requests(kind, batch).items():
                 images = postprocess(pipeline(request).images)
                 diff = int(np.abs(images.astype(int) - expected[name, batch].astype(int)).max())
                 print(json.dumps(dict(mesh=text, request=name, max_diff=diff, std=float(images.std()),
@@ -54,4 +59,7 @@ def main(checkpoint: str, kv_checkpoint: str, meshes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    if sys.argv[1] == "--cfg":
+        main([(sys.argv[2], "cfg")], sys.argv[3:])
+    else:
+        main([(sys.argv[1], "plain"), (sys.argv[2], "kv")], sys.argv[3:])

@@ -42,6 +42,19 @@ def test_every_mesh_gives_the_single_device_images(tiny_checkpoint: Path, tiny_k
         assert row["q_shards"] == spec.fsdp * spec.tensor, row
 
 
+def test_guidance_on_a_mesh_gives_the_single_device_images(tiny_base_checkpoint: Path) -> None:
+    """Classifier-free guidance (undistilled models): the negative prompt broadcast and the 2B batch
+    inside the denoise program, sharded over data x fsdp and tensor."""
+    meshes = ["data=2,fsdp=2,tensor=2", "fsdp=4,context=2"]
+    done = subprocess.run([sys.executable, "-m", "tests.mesh_worker", "--cfg", str(tiny_base_checkpoint), *meshes],
+                          env=env_with_devices(8), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["mesh"] for r in rows) == sorted(meshes)
+    for row in rows:
+        assert row["request"] == "cfg" and row["max_diff"] <= 1 and row["std"] > 10, row
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
