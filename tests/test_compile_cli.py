@@ -77,17 +77,17 @@ def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: 
     assert report["target"]["topology"] == "v6e:2x2" and report["target"]["device_count"] == 4
     assert report["target"]["device_kind"] == "TPU v6 lite"
     assert {p["name"]: p["status"] for p in report["programs"]} == {
-        "text_encoder": "miss", "denoise": "miss", "vae_decode": "miss"}
+        "text_encoder": "miss", "noise": "miss", "denoise": "miss", "vae_decode": "miss"}
     assert report["verdict"]["fits"] and report["verdict"]["hbm_bytes_per_device"] == 32 * 1024**3
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert len(manifest["executables"]) == 3
+    assert len(manifest["executables"]) == 4
     for entry in manifest["executables"]:
         memory = entry["memory"]
         assert memory["argument"] > 0 and memory["generated_code"] > 0 and memory["peak"] > 0, entry["name"]
         assert entry["key_parts"]["versions"]["libtpu"]
     again = runner.invoke(app, args)  # verified from the store, not recompiled
     assert again.exit_code == 0, again.stderr
-    assert [p["status"] for p in json.loads(again.stdout)["programs"]] == ["hit"] * 3
+    assert [p["status"] for p in json.loads(again.stdout)["programs"]] == ["hit"] * 4
 
 
 @pytest.mark.parametrize(

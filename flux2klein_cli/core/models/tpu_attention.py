@@ -71,14 +71,18 @@ def supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh), scale Dh**-0.5."""
     local = functools.partial(_local_attention, interpret=_SETTINGS.interpret)
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        return local(q, k, v)
-    q_spec = _fitting_spec(mesh, q.shape, (BATCH_AXES, "context", "tensor", None))
-    kv_spec = _fitting_spec(mesh, k.shape, (BATCH_AXES, None, q_spec[2], None))
-    # check_vma off: the kernel's pallas_call carries no varying-axes annotations.
-    sharded = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
-    return sharded(q, k, v)
+    # Mosaic rejects the kernel's matmuls under a global "highest" matmul precision (jax's
+    # JAX_DEFAULT_MATMUL_PRECISION, set by float32 parity runs): "Bad lhs type". The kernel
+    # picks its own precision from the operand dtypes.
+    with jax.default_matmul_precision("default"):
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or mesh.size == 1:
+            return local(q, k, v)
+        q_spec = _fitting_spec(mesh, q.shape, (BATCH_AXES, "context", "tensor", None))
+        kv_spec = _fitting_spec(mesh, k.shape, (BATCH_AXES, None, q_spec[2], None))
+        # check_vma off: the kernel's pallas_call carries no varying-axes annotations.
+        sharded = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)
+        return sharded(q, k, v)
 
 
 def _fitting_spec(mesh: jax.sharding.AbstractMesh, shape: tuple[int, ...], axes: tuple[Axes, ...]) -> PartitionSpec:
