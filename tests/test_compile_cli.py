@@ -75,6 +75,7 @@ def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: 
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["target"]["topology"] == "v6e:2x2" and report["target"]["device_count"] == 4
+    assert report["parallel"] is False  # TPU programs compile one at a time (store.compiles_serially)
     assert report["target"]["device_kind"] == "TPU v6 lite"
     assert {p["name"]: p["status"] for p in report["programs"]} == {
         "text_encoder": "miss", "noise": "miss", "denoise": "miss", "vae_decode": "miss"}

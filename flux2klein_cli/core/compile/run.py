@@ -80,7 +80,13 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     """Resolve, build every program of the run, load or compile each, and report."""
     from flux2klein_cli.core.checkpoint import parse_dtype
     from flux2klein_cli.core.compile import programs as P
-    from flux2klein_cli.core.compile.store import ExecutableStore, Target, compile_all, parse_effort
+    from flux2klein_cli.core.compile.store import (
+        ExecutableStore,
+        Target,
+        compile_all,
+        compiles_serially,
+        parse_effort,
+    )
     from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
     from flux2klein_cli.core.registry import default_size
 
@@ -117,7 +123,8 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     progress(f"building abstract programs for {configs.source}")
     specs = P.pipeline_programs(configs, run, target)
     store = ExecutableStore(opts.cache_dir, on_warning=warn)
-    results = compile_all(specs, store, parallel=not opts.sequential, save=opts.save, progress=progress)
+    parallel = not opts.sequential and not compiles_serially(specs)
+    results = compile_all(specs, store, parallel=parallel, save=opts.save, progress=progress)
     wall = time.perf_counter() - start
     report = _report(opts, configs, run, target, store, specs, [info for _, info in results], wall)
     if preset is not None:
@@ -132,6 +139,9 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
 def _report(opts: CompileOptions, configs: Any, run: Any, target: Any, store: Any, specs: list[Any],
             infos: list[Any], wall: float) -> dict[str, Any]:
     from flux2klein_cli.core.compile.programs import resident_bytes
+    from flux2klein_cli.core.compile.store import compiles_serially
+
+    parallel = not opts.sequential and not compiles_serially(specs)
 
     resident = resident_bytes(specs)
     programs = []
@@ -146,7 +156,7 @@ def _report(opts: CompileOptions, configs: Any, run: Any, target: Any, store: An
         "model": opts.model, "source": configs.source, "height": run.height, "width": run.width,
         "batch": run.batch, "prompts": run.prompts, "steps": run.steps, "cfg": run.cfg,
         "references": [f"{h}x{w}" for h, w in run.references], "dtype": opts.dtype,
-        "target": target.describe(), "store": str(store.root), "parallel": not opts.sequential,
+        "target": target.describe(), "store": str(store.root), "parallel": parallel,
         "programs": programs, "resident_bytes_per_device": resident,
         "peak_bytes_per_device": max(needs) if needs else 0, "wall_s": wall,
         "hits": sum(p["status"] == "hit" for p in programs),

@@ -561,6 +561,13 @@ def _first_line(error: BaseException) -> str:
 # ----------------------------------------------------------------------------- many programs
 
 
+def compiles_serially(specs: Sequence[ProgramSpec]) -> bool:
+    """TPU programs compile one at a time: libtpu crashed (SIGSEGV in its MLIR translation)
+    in 2 of 4 runs compiling the Pallas attention kernels of two programs at once for v7, and
+    threads gain nothing there anyway (its compiles in one process finish together)."""
+    return any((spec.target or Target.local()).platform == "tpu" for spec in specs)
+
+
 def compile_all(
     specs: Sequence[ProgramSpec],
     store: ExecutableStore,
@@ -595,7 +602,7 @@ def compile_all(
         results[i] = compiled, store._finish(spec, parts, compiled, lower_s, compile_s, save, caught)
         say(f"{spec.name}: compiled in {compile_s:.2f} s")
 
-    if parallel and len(todo) > 1:
+    if parallel and len(todo) > 1 and not compiles_serially(specs):
         with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="flux2klein-compile") as pool:
             list(pool.map(build, todo))
     else:
