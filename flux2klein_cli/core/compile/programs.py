@@ -1,10 +1,10 @@
 """Abstract program specs for a whole run, from a model's configs alone (no weights).
 
 Each spec lowers the very function the pipeline calls (`_jit_module_call` of the text
-encoder, `_jit_encode_tokens` and `_jit_decode` of the VAE, `denoise_fn` of the transformer,
-`noise_fn`) on the very argument pytrees it
-passes: the same `nnx.State` structure, shapes, dtypes and shardings, so an executable
-compiled here is the one a real call needs. A program is one short function below; the
+encoder and of the VAE's `encode_tokens` / `decode_latents`, `denoise_fn` of the
+transformer, `noise_fn`) on the very argument pytrees it passes: the same `nnx.State`
+structure, shapes, dtypes and shardings, so an executable compiled here is the one a real
+call needs. A program is one short function below; the
 denoise inputs are a `DenoiseInputs` of ShapeDtypeStructs built field by field, so a field
 added to DenoiseInputs needs one entry in `denoise_fields` and nothing else.
 
@@ -304,30 +304,31 @@ def reference_kv_program(models: AbstractModels, target: Target, run: RunShape) 
 
 def vae_decode_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
     """pipeline's decode: the denoise loop's latents (B, h, w, patched channels), float32."""
-    from flux2klein_cli.core.pipeline.pipeline import _jit_decode
+    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call, decode_latents
 
     h, w = run.grid
     latents = _input((run.batch, h, w, models.vae.config.patched_channels), jnp.float32, target.mesh)
-    return ProgramSpec("vae_decode", _jit_decode(models.vae), (models.states["vae"], latents),
+    return ProgramSpec("vae_decode", _jit_module_call(models.vae, decode_latents), (models.states["vae"], latents),
                        _key(models, "vae"), target, model="vae")
 
 
 def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, int]) -> ProgramSpec:
     """pipeline.encode_references, one reference at its own size: (1, H, W, 3) in the model dtype."""
-    from flux2klein_cli.core.pipeline.pipeline import _jit_encode_tokens
+    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call, encode_tokens
 
     pixels = _input((1, *size, models.vae.config.in_channels), models.dtype, target.mesh)
-    return ProgramSpec(f"vae_encode_{size[0]}x{size[1]}", _jit_encode_tokens(models.vae),
+    return ProgramSpec(f"vae_encode_{size[0]}x{size[1]}", _jit_module_call(models.vae, encode_tokens),
                        (models.states["vae"], pixels), _key(models, "vae"), target, model="vae")
 
 
-def noise_program(target: Target, run: RunShape, channels: int) -> ProgramSpec:
-    """pipeline.noise_latents: seeds (B,) uint32 -> (B, h, w, channels) float32 noise."""
+def noise_program(target: Target, run: RunShape) -> ProgramSpec:
+    """pipeline.noise_latents: seeds (B,) uint32 -> (B, h, w, LATENT_CHANNELS) float32 noise."""
     from flux2klein_cli.core.pipeline.denoise import noise_fn
+    from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS
 
     seeds = _input((run.batch,), jnp.uint32, target.mesh, batched=False)
     # The output shape is not in the arguments: the key must name it.
-    return ProgramSpec("noise", noise_fn(channels, *run.grid), (seeds,), {"channels": channels,
+    return ProgramSpec("noise", noise_fn(LATENT_CHANNELS, *run.grid), (seeds,), {"channels": LATENT_CHANNELS,
                        "grid": list(run.grid)}, target)
 
 
@@ -343,7 +344,7 @@ def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | Non
     programs = [text_encoder_program(models, target, run.prompts, length)]
     if run.cfg and run.prompts != 1:
         programs.append(text_encoder_program(models, target, 1, length, name="text_encoder_negative"))
-    programs.append(noise_program(target, run, models.vae.config.patched_channels))
+    programs.append(noise_program(target, run))
     programs.append(denoise_program(models, target, run))
     programs.append(vae_decode_program(models, target, run))
     for size in dict.fromkeys(run.references):  # distinct sizes, in order

@@ -126,7 +126,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     parallel = not opts.sequential and not compiles_serially(specs)
     results = compile_all(specs, store, parallel=parallel, save=opts.save, progress=progress)
     wall = time.perf_counter() - start
-    report = _report(opts, configs, run, target, store, specs, [info for _, info in results], wall)
+    report = _report(opts, configs, run, target, store, specs, [info for _, info in results], wall, parallel)
     if preset is not None:
         from flux2klein_cli.core.compile.tpu import verdict
 
@@ -137,11 +137,8 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
 
 
 def _report(opts: CompileOptions, configs: Any, run: Any, target: Any, store: Any, specs: list[Any],
-            infos: list[Any], wall: float) -> dict[str, Any]:
+            infos: list[Any], wall: float, parallel: bool) -> dict[str, Any]:
     from flux2klein_cli.core.compile.programs import resident_bytes
-    from flux2klein_cli.core.compile.store import compiles_serially
-
-    parallel = not opts.sequential and not compiles_serially(specs)
 
     resident = resident_bytes(specs)
     programs = []

@@ -78,36 +78,27 @@ def _timed(seconds: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _jit_module_call(module: nnx.Module, method: str = "__call__") -> Callable[..., Any]:
-    """jit a module method as a function of (state, *args), so shapes alone decide recompiles."""
+def _jit_module_call(module: nnx.Module, method: str | Callable[..., Any] = "__call__") -> Callable[..., Any]:
+    """jit a module method (its name, or a function of (module, *args)) as a function of
+    (state, *args), so shapes alone decide recompiles."""
     graphdef, _ = nnx.split(module)
 
     def call(state: nnx.State, *args: Any) -> Any:
-        return getattr(nnx.merge(graphdef, state), method)(*args)
-
-    return jax.jit(call)
-
-
-def _jit_encode_tokens(vae: nnx.Module) -> Callable[..., Any]:
-    """(state, pixels (1, H, W, 3)) -> the reference's packed latents (1, H/16 * W/16, 128)."""
-    graphdef, _ = nnx.split(vae)
-
-    def call(state: nnx.State, pixels: jax.Array) -> jax.Array:
-        return tokens.pack_nhwc(nnx.merge(graphdef, state).encode(pixels))
-
-    return jax.jit(call)
-
-
-def _jit_decode(vae: nnx.Module) -> Callable[..., Any]:
-    """(state, latents (B, h, w, 128) float32 from the denoise loop) -> images; the latents are
-    rounded to the VAE's dtype first, as diffusers hands them over."""
-    graphdef, _ = nnx.split(vae)
-
-    def call(state: nnx.State, latents: jax.Array) -> jax.Array:
         model = nnx.merge(graphdef, state)
-        return model.decode(latents.astype(model.dtype))
+        return method(model, *args) if callable(method) else getattr(model, method)(*args)
 
     return jax.jit(call)
+
+
+def encode_tokens(vae: Any, pixels: jax.Array) -> jax.Array:
+    """pixels (1, H, W, 3) -> the reference's packed latents (1, H/16 * W/16, 128)."""
+    return tokens.pack_nhwc(vae.encode(pixels))
+
+
+def decode_latents(vae: Any, latents: jax.Array) -> jax.Array:
+    """The denoise loop's float32 latents (B, h, w, 128) -> images, rounded to the VAE's dtype
+    first, as diffusers hands them over."""
+    return vae.decode(latents.astype(vae.dtype))
 
 
 class KleinPipeline:
@@ -121,8 +112,8 @@ class KleinPipeline:
         self.text_state = nnx.state(models.text_encoder)
         self.vae_state = nnx.state(models.vae)
         self._text = _jit_module_call(models.text_encoder)
-        self._encode = _jit_encode_tokens(models.vae)
-        self._decode = _jit_decode(models.vae)
+        self._encode = _jit_module_call(models.vae, encode_tokens)
+        self._decode = _jit_module_call(models.vae, decode_latents)
         self._denoise = denoise_fn(nnx.split(models.transformer)[0])
         self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
         self.kv_store: ReferenceKVStore | None = None

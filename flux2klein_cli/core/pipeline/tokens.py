@@ -31,18 +31,8 @@ def reference_ids(grids: list[tuple[int, int]]) -> np.ndarray:
     )
 
 
-def pack_nchw(latents: np.ndarray) -> np.ndarray:
-    """(B, C, h, w) noise in diffusers' convention -> (B, h * w, C) tokens."""
-    b, c, h, w = latents.shape
-    return latents.reshape(b, c, h * w).transpose(0, 2, 1)
-
-
 def pack_nhwc(latents: jax.Array) -> jax.Array:
     """(B, h, w, C) VAE latents -> (B, h * w, C) tokens."""
     b, h, w, c = latents.shape
     return latents.reshape(b, h * w, c)
 
-
-def unpack_nhwc(tokens: jax.Array, height: int, width: int) -> jax.Array:
-    """(B, h * w, C) tokens -> (B, h, w, C), the VAE decoder's input layout."""
-    return tokens.reshape(tokens.shape[0], height, width, tokens.shape[-1])
