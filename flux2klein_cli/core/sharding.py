@@ -82,6 +82,16 @@ def batch_spec(mesh: Mesh, batch: int, rank: int) -> PartitionSpec:
     return PartitionSpec(axes, *([None] * (rank - 1)))
 
 
+def batch_shards(batch: int) -> int:
+    """Over how many devices a batch of `batch` is split under the mesh set with
+    `jax.set_mesh` (as `batch_spec` splits it); 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    shards = axis_size(mesh, BATCH_AXES)
+    return shards if batch % shards == 0 else 1
+
+
 def constrain(x: jax.Array, *axes: str | tuple[str, ...] | None) -> jax.Array:
     """with_sharding_constraint by axis names under the mesh set with `jax.set_mesh`; a no-op
     without one (single device) and for axes that do not divide their dimension."""

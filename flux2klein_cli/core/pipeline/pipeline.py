@@ -31,7 +31,7 @@ from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_d
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 from flux2klein_cli.core.registry import DEFAULT_SIZE
-from flux2klein_cli.core.sharding import batch_spec
+from flux2klein_cli.core.sharding import BATCH_AXES, batch_shards, batch_spec, constrain
 from flux2klein_cli.core.weights.configs import read_json
 
 LATENT_CHANNELS = 128
@@ -97,8 +97,29 @@ def encode_tokens(vae: Any, pixels: jax.Array) -> jax.Array:
 
 def decode_latents(vae: Any, latents: jax.Array) -> jax.Array:
     """The denoise loop's float32 latents (B, h, w, 128) -> images, rounded to the VAE's dtype
-    first, as diffusers hands them over."""
-    return vae.decode(latents.astype(vae.dtype))
+    first, as diffusers hands them over.
+
+    Decoded one image per batch shard at a time (a `lax.map` over the images each device
+    holds): the decoder's activations are the largest of the pipeline, so this divides its
+    peak memory by the images per device, and libtpu compiles the one-image decoder in about
+    half the time (9B VAE, v6e-4, batch 8: 43 s -> 25 s). Each image is decoded alone either
+    way, so the result is the same."""
+    batch, *grid = latents.shape
+    shards = batch_shards(batch)
+    per_shard = batch // shards
+    if per_shard == 1:
+        return vae.decode(latents.astype(vae.dtype))
+    # Shard s holds images [s * per_shard, (s + 1) * per_shard): row s of this view, so
+    # stepping over the second axis gives every device one of its own images, no transfer.
+    by_shard = constrain(latents.reshape(shards, per_shard, *grid), BATCH_AXES)
+    steps = constrain(jnp.swapaxes(by_shard, 0, 1), None, BATCH_AXES)
+
+    def decode_step(group: jax.Array) -> jax.Array:
+        return vae.decode(constrain(group, BATCH_AXES).astype(vae.dtype))
+
+    images = jax.lax.map(decode_step, steps)  # (per_shard, shards, H, W, C)
+    images = constrain(jnp.swapaxes(images, 0, 1), BATCH_AXES)
+    return images.reshape(batch, *images.shape[2:])
 
 
 class KleinPipeline:
