@@ -296,3 +296,24 @@ def test_real_geometry_matches_diffusers() -> None:
     real = dict(block_out_channels=[128, 256, 512, 512])  # everything else: the defaults
     _assert_geometry_matches(real)
     _assert_geometry_matches({**real, "decoder_block_out_channels": [96, 192, 384, 384]})
+
+
+def test_pipeline_decode_is_per_image(bf16_model: Flux2VAE) -> None:
+    """The pipeline's decode maps over the images: a batch of four needs about the
+    temporaries of one (the decoder's activations are the pipeline's largest), and gives
+    each image as decoded alone."""
+    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call, decode_latents
+
+    decode, state = _jit_module_call(bf16_model, decode_latents), nnx.state(bf16_model)
+    channels = bf16_model.config.patched_channels
+    latents = jax.random.normal(jax.random.key(1), (4, 8, 8, channels), jnp.float32)
+
+    def temp_bytes(batch: int) -> int:
+        shape = jax.ShapeDtypeStruct((batch, 8, 8, channels), jnp.float32)
+        return decode.lower(state, shape).compile().memory_analysis().temp_size_in_bytes
+
+    one, four = temp_bytes(1), temp_bytes(4)
+    assert four < 1.5 * one, (one, four)
+    batch = np.asarray(decode(state, latents))
+    alone = np.concatenate([np.asarray(decode(state, latents[i : i + 1])) for i in range(4)])
+    np.testing.assert_allclose(batch, alone, atol=2e-2)
