@@ -66,6 +66,43 @@ def test_programs_from_configs_run_the_real_pipeline(request: pytest.FixtureRequ
     np.testing.assert_array_equal(np.asarray(executables["noise"](np.asarray(seeds, np.uint32))), np.asarray(noise))
 
 
+def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """At `--effort fast` the VAE programs have no 3x3 convolution left (only the 1x1 ones) and
+    give the pipeline's images."""
+    import dataclasses
+
+    from flux2klein_cli.core.compile.store import Target
+    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+    run = P.RunShape(32, 32, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
+                     dtype=jnp.float32)
+    configs = P.model_configs(str(tiny_checkpoint))
+    by_effort = {
+        effort: [s for s in P.pipeline_programs(configs, run, dataclasses.replace(Target.local(), effort=effort))
+                 if s.name.startswith("vae_")]
+        for effort in ("default", "fast")
+    }
+
+    def same_3x3_convolutions(spec: object) -> int:
+        """Convolutions padded by one pixel on every side: the 3x3 'same' ones (the others
+        are 1x1, unpadded, or the stride-2 downsamplers, padded on one side)."""
+        text = spec.lower().as_text()  # type: ignore[attr-defined]
+        return sum("stablehlo.convolution" in line and "pad = [[1, 1], [1, 1]]" in line for line in text.splitlines())
+
+    for default, fast in zip(by_effort["default"], by_effort["fast"], strict=True):
+        assert same_3x3_convolutions(default) > 0 and same_3x3_convolutions(fast) == 0, default.name
+    executables = {info.name: compiled for compiled, info in compile_all(by_effort["fast"], ExecutableStore(tmp_path))}
+
+    pipeline = KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)
+    ref = np.random.default_rng(0).uniform(-1, 1, (32, 48, 3)).astype(np.float32)
+    req = Request(prompts=["a fox", "a cat"], steps=2, guidance=1.0, height=32, width=32, references=[ref],
+                  max_sequence_length=16)
+    expected = pipeline(req).images
+    pipeline._decode = executables["vae_decode"]  # type: ignore[attr-defined]
+    pipeline._encode = executables["vae_encode_32x48"]  # type: ignore[attr-defined]
+    np.testing.assert_allclose(pipeline(req).images, expected, atol=1e-4)
+
+
 def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: Path, tmp_path: Path) -> None:
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'flux2klein-cli[tpu]'); CI installs it")

@@ -308,8 +308,8 @@ def vae_decode_program(models: AbstractModels, target: Target, run: RunShape) ->
 
     h, w = run.grid
     latents = _input((run.batch, h, w, models.vae.config.patched_channels), jnp.float32, target.mesh)
-    return ProgramSpec("vae_decode", _jit_module_call(models.vae, decode_latents), (models.states["vae"], latents),
-                       _key(models, "vae"), target, model="vae")
+    return ProgramSpec("vae_decode", _jit_module_call(models.vae, _vae_form(decode_latents, target)),
+                       (models.states["vae"], latents), _key(models, "vae"), target, model="vae")
 
 
 def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, int]) -> ProgramSpec:
@@ -317,8 +317,24 @@ def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, 
     from flux2klein_cli.core.pipeline.pipeline import _jit_module_call, encode_tokens
 
     pixels = _input((1, *size, models.vae.config.in_channels), models.dtype, target.mesh)
-    return ProgramSpec(f"vae_encode_{size[0]}x{size[1]}", _jit_module_call(models.vae, encode_tokens),
-                       (models.states["vae"], pixels), _key(models, "vae"), target, model="vae")
+    encode = _jit_module_call(models.vae, _vae_form(encode_tokens, target))
+    return ProgramSpec(f"vae_encode_{size[0]}x{size[1]}", encode, (models.states["vae"], pixels),
+                       _key(models, "vae"), target, model="vae")
+
+
+def _vae_form(fn: Any, target: Target) -> Any:
+    """`fn(vae, x)` as traced for the target's effort: at `fast`, with the VAE's 3x3
+    convolutions as matmuls (models.vae.convs_as_matmuls), which libtpu compiles far quicker.
+    The effort is part of the store key, so each form is stored apart."""
+    if target.effort != "fast":
+        return fn
+    from flux2klein_cli.core.models.vae import convs_as_matmuls
+
+    def traced_as_matmuls(vae: Any, x: jax.Array) -> jax.Array:
+        with convs_as_matmuls():
+            return fn(vae, x)
+
+    return traced_as_matmuls
 
 
 def noise_program(target: Target, run: RunShape) -> ProgramSpec:

@@ -8,8 +8,10 @@ diffusers checkpoint's key names, so the key plan is derived from the NNX paths.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,12 +120,54 @@ class VAEConfig:
 # ----------------------------------------------------------------------------- layers
 
 
+_CONVS_AS_MATMULS = contextvars.ContextVar("convs_as_matmuls", default=False)
+
+
+@contextlib.contextmanager
+def convs_as_matmuls() -> Iterator[None]:
+    """While tracing inside, the VAE's 3x3 convolutions are written as one matmul each (see
+    `Conv.as_matmul`): libtpu compiles the 9B decoder in about 40% less time, and XLA's cost
+    model puts the TPU decode about 30% slower. `--effort fast` programs are traced so."""
+    token = _CONVS_AS_MATMULS.set(True)
+    try:
+        yield
+    finally:
+        _CONVS_AS_MATMULS.reset(token)
+
+
+class Conv(nnx.Conv):
+    """nnx.Conv (the same parameters), with a matmul form of the 3x3 'same' convolution."""
+
+    def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
+        same_3x3 = self.kernel_size == (3, 3) and self.strides in (1, (1, 1)) and self.padding == ((1, 1), (1, 1))
+        if same_3x3 and _CONVS_AS_MATMULS.get():
+            return self.as_matmul(x)
+        return super().__call__(x, out_sharding=out_sharding)
+
+    def as_matmul(self, x: jax.Array) -> jax.Array:
+        """The three horizontal taps side by side as input channels, the three kernel rows side
+        by side as output channels: one (3 C_in) x (3 C_out) matmul per pixel; each output row
+        then sums row r-1's first, row r's second and row r+1's third group, float32 throughout."""
+        if self.dtype is not None:
+            x = x.astype(self.dtype)
+        b, h, w, c_in = x.shape
+        kernel = self.kernel[...]  # (row, column, C_in, C_out)
+        c_out = kernel.shape[-1]
+        padded = jnp.pad(x, ((0, 0), (0, 0), (1, 1), (0, 0)))
+        taps = jnp.concatenate([padded[:, :, dx : dx + w] for dx in range(3)], axis=-1)  # (B, H, W, 3 C_in)
+        rows = kernel.reshape(3, 3 * c_in, c_out).transpose(1, 0, 2).reshape(3 * c_in, 3 * c_out)
+        per_row = jnp.einsum("bhwc,cd->bhwd", taps, rows, preferred_element_type=jnp.float32)
+        per_row = jnp.pad(per_row.reshape(b, h, w, 3, c_out), ((0, 0), (1, 1), (0, 0), (0, 0), (0, 0)))
+        out = sum(per_row[:, dy : dy + h, :, dy] for dy in range(3)) + self.bias[...].astype(jnp.float32)
+        return out.astype(self.dtype or x.dtype)
+
+
 def conv(
     d_in: int, d_out: int, kernel: int, *, dtype: Any, rngs: nnx.Rngs, stride: int = 1, padding: Any = None
-) -> nnx.Conv:
+) -> Conv:
     """A torch-style Conv2d with bias on NHWC input; `padding` defaults to 'same' for odd kernels."""
     pad = padding if padding is not None else ((kernel // 2, kernel // 2),) * 2
-    return nnx.Conv(
+    return Conv(
         d_in, d_out, (kernel, kernel), stride, padding=pad, use_bias=True, dtype=dtype, param_dtype=dtype,
         kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs,
     )
