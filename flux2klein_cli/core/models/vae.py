@@ -152,12 +152,11 @@ class Conv(nnx.Conv):
             x = x.astype(self.dtype)
         b, h, w, c_in = x.shape
         kernel = self.kernel[...]  # (row, column, C_in, C_out)
-        c_out = kernel.shape[-1]
         padded = jnp.pad(x, ((0, 0), (0, 0), (1, 1), (0, 0)))
         taps = jnp.concatenate([padded[:, :, dx : dx + w] for dx in range(3)], axis=-1)  # (B, H, W, 3 C_in)
-        rows = kernel.reshape(3, 3 * c_in, c_out).transpose(1, 0, 2).reshape(3 * c_in, 3 * c_out)
-        per_row = jnp.einsum("bhwc,cd->bhwd", taps, rows, preferred_element_type=jnp.float32)
-        per_row = jnp.pad(per_row.reshape(b, h, w, 3, c_out), ((0, 0), (1, 1), (0, 0), (0, 0), (0, 0)))
+        rows = kernel.reshape(3, 3 * c_in, -1)  # (row, column-major taps, C_out)
+        per_row = jnp.einsum("bhwc,rcd->bhwrd", taps, rows, preferred_element_type=jnp.float32)
+        per_row = jnp.pad(per_row, ((0, 0), (1, 1), (0, 0), (0, 0), (0, 0)))
         out = sum(per_row[:, dy : dy + h, :, dy] for dy in range(3)) + self.bias[...].astype(jnp.float32)
         return out.astype(self.dtype or x.dtype)
 
