@@ -22,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def env_with_devices(n: int) -> dict[str, str]:
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}", JAX_PLATFORMS="cpu",
-                FLUX2KLEIN_XLA_CACHE="off")
+    """n virtual CPU devices. LLVM's optimisation level 0 compiles these tiny programs about a
+    quarter faster; every comparison here is between runs in the same settings."""
+    flags = f"--xla_force_host_platform_device_count={n} --xla_backend_optimization_level=0"
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", FLUX2KLEIN_XLA_CACHE="off")
 
 
 def test_every_mesh_gives_the_single_device_images(tiny_checkpoint: Path, tiny_kv_checkpoint: Path) -> None:
