@@ -20,7 +20,7 @@ from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_wr
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.images import load_reference, postprocess, preprocess_reference, validate_size
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
-from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS, PIXELS_PER_TOKEN, Request
+from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS, PIXELS_PER_TOKEN, Request, check_seeds
 from flux2klein_cli.core.registry import default_size
 
 
@@ -74,9 +74,7 @@ def _check_options(opts: GenerateOptions) -> None:
         raise UserInputError(f"--guidance must not be negative, got {opts.guidance}")
     if opts.seed < 0:
         raise UserInputError(f"--seed must not be negative, got {opts.seed}")
-    last_seed = opts.seed + len(opts.prompts) * opts.num_images - 1
-    if last_seed >= 2**32:  # a noise key holds 32 bits: a larger seed would repeat a smaller one's noise
-        raise UserInputError(f"--seed + image index must stay below 2**32 (4294967296), got {last_seed}")
+    check_seeds(opts.seed, len(opts.prompts) * opts.num_images)
     if opts.max_sequence_length < 1:
         raise UserInputError("--max-sequence-length must be at least 1")
     validate_size(opts.height, opts.width)

@@ -158,7 +158,7 @@ class Conv(nnx.Conv):
         per_row = jnp.einsum("bhwc,rcd->bhwrd", taps, rows, preferred_element_type=jnp.float32)
         per_row = jnp.pad(per_row, ((0, 0), (1, 1), (0, 0), (0, 0), (0, 0)))
         out = sum(per_row[:, dy : dy + h, :, dy] for dy in range(3)) + self.bias[...].astype(jnp.float32)
-        return out.astype(self.dtype or x.dtype)
+        return out.astype(x.dtype)  # x is in the module's dtype by now
 
 
 def conv(

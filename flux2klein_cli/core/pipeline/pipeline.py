@@ -90,6 +90,14 @@ def _jit_module_call(module: nnx.Module, method: str | Callable[..., Any] = "__c
     return jax.jit(call)
 
 
+def check_seeds(first: int, count: int) -> None:
+    """Image i draws from seed first + i into a 32-bit noise key: a larger seed would repeat a
+    smaller one's noise."""
+    last = first + count - 1
+    if last >= 2**32:
+        raise UserInputError(f"--seed + image index must stay below 2**32 (4294967296), got {last}")
+
+
 def encode_tokens(vae: Any, pixels: jax.Array) -> jax.Array:
     """pixels (1, H, W, 3) -> the reference's packed latents (1, H/16 * W/16, 128)."""
     return tokens.pack_nhwc(vae.encode(pixels))
@@ -277,8 +285,7 @@ class KleinPipeline:
             if tuple(request.latents.shape) != shape:
                 raise UserInputError(f"--latents has shape {tuple(request.latents.shape)}, expected {shape}")
             return np.asarray(request.latents, np.float32).transpose(0, 2, 3, 1), seeds
-        if seeds[-1] >= 2**32:
-            raise UserInputError(f"--seed + image index must stay below 2**32, got {seeds[-1]}")
+        check_seeds(request.seed, request.batch)
         noise = self._call("noise", noise_fn(LATENT_CHANNELS, *grid), np.asarray(seeds, np.uint32))
         return noise, seeds
 
