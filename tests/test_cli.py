@@ -26,6 +26,10 @@ def test_version_and_help() -> None:
     result = run("--help")
     assert result.exit_code == 0
     assert "inspect" in result.stdout and "bench" in result.stdout
+    # Square brackets in help text are rich markup unless escaped: they must reach the user.
+    assert "FLUX.2 [klein] image models" in result.stdout
+    assert "[tpu] extra" in " ".join(run("compile", "--help").stdout.split())
+    assert "[parity] extra" in " ".join(run("parity", "--help").stdout.split())
 
 
 def test_inspect_reports_every_component(tiny_checkpoint: Path, tiny_kv_checkpoint: Path) -> None:

@@ -23,7 +23,7 @@ completion_init()
 app = typer.Typer(
     name="flux2klein",
     help=(
-        "Run Black Forest Labs' FLUX.2 [klein] image models on JAX.\n\n"
+        "Run Black Forest Labs' FLUX.2 \\[klein] image models on JAX.\n\n"
         "Exit codes: 0 done, 1 runtime failure, 2 bad usage or bad input."
     ),
     no_args_is_help=True,
@@ -45,7 +45,7 @@ def root(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
 ) -> None:
-    """Run Black Forest Labs' FLUX.2 [klein] image models on JAX."""
+    """Run Black Forest Labs' FLUX.2 \\[klein] image models on JAX."""
 
 
 app.command("generate")(generate_cmd.generate)

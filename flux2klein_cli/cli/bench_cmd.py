@@ -33,7 +33,8 @@ def bench(
     tpu: str = typer.Option(None, "--tpu", help="pipeline, on a TPU slice host: the preset's mesh (FSDP over its "
                             "chips), e.g. v6-4. From another host, `flux2klein compile --tpu` gives compile figures."),
     unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
-    diffusers: bool = typer.Option(False, "--diffusers", help="ttfi: also time diffusers' pipeline (needs [parity])."),
+    diffusers: bool = typer.Option(False, "--diffusers",
+                                   help="ttfi: also time diffusers' pipeline (needs \\[parity])."),
     compile_cache: Path = o.COMPILE_CACHE,
     effort: str = o.EFFORT,
     no_save: bool = o.NO_SAVE,

@@ -41,7 +41,7 @@ def compile_programs(
     Text encoder, denoise loop, VAE decode and one VAE encode per reference size are lowered
     from the model's configs alone (no weights), compiled in parallel, and serialized to the
     store; stored ones are loaded instead. With --tpu on a host without that TPU, programs are
-    compiled for its topology (needs the [tpu] extra) and memory per device is held against
+    compiled for its topology (needs the \\[tpu] extra) and memory per device is held against
     the chip's HBM: fits, or does not fit and by how much.
 
     Examples:

@@ -27,7 +27,7 @@ def parity(
 ) -> None:
     """Compare with diffusers' pipeline: SSIM, PSNR and max pixel difference.
 
-    Needs the [parity] extra (torch, diffusers). Writes both images and a difference image;
+    Needs the \\[parity] extra (torch, diffusers). Writes both images and a difference image;
     exits 1 when SSIM is below --threshold.
 
     Example: flux2klein parity --model 4b --steps 4 --height 512 --width 512 --json
