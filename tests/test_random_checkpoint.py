@@ -135,6 +135,20 @@ def test_writing_is_deterministic_and_streams(tmp_path: Path, tiny: Path) -> Non
         (tiny / "vae" / "diffusion_pytorch_model.safetensors").read_bytes()
 
 
+def test_parallel_writing_gives_the_same_bytes(tmp_path: Path, tiny: Path) -> None:
+    """Tensors drawn by several processes land at their own offsets: every shard and index
+    is byte for byte the sequential writer's, and progress counts every byte once."""
+    counted: list[int] = []
+    again = write_random_checkpoint(tmp_path / "parallel", "tiny", components=("transformer", "vae"), workers=2,
+                                    progress=counted.append)
+    written = sorted(p.relative_to(again) for p in again.rglob("*.safetensors*"))
+    assert len([p for p in written if p.parts[0] == "transformer"]) > 2  # shards and an index
+    for rel in written:
+        assert (again / rel).read_bytes() == (tiny / rel).read_bytes(), rel
+    tensors = sum(p.stat().st_size for p in again.rglob("*.safetensors"))
+    assert 0 < tensors - sum(counted) < 64 * 1024  # all but the headers
+
+
 def test_real_and_medium_geometries_without_writing() -> None:
     t4 = transformer_specs(PRESETS["4b"])
     assert sum(int(np.prod(s.shape)) for s in t4) == 3_875_544_576  # FLUX.2-klein-4B

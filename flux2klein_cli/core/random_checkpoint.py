@@ -392,6 +392,44 @@ def write_safetensors(path: Path, specs: Sequence[TensorSpec], seed: int,
                     progress(chunk.nbytes)
 
 
+def _write_tensor(path: Path, offset: int, spec: TensorSpec, seed: int) -> int:
+    """One tensor's bytes at its offset in an already sized file (a worker's task)."""
+    with path.open("r+b") as f:
+        f.seek(offset)
+        for chunk in _values(spec, seed):
+            chunk.tofile(f)
+    return spec.nbytes
+
+
+def write_safetensors_parallel(files: Sequence[tuple[Path, Sequence[TensorSpec]]], seed: int, workers: int,
+                               progress: Callable[[int], None] | None = None) -> None:
+    """The same bytes as `write_safetensors` for each file, every tensor drawn by one of
+    `workers` processes: each tensor's values come from its own seed, so they need no order.
+    Files are sized first; every worker writes its tensor in place."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    tasks = []
+    for path, specs in files:
+        header = _header(specs)
+        with path.open("wb") as f:
+            f.write(header)
+            f.truncate(len(header) + sum(spec.nbytes for spec in specs))
+        offset = len(header)
+        for spec in specs:
+            tasks.append((path, offset, spec))
+            offset += spec.nbytes
+    tasks.sort(key=lambda task: -task[2].nbytes)  # the largest first, so no worker finishes last with a big one
+    # Spawned workers: the caller may hold threads (jax's) that a fork would copy in a bad state.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        for done in as_completed([pool.submit(_write_tensor, path, offset, spec, seed)
+                                  for path, offset, spec in tasks]):
+            written = done.result()
+            if progress:
+                progress(written)
+
+
 def _shards(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
     """Split in key order, as save_pretrained does: a new shard when the next tensor would overflow."""
     shards: list[list[TensorSpec]] = [[]]
@@ -407,23 +445,24 @@ def _shards(specs: Sequence[TensorSpec], max_bytes: int) -> list[list[TensorSpec
 
 def write_weights(directory: Path, specs: Sequence[TensorSpec], *, stem: str, max_shard_bytes: int, seed: int,
                   extra_index_metadata: dict[str, Any] | None = None,
-                  progress: Callable[[int], None] | None = None) -> list[Path]:
+                  progress: Callable[[int], None] | None = None, workers: int = 1) -> list[Path]:
     """`<stem>.safetensors`, or `<stem>-0000i-of-0000n.safetensors` shards plus `<stem>.safetensors.index.json`."""
     directory.mkdir(parents=True, exist_ok=True)
     specs = sorted(specs, key=lambda s: _natural(s.key))
     shards = _shards(specs, max_shard_bytes)
     if len(shards) == 1:
-        path = directory / f"{stem}.safetensors"
-        write_safetensors(path, shards[0], seed, progress)
-        return [path]
-    paths, weight_map = [], {}
-    for i, shard in enumerate(shards, start=1):
-        path = directory / f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(path, shard, seed, progress)
-        weight_map.update({spec.key: path.name for spec in shard})
-        paths.append(path)
-    metadata = {**(extra_index_metadata or {}), "total_size": sum(s.nbytes for s in specs)}
-    write_json(directory / f"{stem}.safetensors.index.json", {"metadata": metadata, "weight_map": weight_map})
+        paths = [directory / f"{stem}.safetensors"]
+    else:
+        paths = [directory / f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    if workers > 1:
+        write_safetensors_parallel(list(zip(paths, shards, strict=True)), seed, workers, progress)
+    else:
+        for path, shard in zip(paths, shards, strict=True):
+            write_safetensors(path, shard, seed, progress)
+    if len(shards) > 1:
+        weight_map = {spec.key: path.name for path, shard in zip(paths, shards, strict=True) for spec in shard}
+        metadata = {**(extra_index_metadata or {}), "total_size": sum(s.nbytes for s in specs)}
+        write_json(directory / f"{stem}.safetensors.index.json", {"metadata": metadata, "weight_map": weight_map})
     return paths
 
 
@@ -439,11 +478,13 @@ def write_random_checkpoint(
     kv: bool = False,
     distilled: bool = True,
     progress: Callable[[int], None] | None = None,
+    workers: int = 1,
 ) -> Path:
     """Write a `Flux2KleinPipeline` (or, with `kv`, `Flux2KleinKVPipeline`) snapshot to `root`.
 
     `components` may leave out parts (e.g. only the transformer of the real 4B geometry, for a
-    loading benchmark); model_index.json is always written. `progress` receives byte counts."""
+    loading benchmark); model_index.json is always written. `progress` receives byte counts;
+    `workers` > 1 draws tensors in that many processes (the same bytes)."""
     geometry = preset(geometry) if isinstance(geometry, str) else geometry
     if geometry.dtype not in DTYPES:
         raise ValueError(f"dtype {geometry.dtype!r}: use one of {', '.join(DTYPES)}")
@@ -467,7 +508,7 @@ def write_random_checkpoint(
     if "vae" in components:
         write_json(root / "vae" / "config.json", vae_config_json(geometry))
         write_weights(root / "vae", vae_specs(geometry), stem="diffusion_pytorch_model",
-                      max_shard_bytes=5_000_000_000, seed=seed, progress=progress)
+                      max_shard_bytes=5_000_000_000, seed=seed, progress=progress, workers=workers)
     if "text_encoder" in components:
         te = root / "text_encoder"
         write_json(te / "config.json", text_encoder_config_json(geometry, vocab))
@@ -475,11 +516,12 @@ def write_random_checkpoint(
         specs = text_encoder_specs(geometry, vocab)
         total = sum(int(np.prod(s.shape, dtype=np.int64)) for s in specs)
         write_weights(te, specs, stem="model", max_shard_bytes=geometry.max_shard_bytes, seed=seed,
-                      extra_index_metadata={"total_parameters": total}, progress=progress)
+                      extra_index_metadata={"total_parameters": total}, progress=progress,
+                      workers=workers)
     if "transformer" in components:
         write_json(root / "transformer" / "config.json", transformer_config_json(geometry))
         write_weights(root / "transformer", transformer_specs(geometry), stem="diffusion_pytorch_model",
-                      max_shard_bytes=geometry.max_shard_bytes, seed=seed, progress=progress)
+                      max_shard_bytes=geometry.max_shard_bytes, seed=seed, progress=progress, workers=workers)
     write_json(root / "model_index.json", model_index_json(kv=kv, distilled=distilled))
     return root
 
@@ -498,6 +540,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--components", default=",".join(COMPONENTS), help="Comma-separated subset to write.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv", action="store_true", help="Write a Flux2KleinKVPipeline model_index.json.")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="Processes drawing tensors (the same bytes); e.g. the host's cores for the 9B geometry.")
     args = parser.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
         parser.error(f"{args.out} exists and is not empty")
@@ -505,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.dtype:
         geometry = with_dtype(geometry, args.dtype)
     print(write_random_checkpoint(args.out, geometry, seed=args.seed, components=args.components.split(","),
-                                  kv=args.kv))
+                                  kv=args.kv, workers=max(1, args.workers)))
 
 
 if __name__ == "__main__":
