@@ -137,3 +137,23 @@ def test_blocked_cpu_attention_equals_full_attention(length: int, block: int) ->
     blocked = _blocked_attention(q, k, v, block)
     assert blocked.shape == full.shape
     assert float(jnp.abs(blocked - full).max()) <= 1e-5 * float(jnp.abs(full).max())
+
+
+def test_gpu_takes_cudnn_fused_attention_for_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU, attention in bf16 / fp16 with heads up to 128 wide goes to cuDNN's fused kernel
+    (XLA's form materialises every score); float32, wide heads, other backends and the
+    FLUX2KLEIN_GPU_ATTENTION=xla escape keep XLA's. benchmarks/accelerator.sh checks the kernel's
+    numbers on a GPU."""
+    from flux2klein_cli.core.models import layers
+
+    q = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "gpu")
+    monkeypatch.delenv("FLUX2KLEIN_GPU_ATTENTION", raising=False)
+    assert layers.gpu_fused_attention(q) and layers.gpu_fused_attention(q.astype(jnp.float16))
+    assert not layers.gpu_fused_attention(q.astype(jnp.float32))
+    assert not layers.gpu_fused_attention(jnp.zeros((1, 8, 2, 256), jnp.bfloat16))
+    monkeypatch.setenv("FLUX2KLEIN_GPU_ATTENTION", "xla")
+    assert not layers.gpu_fused_attention(q)
+    monkeypatch.delenv("FLUX2KLEIN_GPU_ATTENTION")
+    monkeypatch.setattr(layers.jax, "default_backend", lambda: "tpu")
+    assert not layers.gpu_fused_attention(q)

@@ -123,6 +123,13 @@ PRESETS: dict[str, Geometry] = {
     ),
     "4b": Geometry("4b", _real_transformer(TRANSFORMER_4B), _real_qwen3(QWEN3_4B), dict(_VAE_REAL)),
     "9b": Geometry("9b", _real_transformer(TRANSFORMER_9B), _real_qwen3(QWEN3_8B), dict(_VAE_REAL)),
+    # Accelerator benchmarks of denoising and decoding: the real transformer and VAE, and a text
+    # encoder of the real width (the transformer's input) but 4 heads and a narrow MLP, 0.2-0.3 GB
+    # instead of 8-16 GB to write and load. Its text-encoding times are not the real model's.
+    "4b-bench": Geometry("4b-bench", _real_transformer(TRANSFORMER_4B),
+                         _qwen3(QWEN3_4B["hidden_size"], 512, 4, 2, 128), dict(_VAE_REAL)),
+    "9b-bench": Geometry("9b-bench", _real_transformer(TRANSFORMER_9B),
+                         _qwen3(QWEN3_8B["hidden_size"], 512, 4, 2, 128), dict(_VAE_REAL)),
 }
 
 
