@@ -112,6 +112,31 @@ def test_effort_is_its_own_entry_and_reaches_the_compiler(tmp_path: Path, monkey
     assert store.load_or_compile(make_spec())[1].status == "hit"  # the default entry is untouched
 
 
+def test_effort_a_backend_does_not_read_compiles_at_its_default(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """jaxlib's GPU compiler rejects exec_time_optimization_effort ("No such compile option"):
+    the program is compiled without it, with a warning, and stored under its effort's key."""
+    warnings: list[str] = []
+    store = ExecutableStore(tmp_path, on_warning=warnings.append)
+    fast_spec = dataclasses.replace(make_spec(), target=store_mod.Target(store_mod.Target.local().mesh, effort="fast"))
+    real_compile = jax.stages.Lowered.compile
+
+    def gpu_like(self: jax.stages.Lowered, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
+        if args and args[0]:
+            raise RuntimeError("INVALID_ARGUMENT: No such compile option: 'exec_time_optimization_effort'")
+        return real_compile(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", gpu_like)
+    compiled, info = store.load_or_compile(fast_spec)
+    assert info.status == "miss" and len(warnings) == 1 and "default effort" in warnings[0]
+    np.testing.assert_allclose(run(compiled), np.arange(8) * 2.0 + 1)
+    assert store.load_or_compile(fast_spec)[1].status == "hit"
+    # Any other compile error is the caller's.
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: (_ for _ in ()).throw(ValueError("x")))
+    with pytest.raises(ValueError):
+        store.compile(dataclasses.replace(fast_spec, name="other"))
+
+
 def test_version_change_is_recompiled_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = ExecutableStore(tmp_path)
     first = store.load_or_compile(make_spec())[1]

@@ -385,8 +385,18 @@ class ExecutableStore:
         start = time.perf_counter()
         lowered = lowered if lowered is not None else spec.lower()
         lowered_at = time.perf_counter()
-        options = (spec.target or Target.local()).compiler_options
-        compiled = lowered.compile(options) if options else lowered.compile()
+        target = spec.target or Target.local()
+        options = target.compiler_options
+        try:
+            compiled = lowered.compile(options) if options else lowered.compile()
+        except Exception as e:  # jaxlib's own error type
+            # Not every backend reads every option: jaxlib's GPU compiler has no
+            # exec_time_optimization_effort. Its default effort still gives the right program.
+            if not options or "No such compile option" not in str(e):
+                raise
+            self.warn(f"--effort {target.effort}: the {target.platform} compiler has no option "
+                      f"{', '.join(options)}; {spec.name} is compiled at its default effort")
+            compiled = lowered.compile()
         return compiled, lowered_at - start, time.perf_counter() - lowered_at
 
     def save(self, spec: ProgramSpec, compiled: jax.stages.Compiled, parts: dict[str, Any], *,
