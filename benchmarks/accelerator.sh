@@ -5,8 +5,10 @@
 #   OUT=/tmp/acc benchmarks/accelerator.sh            # 9B geometry, 1024x1024
 #   PRESET=tiny HW=256 OUT=/tmp/acc benchmarks/accelerator.sh   # a dry run on any host
 #
-# Each step is a fresh process with its own time limit; a failed step is reported and the
-# next one runs. Results: $OUT/<step>.json and $OUT/<step>.err.
+# STEPS picks and orders the runs (default: kv4 generate generate_fast kv1; also kv2, and
+# flat: convert to the flat layout, then the generate run loading from it). Each is a fresh
+# process with its own time limit; a failed step is reported and the next one runs.
+# Results: $OUT/<step>.json, everything printed on stderr in $OUT/log.txt.
 set -u
 PRESET=${PRESET:-9b-bench}
 HW=${HW:-1024}
@@ -14,6 +16,7 @@ REPS=${REPS:-3}
 OUT=${OUT:-/tmp/flux2klein-accelerator}
 CK=${CK:-/tmp/flux2klein-$PRESET}
 STEP_LIMIT=${STEP_LIMIT:-300}
+STEPS=${STEPS:-kv4 generate generate_fast kv1}
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 FLUX2KLEIN_COMPILE_CACHE=${FLUX2KLEIN_COMPILE_CACHE:-$OUT/executables}
 mkdir -p "$OUT"
@@ -22,9 +25,9 @@ mkdir -p "$OUT"
 step() {  # step NAME COMMAND...: time one command, keep its stdout as NAME.json
   local name=$1; shift
   local start=$SECONDS
-  timeout "$STEP_LIMIT" "$@" >"$OUT/$name.json" 2>"$OUT/$name.err"
+  echo "== $name" >>"$OUT/log.txt"
+  timeout "$STEP_LIMIT" "$@" >"$OUT/$name.json" 2> >(tee -a "$OUT/log.txt" | tail -n 3 | cut -c1-300 >&2)
   echo "== $name: exit $? in $((SECONDS - start)) s"
-  tail -n 3 "$OUT/$name.err" | cut -c1-300
 }
 
 "$PY" - <<'PY' 2>&1 | tee "$OUT/env.txt"
@@ -52,20 +55,33 @@ assert error < 2e-2, "attention off by more than bf16 rounding"
 PY
 tail -n 3 "$OUT/attention.txt"; echo "attention: ${FLUX2KLEIN_GPU_ATTENTION:-default}"
 common=(--model "$CK" --height "$HW" --width "$HW" --reps "$REPS" --json)
-step kv4 "$PY" -m flux2klein_cli bench "${common[@]}" --refs 4 --kv
-step generate "$PY" -m flux2klein_cli bench "${common[@]}" --bs 4
-step generate_fast "$PY" -m flux2klein_cli bench "${common[@]}" --bs 4 --effort fast
-step kv1 "$PY" -m flux2klein_cli bench "${common[@]}" --refs 1 --kv
+for name in $STEPS; do
+  case $name in
+    kv4) step kv4 "$PY" -m flux2klein_cli bench "${common[@]}" --refs 4 --kv ;;
+    kv2) step kv2 "$PY" -m flux2klein_cli bench "${common[@]}" --refs 2 --kv ;;
+    kv1) step kv1 "$PY" -m flux2klein_cli bench "${common[@]}" --refs 1 --kv ;;
+    generate) step generate "$PY" -m flux2klein_cli bench "${common[@]}" --bs 4 ;;
+    generate_fast) step generate_fast "$PY" -m flux2klein_cli bench "${common[@]}" --bs 4 --effort fast ;;
+    flat)
+      step convert "$PY" -m flux2klein_cli convert "$CK" --out "$CK-flat" --force --json
+      step generate_flat "$PY" -m flux2klein_cli bench "${common[@]/#$CK/$CK-flat}" --bs 4 ;;
+    *) echo "unknown step $name" ;;
+  esac
+done
 "$PY" - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-for name in ("kv4", "generate", "generate_fast", "kv1"):
+for name in ("kv4", "kv2", "kv1", "generate", "generate_fast", "generate_flat"):
+    if not (out / f"{name}.json").exists():
+        continue
     try:
         r = json.loads((out / f"{name}.json").read_text())
     except Exception as e:
         print(name, "no result:", type(e).__name__); continue
     phases = {p: round(v["median"], 3) for p, v in r["phases"].items()}
-    line = f"{name}: load {r['load_s']:.1f} s, first call {r['first_call_s']:.1f} s, steady {phases}"
+    line = f"{name}: load {r['load_components_s']} s,"
+    line += f" compile {[(e['name'], e['status'], round(e.get('compile_s') or 0, 1)) for e in r['executables'] or []]},"
+    line += f" load {r['load_s']:.1f} s, first call {r['first_call_s']:.1f} s, steady {phases}"
     if "kv" in r:
         kv = {p: round(v["median"], 3) for p, v in r["kv"]["phases"].items()}
         line += f"; kv {kv}; speed-up {r['kv_speedup']}; reuse {r['kv_reuse']}"
