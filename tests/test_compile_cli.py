@@ -66,9 +66,12 @@ def test_programs_from_configs_run_the_real_pipeline(request: pytest.FixtureRequ
     np.testing.assert_array_equal(np.asarray(executables["noise"](np.asarray(seeds, np.uint32))), np.asarray(noise))
 
 
-def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """At `--effort fast` the VAE programs have no 3x3 convolution left (only the 1x1 ones and
-    the downsamplers) and give the pipeline's decode and encode."""
+def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """At `--effort fast` for a TPU the VAE programs have no 3x3 convolution left (only the 1x1
+    ones and the downsamplers) and give the pipeline's decode and encode; elsewhere (slower
+    there, to compile and to run) they keep their convolutions. The matmul form is checked here,
+    on the CPU, by counting the CPU among its platforms."""
     import dataclasses
 
     from flux2klein_cli.core.compile.store import Target
@@ -77,11 +80,11 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
     run = P.RunShape(32, 32, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
                      dtype=jnp.float32)
     configs = P.model_configs(str(tiny_checkpoint))
-    by_effort = {
-        effort: [s for s in P.pipeline_programs(configs, run, dataclasses.replace(Target.local(), effort=effort))
-                 if s.name.startswith("vae_")]
-        for effort in ("default", "fast")
-    }
+    def vae_programs(effort: str) -> list:
+        target = dataclasses.replace(Target.local(), effort=effort)
+        return [s for s in P.pipeline_programs(configs, run, target) if s.name.startswith("vae_")]
+
+    by_effort = {effort: vae_programs(effort) for effort in ("default", "fast")}
 
     def same_3x3_convolutions(spec: object) -> int:
         """Convolutions padded by one pixel on every side: the 3x3 'same' ones (the others
@@ -89,6 +92,10 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
         text = spec.lower().as_text()  # type: ignore[attr-defined]
         return sum("stablehlo.convolution" in line and "pad = [[1, 1], [1, 1]]" in line for line in text.splitlines())
 
+    for default, fast in zip(by_effort["default"], by_effort["fast"], strict=True):
+        assert same_3x3_convolutions(default) > 0 and same_3x3_convolutions(fast) > 0, default.name
+    monkeypatch.setattr(P, "MATMUL_CONV_PLATFORMS", frozenset({"tpu", "cpu"}))
+    by_effort["fast"] = vae_programs("fast")
     for default, fast in zip(by_effort["default"], by_effort["fast"], strict=True):
         assert same_3x3_convolutions(default) > 0 and same_3x3_convolutions(fast) == 0, default.name
     executables = {info.name: compiled for compiled, info in compile_all(by_effort["fast"], ExecutableStore(tmp_path))}

@@ -322,11 +322,18 @@ def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, 
                        _key(models, "vae"), target, model="vae")
 
 
+# Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
+# quicker (the 9B decode for v6e-4: 22-31 s -> 14-18 s). Elsewhere they cost: on an H200 the
+# decode compiled in 12.1 s instead of 2.6 s and ran 43% longer; on the host CPU, 30% and 60%.
+MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
+
+
 def _vae_form(fn: Any, target: Target) -> Any:
-    """`fn(vae, x)` as traced for the target's effort: at `fast`, with the VAE's 3x3
-    convolutions as matmuls (models.vae.convs_as_matmuls), which libtpu compiles far quicker.
-    The effort is part of the store key, so each form is stored apart."""
-    if target.effort != "fast":
+    """`fn(vae, x)` as traced for the target's effort: at `fast` on a platform of
+    MATMUL_CONV_PLATFORMS, with the VAE's 3x3 convolutions as matmuls
+    (models.vae.convs_as_matmuls). The effort is part of the store key, so each form is stored
+    apart."""
+    if target.effort != "fast" or target.platform not in MATMUL_CONV_PLATFORMS:
         return fn
     from flux2klein_cli.core.models.vae import convs_as_matmuls
 
