@@ -131,6 +131,8 @@ def test_effort_a_backend_does_not_read_compiles_at_its_default(tmp_path: Path,
     assert info.status == "miss" and len(warnings) == 1 and "default effort" in warnings[0]
     np.testing.assert_allclose(run(compiled), np.arange(8) * 2.0 + 1)
     assert store.load_or_compile(fast_spec)[1].status == "hit"
+    store.load_or_compile(dataclasses.replace(fast_spec, name="second", key_parts={"scale": 3.0}))
+    assert len(warnings) == 1  # once per platform, not once per program
     # Any other compile error is the caller's.
     monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self, *a, **k: (_ for _ in ()).throw(ValueError("x")))
     with pytest.raises(ValueError):

@@ -309,6 +309,7 @@ class ExecutableStore:
     def __init__(self, root: str | Path | None = None, *, on_warning: Callable[[str], None] | None = None):
         self.root = Path(root).expanduser() if root is not None else default_root()
         self._on_warning = on_warning
+        self._ignored_options: set[str] = set()  # platforms already warned about an unknown option
 
     def warn(self, message: str) -> None:
         if self._on_warning is not None:
@@ -394,8 +395,10 @@ class ExecutableStore:
             # exec_time_optimization_effort. Its default effort still gives the right program.
             if not options or "No such compile option" not in str(e):
                 raise
-            self.warn(f"--effort {target.effort}: the {target.platform} compiler has no option "
-                      f"{', '.join(options)}; {spec.name} is compiled at its default effort")
+            if target.platform not in self._ignored_options:
+                self._ignored_options.add(target.platform)
+                self.warn(f"--effort {target.effort}: the {target.platform} compiler has no option "
+                          f"{', '.join(options)}; programs are compiled at its default effort")
             compiled = lowered.compile()
         return compiled, lowered_at - start, time.perf_counter() - lowered_at
 
