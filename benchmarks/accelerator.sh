@@ -5,8 +5,9 @@
 #   OUT=/tmp/acc benchmarks/accelerator.sh            # 9B geometry, 1024x1024
 #   PRESET=tiny HW=256 OUT=/tmp/acc benchmarks/accelerator.sh   # a dry run on any host
 #
-# STEPS picks and orders the runs (default: kv4 generate generate_fast kv1; also kv2, and
-# flat: convert to the flat layout, then the generate run loading from it). Each is a fresh
+# STEPS picks and orders the runs (default: kv4 generate generate_fast kv1; also kv2; flat:
+# convert to the flat layout, then the generate run loading from it; h2d: host-to-device
+# copy bandwidth, the limit of any load onto the accelerator). Each is a fresh
 # process with its own time limit; a failed step is reported and the next one runs.
 # Results: $OUT/<step>.json, everything printed on stderr in $OUT/log.txt.
 set -u
@@ -17,6 +18,7 @@ OUT=${OUT:-/tmp/flux2klein-accelerator}
 CK=${CK:-/tmp/flux2klein-$PRESET}
 STEP_LIMIT=${STEP_LIMIT:-300}
 STEPS=${STEPS:-kv4 generate generate_fast kv1}
+BS=${BS:-4}  # images per generate run
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 FLUX2KLEIN_COMPILE_CACHE=${FLUX2KLEIN_COMPILE_CACHE:-$OUT/executables}
 mkdir -p "$OUT"
@@ -60,11 +62,19 @@ for name in $STEPS; do
     kv4) step kv4 "$PY" -m flux2klein_cli bench "${common[@]}" --refs 4 --kv ;;
     kv2) step kv2 "$PY" -m flux2klein_cli bench "${common[@]}" --refs 2 --kv ;;
     kv1) step kv1 "$PY" -m flux2klein_cli bench "${common[@]}" --refs 1 --kv ;;
-    generate) step generate "$PY" -m flux2klein_cli bench "${common[@]}" --bs 4 ;;
-    generate_fast) step generate_fast "$PY" -m flux2klein_cli bench "${common[@]}" --bs 4 --effort fast ;;
+    generate) step generate "$PY" -m flux2klein_cli bench "${common[@]}" --bs "$BS" ;;
+    generate_fast) step generate_fast "$PY" -m flux2klein_cli bench "${common[@]}" --bs "$BS" --effort fast ;;
     flat)
-      step convert "$PY" -m flux2klein_cli convert "$CK" --out "$CK-flat" --force --json
-      step generate_flat "$PY" -m flux2klein_cli bench "${common[@]/#$CK/$CK-flat}" --bs 4 ;;
+      [ -f "$CK-flat/model_index.json" ] || step convert "$PY" -m flux2klein_cli convert "$CK" --out "$CK-flat" --json
+      step generate_flat "$PY" -m flux2klein_cli bench "${common[@]/#$CK/$CK-flat}" --bs "$BS" ;;
+    h2d) "$PY" - <<'PY' 2>&1 | tee "$OUT/h2d.txt"
+import time, numpy as np, jax
+host = np.ones(4 << 30, np.uint8)  # 4 GiB, every page touched
+for _ in range(4):
+    start = time.perf_counter(); jax.device_put(host).block_until_ready(); seconds = time.perf_counter() - start
+    print(f"h2d: 4 GiB in {seconds:.3f} s, {4 * 2**30 / seconds / 1e9:.1f} GB/s")
+PY
+      ;;
     *) echo "unknown step $name" ;;
   esac
 done
