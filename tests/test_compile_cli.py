@@ -135,6 +135,32 @@ def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: 
     assert [p["status"] for p in json.loads(again.stdout)["programs"]] == ["hit"] * 4
 
 
+def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """For TPU targets `--effort fast` also turns off libtpu's multi-output fusion pass (the
+    9B decode's longest single-threaded step): the compiled decode keeps few tuple-output fusions."""
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install 'flux2klein-cli[tpu]'); CI installs it")
+    import dataclasses
+    import re
+
+    from flux2klein_cli.core.compile.store import EFFORTS
+    from flux2klein_cli.core.compile.tpu import parse_preset, preset_target
+
+    target = dataclasses.replace(preset_target(parse_preset("v6e-4")), effort="fast")
+    run = P.RunShape(32, 32, batch=4, prompts=1, steps=2, references=(), max_sequence_length=16, dtype=jnp.bfloat16)
+    spec = next(s for s in P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run, target)
+                if s.name == "vae_decode")
+    lowered = spec.lower()
+
+    def multi_output_fusions(compiled: object) -> int:
+        text = compiled.as_text()  # type: ignore[attr-defined]
+        return sum(bool(re.search(r"= \(.*\) fusion\(", line)) for line in text.splitlines())
+
+    ours = multi_output_fusions(ExecutableStore(tmp_path).compile(spec, lowered)[0])
+    with_pass = multi_output_fusions(lowered.compile(EFFORTS["fast"]))
+    assert ours * 2 < with_pass, (ours, with_pass)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
