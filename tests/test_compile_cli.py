@@ -225,5 +225,7 @@ def test_fsdp_rule_splits_the_largest_divisible_dimension() -> None:
     assert parameter_spec(mesh, ("transformer_blocks", "norm_out", "kernel"), (8, 3072, 9216)) == Spec(
         None, None, "fsdp")
     assert parameter_spec(mesh, ("conv", "kernel"), (3, 3, 128, 3)) == Spec(None, None, "fsdp", None)
+    # a token table over its features (a local lookup), not over the larger vocabulary
+    assert parameter_spec(mesh, ("embed_tokens", "embedding"), (151936, 4096)) == Spec(None, "fsdp")
     assert parameter_spec(mesh, ("norm", "scale"), (3072,)) == Spec(None) and parameter_spec(
         mesh, ("proj", "kernel"), (5, 7)) == Spec(None, None)

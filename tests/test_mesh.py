@@ -128,8 +128,8 @@ def test_bench_on_a_mesh_reports_memory_per_device(tiny_checkpoint: Path) -> Non
     assert devices["count"] == 4 and devices["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1, "context": 1}
     per_device = list(devices["parameter_bytes"].values())
     assert len(per_device) == 4 and len(set(per_device)) == 1
-    # FSDP: each device holds a quarter of the sharded matrices; the VAE, norms and the tiny model's
-    # embedding (vocabulary not divisible by 4) stay whole, so less than the whole model but more than 1/4.
+    # FSDP: each device holds a quarter of the sharded matrices and token embeddings; the VAE and the
+    # norms stay whole, so less than the whole model but more than 1/4.
     single = subprocess.run([*args[:6], *args[8:]], env=env_with_devices(1), capture_output=True, text=True,
                             timeout=900)
     assert single.returncode == 0, single.stderr[-2000:]
