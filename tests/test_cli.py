@@ -30,6 +30,16 @@ def test_version_and_help() -> None:
     assert "FLUX.2 [klein] image models" in result.stdout
     assert "[tpu] extra" in " ".join(run("compile", "--help").stdout.split())
     assert "[parity] extra" in " ".join(run("parity", "--help").stdout.split())
+    # Rich keeps single line breaks: each paragraph of a command's help is one line, or the
+    # source's wrapping prints as ragged half-lines.
+    import typer
+
+    commands = typer.main.get_command(app).commands  # type: ignore[attr-defined]
+    assert {"generate", "edit", "convert", "bench", "compile", "fetch"} <= set(commands)
+    for name, command in commands.items():
+        paragraphs = (command.help or "").split("\n\n")
+        assert len(paragraphs) > 1 and not any("\n" in p for p in paragraphs), name
+    assert "scheduler), so it is a complete --model" in commands["convert"].help
 
 
 def test_inspect_reports_every_component(tiny_checkpoint: Path, tiny_kv_checkpoint: Path) -> None:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+from typing import Any
+
 import typer
 from typer.completion import completion_init
 
@@ -48,14 +52,25 @@ def root(
     """Run Black Forest Labs' FLUX.2 \\[klein] image models on JAX."""
 
 
-app.command("generate")(generate_cmd.generate)
-app.command("edit")(edit_cmd.edit)
-app.command("inspect")(inspect_cmd.inspect)
-app.command("parity")(parity_cmd.parity)
-app.command("bench")(bench_cmd.bench)
-app.command("fetch")(fetch_cmd.fetch)
-app.command("convert")(convert_cmd.convert)
-app.command("compile")(compile_cmd.compile_programs)
+def _help(command: Callable[..., Any]) -> str:
+    """A command's docstring with each paragraph on one line. Rich help keeps single line
+    breaks, so prose wrapped in the source would print as ragged half-lines; each example
+    is a paragraph of its own and stays one."""
+    paragraphs = inspect.cleandoc(command.__doc__ or "").split("\n\n")
+    return "\n\n".join(" ".join(line.strip() for line in p.splitlines()) for p in paragraphs)
+
+
+for name, command in (
+    ("generate", generate_cmd.generate),
+    ("edit", edit_cmd.edit),
+    ("inspect", inspect_cmd.inspect),
+    ("parity", parity_cmd.parity),
+    ("bench", bench_cmd.bench),
+    ("fetch", fetch_cmd.fetch),
+    ("convert", convert_cmd.convert),
+    ("compile", compile_cmd.compile_programs),
+):
+    app.command(name, help=_help(command))(command)
 
 
 def main() -> None:

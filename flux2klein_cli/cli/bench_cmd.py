@@ -45,16 +45,19 @@ def bench(
 ) -> None:
     """Time the phases of a run: load, compile, text encoding, denoising, decoding.
 
-    pipeline loads the checkpoint, makes a first call and then --reps timed calls; compile
-    is the first call's extra time over the steady state. By default the first call loads
-    each program from the executable store (--compile-cache), compiling and storing the
-    missing ones, as generate and edit do, and the result says per program which it was;
+    pipeline (the default phase) loads the checkpoint, makes a first call and then --reps timed
+    calls; compile is the first call's extra time over the steady state. By default the first
+    call loads each program from the executable store (--compile-cache), compiling and storing
+    the missing ones, as generate and edit do, and the result says per program which it was;
     --no-store times plain jit compilation instead.
+
     load times loading each component from safetensors and from a converted (Orbax) copy,
     each in a fresh process, beside `cat` of the same files, filling as much new memory, and
     diffusers' from_pretrained plus touching every page; peak memory too.
+
     ttfi times process start to PNG on disk, each run a fresh `flux2klein generate`, cold
     (empty XLA cache and executable store) and warm (both filled), optionally beside diffusers.
+
     transformer-compile lowers and compiles one transformer forward at the model's real
     geometry from abstract shapes (no weights needed).
 
