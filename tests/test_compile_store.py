@@ -230,3 +230,27 @@ def test_compile_all_then_all_hits(tmp_path: Path, parallel: bool) -> None:
 def test_no_save_stores_nothing(tmp_path: Path) -> None:
     _, info = ExecutableStore(tmp_path / "s").load_or_compile(make_spec(), save=False)
     assert info.status == "miss" and not info.saved and not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["one-at-a-time", "parallel"])
+def test_a_program_compiles_while_the_next_is_lowered(tmp_path: Path, parallel: bool) -> None:
+    """Lowering stays on the caller's thread, but each compile starts as soon as its program is
+    lowered: the second program's tracing waits here until the first one's compile has begun
+    (before, nothing compiled until every program was lowered, and this waited in vain)."""
+    first_compiling = threading.Event()
+    seen_while_tracing: list[bool] = []
+
+    def slow_to_trace(x: jax.Array, y: jax.Array) -> jax.Array:
+        # Runs while tracing, on the lowering thread.
+        seen_while_tracing.append(first_compiling.wait(timeout=20))
+        return x - y
+
+    second = ProgramSpec("second", jax.jit(slow_to_trace), make_spec().args, {"which": 2})
+
+    def progress(message: str) -> None:
+        if message == "axpy: compiling":
+            first_compiling.set()
+
+    results = compile_all([make_spec(), second], ExecutableStore(tmp_path), parallel=parallel, progress=progress)
+    assert seen_while_tracing == [True] and [info.status for _, info in results] == ["miss", "miss"]
+    np.testing.assert_allclose(run(results[1][0]), np.arange(8) - 1.0)

@@ -599,22 +599,10 @@ def compile_all(
 ) -> list[tuple[jax.stages.Compiled | None, LoadInfo]]:
     """Load what is stored, compile the rest (in threads when `parallel`: XLA's compiler
     releases the GIL), store it. Tracing and lowering stay in this thread, one program at a
-    time: tracing is not meant to run concurrently. Results come back in `specs` order."""
+    time: tracing is not meant to run concurrently; each program's compile starts as soon as
+    it is lowered. Results come back in `specs` order."""
     say = progress or (lambda message: None)
     results: list[tuple[jax.stages.Compiled | None, LoadInfo] | None] = [None] * len(specs)
-    todo = []
-    for i, spec in enumerate(specs):
-        parts = key_parts(spec)
-        with _warnings_to(store) as caught:
-            loaded = store.load(spec, parts)
-        if loaded is not None:
-            results[i] = loaded
-            say(f"{spec.name}: loaded ({loaded[1].seconds:.2f} s)")
-            continue
-        start = time.perf_counter()
-        say(f"{spec.name}: lowering")
-        lowered = spec.lower()
-        todo.append((i, spec, parts, lowered, time.perf_counter() - start, caught))
 
     def build(item: tuple[int, ProgramSpec, dict[str, Any], Any, float, list[str]]) -> None:
         i, spec, parts, lowered, lower_s, caught = item
@@ -623,10 +611,24 @@ def compile_all(
         results[i] = compiled, store._finish(spec, parts, compiled, lower_s, compile_s, save, caught)
         say(f"{spec.name}: compiled in {compile_s:.2f} s")
 
-    if parallel and len(todo) > 1 and not compiles_serially(specs):
-        with ThreadPoolExecutor(max_workers=len(todo), thread_name_prefix="flux2klein-compile") as pool:
-            list(pool.map(build, todo))
-    else:
-        for item in todo:
-            build(item)
+    # One worker when not parallel: programs still compile one at a time, each while this
+    # thread lowers the next.
+    workers = len(specs) if parallel and len(specs) > 1 and not compiles_serially(specs) else 1
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flux2klein-compile") as pool:
+        pending = []
+        for i, spec in enumerate(specs):
+            parts = key_parts(spec)
+            with _warnings_to(store) as caught:
+                loaded = store.load(spec, parts)
+            if loaded is not None:
+                results[i] = loaded
+                say(f"{spec.name}: loaded ({loaded[1].seconds:.2f} s)")
+                continue
+            start = time.perf_counter()
+            say(f"{spec.name}: lowering")
+            lowered = spec.lower()
+            # Compiling starts as soon as a program is lowered, while this thread lowers the next.
+            pending.append(pool.submit(build, (i, spec, parts, lowered, time.perf_counter() - start, caught)))
+        for future in pending:
+            future.result()
     return [r for r in results if r is not None]
