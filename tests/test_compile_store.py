@@ -254,3 +254,17 @@ def test_a_program_compiles_while_the_next_is_lowered(tmp_path: Path, parallel: 
     results = compile_all([make_spec(), second], ExecutableStore(tmp_path), parallel=parallel, progress=progress)
     assert seen_while_tracing == [True] and [info.status for _, info in results] == ["miss", "miss"]
     np.testing.assert_allclose(run(results[1][0]), np.arange(8) - 1.0)
+
+
+def test_environment_that_changes_the_program_is_in_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """XLA and libtpu flags and the GPU attention choice change what is compiled: each
+    value is its own key."""
+    keys = set()
+    for name, value in (("XLA_FLAGS", None), ("XLA_FLAGS", "--xla_cpu_enable_fast_math=false"),
+                        ("LIBTPU_INIT_ARGS", "--xla_jf_debug_level=0"), ("FLUX2KLEIN_GPU_ATTENTION", "xla")):
+        for other in ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "FLUX2KLEIN_GPU_ATTENTION"):
+            monkeypatch.delenv(other, raising=False)
+        if value is not None:
+            monkeypatch.setenv(name, value)
+        keys.add(key_of(key_parts(make_spec())))
+    assert len(keys) == 4

@@ -44,7 +44,8 @@ EXECUTABLE, TREES, META, MANIFEST = "executable.bin", "trees.pkl", "meta.json", 
 # Source whose edits change what a program computes without changing any config or shape.
 _CODE_DIRS = ("core/models", "core/pipeline")
 _CODE_FILES = ("core/compile/programs.py",)
-_FLAG_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
+# Environment that changes the compiled program (FLUX2KLEIN_GPU_ATTENTION: which attention is traced).
+_FLAG_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "FLUX2KLEIN_GPU_ATTENTION")
 _FLAG_CONFIG = ("jax_default_matmul_precision", "jax_enable_x64")
 
 
