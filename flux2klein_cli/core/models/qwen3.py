@@ -145,11 +145,16 @@ class Qwen3DecoderLayer(nnx.Module):
 
 
 def _rope_tables(length: int, head_dim: int, theta: float, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """cos and sin of shape (L, head_dim), both halves repeating the same frequencies (rotate-half RoPE)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+    """cos and sin of shape (L, head_dim), both halves repeating the same frequencies (rotate-half RoPE).
+
+    Positions are 0..L-1 whatever the prompt, so the tables are computed here, in float32 numpy,
+    and enter the program as constants: libtpu no longer compiles the cos and sin fusions
+    (the Qwen3-8B encoder for v6e-4: 3.2-3.9 s instead of 3.6-4.3 s)."""
+    inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
+                                                         / np.float32(head_dim)))
+    angles = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([angles, angles], axis=-1)
+    return jnp.asarray(np.cos(angles), dtype), jnp.asarray(np.sin(angles), dtype)
 
 
 def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
