@@ -9,7 +9,9 @@
 # convert to the flat layout, then the generate run loading from it; h2d: host-to-device
 # copy bandwidth, the limit of any load onto the accelerator). Each is a fresh
 # process with its own time limit; a failed step is reported and the next one runs.
-# Results: $OUT/<step>.json, everything printed on stderr in $OUT/log.txt.
+# Results: $OUT/<step>.json, everything printed on stderr in $OUT/log.txt. Run it from the
+# repository root; where flux2klein cannot be installed (an offline accelerator host with
+# its own jax), PYTHONPATH=$PWD is enough.
 set -u
 PRESET=${PRESET:-9b-bench}
 HW=${HW:-1024}
