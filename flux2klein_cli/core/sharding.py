@@ -6,8 +6,8 @@ One mesh, axes (data, fsdp, tensor, context) (core/mesh.py). The rules:
   `fsdp`; `tensor` shards attention heads and MLP width (the output features of q / k / v
   and MLP-in projections, the input features of the output projections, Megatron style);
   scanned blocks keep their leading layer axis whole; token embeddings split over their
-  features. Norm scales, biases and the VAE (small,
-  convolutional) are replicated. A dimension a mesh axis does not divide stays whole.
+  features. Norm scales, biases and the VAE (small, convolutional) are replicated. A
+  dimension a mesh axis does not divide stays whole.
 - activations: the batch over (data, fsdp), the image-token sequence over `context`,
   heads over `tensor`; keys and values are gathered over `context` for attention.
 

@@ -64,8 +64,8 @@ def default_root() -> Path:
 
 # How hard XLA works on an executable's speed. "fast" trades run time for compile time
 # (libtpu: about 10x quicker for the VAE's convolutions, 5-10x for the transformer); XLA
-# reads -1.0 as its least effort. At "fast" for TPU targets the VAE's programs are also traced with their
-# 3x3 convolutions as matmuls (programs._vae_form). The value is part of the store key.
+# reads -1.0 as its least effort. At "fast" for TPU targets the VAE's programs are also traced
+# with their 3x3 convolutions as matmuls (programs._vae_form). The value is part of the store key.
 EFFORTS: dict[str, dict[str, Any]] = {
     "default": {},
     "fast": {"exec_time_optimization_effort": -1.0},
