@@ -215,8 +215,9 @@ def test_damaged_converted_directories_are_clear_errors(any_converted: Path, tmp
 
 @pytest.mark.parametrize("layout", ["flat", "orbax"])
 def test_sharded_convert_and_restore_on_four_devices(source: Path, layout: str, tmp_path: Path) -> None:
-    """Written (for Orbax: laid out for one sharding), restored into another: each device gets its
-    slice. A flat row shard that is contiguous and aligned is adopted straight from the mapping."""
+    """Written (for Orbax: chunked by the row shards), restored into another sharding and into the
+    same: each device gets its slice. A row shard is adopted straight from the mapping: in the flat
+    file it is contiguous and aligned, in Orbax it is one chunk file."""
     code = textwrap.dedent(f"""
         import numpy as np, jax, jax.numpy as jnp
         from flax import nnx
@@ -238,7 +239,7 @@ def test_sharded_convert_and_restore_on_four_devices(source: Path, layout: str, 
             ours = load_component("transformer", {str(tmp_path / "c")!r}, dtype=jnp.float32, mesh=mesh,
                                   sharding_rule=rule)
             mapped = [tuple(int(x, 16) for x in line.split()[0].split("-"))
-                      for line in open("/proc/self/maps") if line.rstrip().endswith("transformer/flat/params.bin")]
+                      for line in open("/proc/self/maps") if "/transformer/{layout}/" in line]
             sharded = adopted = 0
             for path, var in nnx.to_flat_state(nnx.state(ours)):
                 x = var.get_value()
@@ -250,10 +251,10 @@ def test_sharded_convert_and_restore_on_four_devices(source: Path, layout: str, 
                     adopted += all(any(lo <= s.data.unsafe_buffer_pointer() < hi for lo, hi in mapped)
                                    for s in x.addressable_shards)
             assert sharded >= 5, sharded
-            if {layout!r} == "orbax":
-                assert adopted == 0, adopted
-            elif axis == 0:
+            if axis == 0:
                 assert adopted > sharded // 2, (adopted, sharded)  # row shards: views of the mapping
+            elif {layout!r} == "orbax":
+                assert adopted == 0, adopted  # column slices cut Orbax's row chunks: read by TensorStore
         print("ok")
     """)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
@@ -322,6 +323,64 @@ def test_flat_parameters_are_views_of_the_mapped_file(converted: Path) -> None:
     del kept
     gc.collect()
     assert not mapped_ranges(data), "the mapping outlived its arrays"
+
+
+def test_orbax_parameters_are_views_of_their_chunk_files(converted_orbax: Path) -> None:
+    """The Orbax layout is plain zarr arrays of one raw chunk each: on CPU every parameter's
+    device buffer is its chunk file, mapped, and the values are Orbax's own restore's."""
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    state = converted_orbax / "transformer" / "orbax" / "state"
+    model = load_component("transformer", converted_orbax, dtype=jnp.bfloat16)
+    leaves = {".".join(map(str, path)): var.get_value() for path, var in nnx.to_flat_state(nnx.state(model))}
+    by_orbax = ocp.load(converted_orbax / "transformer" / "orbax")
+    assert by_orbax.keys() == leaves.keys()
+    for key, array in leaves.items():
+        chunk = state / key / ".".join("0" * array.ndim)
+        assert chunk.stat().st_size == array.nbytes, key
+        (start, _, file_offset), = [r for r in mapped_ranges(chunk)
+                                    if r[0] <= array.unsafe_buffer_pointer() < r[1]]
+        assert array.unsafe_buffer_pointer() - start + file_offset == 0, key
+        assert np.array_equal(np.asarray(array).view(np.uint8), np.asarray(by_orbax[key]).view(np.uint8)), key
+
+
+def test_orbax_checkpoints_in_other_forms_are_read_by_tensorstore(converted_orbax: Path, tmp_path: Path) -> None:
+    """What this project wrote before (OCDBT, zarr3), or any Orbax checkpoint in its default form
+    (compressed too), loads the same through TensorStore."""
+    import orbax.checkpoint.experimental.v1 as ocp
+
+    other = tmp_path / "other"
+    shutil.copytree(converted_orbax, other)
+    stored = ocp.load(converted_orbax / "vae" / "orbax")
+    shutil.rmtree(other / "vae" / "orbax")
+    ocp.save(other / "vae" / "orbax", stored)  # Orbax's defaults
+    assert (other / "vae" / "orbax" / "state" / "manifest.ocdbt").exists()
+    assert not any((other / "vae" / "orbax" / "state").glob("*/.zarray"))
+    a = load_component("vae", other, dtype=jnp.bfloat16)
+    b = load_component("vae", converted_orbax, dtype=jnp.bfloat16)
+    for (_, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b)), strict=True):
+        assert np.array_equal(np.asarray(x.get_value()).view(np.uint8), np.asarray(y.get_value()).view(np.uint8))
+
+
+@pytest.mark.parametrize("how, message", [("truncated", r"\d+ bytes, expected \d+"), ("missing", "missing")])
+def test_damaged_orbax_chunks_are_one_line_errors(converted_orbax: Path, tmp_path: Path, how: str,
+                                                  message: str) -> None:
+    """A raw chunk cut short or gone is an error naming it (TensorStore would read a missing
+    chunk as zeros)."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(converted_orbax, damaged)
+    chunk = next((damaged / "transformer" / "orbax" / "state" / "x_embedder.kernel").glob("0.0"))
+    if how == "truncated":
+        os.truncate(chunk, chunk.stat().st_size - 64)
+    else:
+        chunk.unlink()
+    with pytest.raises(CheckpointError, match=rf"x_embedder.kernel/0.0: damaged Orbax chunk \({message}"):
+        load_component("transformer", damaged, dtype=jnp.bfloat16)
+    result = cli("generate", "a fox", "--model", str(damaged), "--steps", "1", "--height", "32", "--width", "32",
+                 "-o", str(tmp_path / "out.png"))
+    assert result.exit_code == 2 and "damaged Orbax chunk" in result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert not (tmp_path / "out.png").exists()
 
 
 def _tamper(directory: Path, how: str) -> None:

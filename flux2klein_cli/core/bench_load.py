@@ -6,7 +6,7 @@ page cache), min and median of `reps`:
 
     safetensors   our loader on the diffusers snapshot (memory-mapped, converted and placed per tensor)
     flat          our load of a `flux2klein convert --layout flat` directory (mapped, adopted by JAX)
-    orbax         our restore of a `flux2klein convert --layout orbax` directory
+    orbax         our restore of a `flux2klein convert --layout orbax` directory (chunk files mapped)
     cat           `cat` of the same files to /dev/null: reading the bytes, the limit on a CPU host
     fill          allocating and writing as many bytes of fresh memory: the other limit on a CPU host
                   for a loader that copies, since a loaded model must live somewhere (this VM backs
@@ -15,15 +15,15 @@ page cache), min and median of `reps`:
                   low_cpu_mem_usage=True)` plus touching every page
 
 Every load time includes touching one byte of every 4 KiB page of every parameter afterwards
-(`touch_seconds` is that part): a memory-mapped load (flat, and diffusers, whose from_pretrained
+(`touch_seconds` is that part): a memory-mapped load (flat, orbax, and diffusers, whose from_pretrained
 returns before reading anything) pays for its pages at first use, so timing the call alone would
 flatter it. Python imports are excluded (the child times only the load). Peak memory is the
 child's peak resident set during load and touch minus its resident set before (`VmHWM` after
 resetting it through /proc/self/clear_refs; mapped file pages count once touched), and its ratio
 to the component's bytes. `build_seconds` is the part spent building the abstract model
-(`nnx.eval_shape`), a fixed cost per model whatever its bytes. For flat loads, `zero_copy_bytes`
-counts the parameter bytes whose device buffer lies inside the mapped file (all of them, when
-JAX adopted every view).
+(`nnx.eval_shape`), a fixed cost per model whatever its bytes. For the converted layouts,
+`zero_copy_bytes` counts the parameter bytes whose device buffer lies inside a mapped file of
+the layout (all of them, when JAX adopted every view).
 
     python -m flux2klein_cli.core.bench_load /tmp/medium --convert --reps 5 --json
 """
@@ -266,12 +266,12 @@ def _touch(arrays: Sequence[Any]) -> int:
     return total
 
 
-def _mapped_ranges(suffix: str) -> list[tuple[int, int]]:
-    """Address ranges of this process's mappings of files whose path ends with `suffix`."""
+def _mapped_ranges(part: str) -> list[tuple[int, int]]:
+    """Address ranges of this process's mappings of files whose path contains `part`."""
     ranges = []
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split()
-        if len(fields) >= 6 and fields[-1].endswith(suffix):
+        if len(fields) >= 6 and part in fields[-1]:
             start, end = (int(x, 16) for x in fields[0].split("-"))
             ranges.append((start, end))
     return ranges
@@ -323,10 +323,8 @@ def _load_ours(kind: str, directory: str, name: str, dtype: str) -> dict[str, An
     peak = _status_bytes("VmHWM") - before
     result = {"seconds": seconds, "touch_seconds": seconds - (loaded - start), "build_seconds": built[0],
               "peak_bytes": peak, "bytes": parameter_stats(module)[1]}
-    if kind == "flat":
-        from flux2klein_cli.core.weights.flat_store import DATA_FILE
-
-        mapped = _mapped_ranges(f"/{name}/flat/{DATA_FILE}")
+    if kind in LAYOUT_KINDS:
+        mapped = _mapped_ranges(f"/{name}/{kind}/")  # the flat file, or Orbax's chunk files
         result["zero_copy_bytes"] = sum(leaf.nbytes for leaf in leaves
                                         if any(a <= leaf.unsafe_buffer_pointer() < b for a, b in mapped))
     return result
