@@ -51,7 +51,7 @@ def bench(
     the missing ones, as generate and edit do, and the result says per program which it was;
     --no-store times plain jit compilation instead.
 
-    load times loading each component from safetensors and from a converted (Orbax) copy,
+    load times loading each component from safetensors and from converted copies (flat, Orbax),
     each in a fresh process, beside `cat` of the same files, filling as much new memory, and
     diffusers' from_pretrained plus touching every page; peak memory too.
 

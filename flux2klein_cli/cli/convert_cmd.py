@@ -22,10 +22,11 @@ def convert(
     dtype: str = typer.Option("bf16", "--dtype", help="Stored parameter dtype: bf16 or fp32."),
     layout: str = typer.Option(
         "flat", "--layout",
-        help="flat: one memory-mapped file per model, loaded without copying (the fastest load); "
-             "orbax: an Orbax checkpoint, for tools and storage built around Orbax.",
+        help="flat: one memory-mapped file per model, written in small pieces (the least memory to "
+             "convert); orbax: an Orbax checkpoint of plain zarr arrays, for tools built around Orbax. "
+             "Both load without copying on a CPU host.",
     ),
-    mesh: str = typer.Option(None, "--mesh", help="orbax: lay the checkpoint out for this mesh's parameter "
+    mesh: str = typer.Option(None, "--mesh", help="orbax: one chunk file per shard of this mesh's parameter "
                              "shardings, e.g. fsdp=4 (flat files hold whole arrays; each device reads its slice)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
     revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
@@ -36,8 +37,8 @@ def convert(
 
     The output directory holds everything a run needs (configs, tokenizer, scheduler), so it
     is a complete --model; loading it puts each parameter straight into its dtype and
-    sharding, with nothing to convert or transpose. With --layout flat (the default) a CPU
-    host uses the mapped file's pages as the parameters, without copying them. Tensors are
+    sharding, with nothing to convert or transpose. A CPU host uses the mapped files' pages as
+    the parameters, without copying them. Tensors are
     converted one at a time, into a temporary directory renamed into place at the end: an
     interrupted convert leaves nothing that --model would accept. The path is printed on stdout.
 

@@ -11,20 +11,23 @@ A directory written by `flux2klein convert` (convert.py) is a complete `--model`
     tokenizer/, scheduler/     copied as they are
 
 Both layouts hold the parameters in their target dtype and JAX layout (linear kernels already
-transposed, scanned layers stacked), so nothing is converted or transposed at load time. They
-differ in how the bytes get into place, and `convert --layout` picks one per directory:
+transposed, scanned layers stacked), contiguous and page-aligned in files, so nothing is
+converted or transposed at load time: the files are mapped, and on a CPU host the arrays are
+views of the page cache adopted by JAX without a copy (mapped.py). A load costs what touching
+the pages costs (the 4B transformer's 7.75 GB: about 0.5 s with every page touched, under half
+the time `cat` takes to read them, where a copying loader needs 20 s or more on this project's
+VMs; docs/benchmarks.md). With a sharding, each device's slice is cut from the mapping and
+placed with `device_put`, so a device reads only its shard. They differ in how they are written
+and who else reads them, and `convert --layout` picks one per directory:
 
-- **flat** (the default): one page-aligned file per component, memory-mapped at load. On a CPU
-  host the arrays are views of the page cache adopted by JAX without a copy, so a load costs
-  what touching the pages costs (the 4B transformer's 7.75 GB: 0.3-0.5 s with every page
-  touched, under half the time `cat` takes to read them, where a copying loader needs 20 s or
-  more on this project's VMs; docs/benchmarks.md). With a sharding, each device's slice is cut
-  from the mapping and placed with `device_put`, so a device reads only its shard there too.
-- **orbax**: an Orbax (TensorStore, OCDBT) checkpoint, chunked for the sharding it was written
-  for. Its place is where a memory map cannot go: storage that is not a local file system
-  (TensorStore also reads object stores; `--model` takes local directories only, so far) and
-  tools that expect Orbax checkpoints. On a CPU host it is the slower of the two (TensorStore
-  reads every chunk into a buffer of its own and copies it).
+- **flat** (the default): one file per component, written in pieces of at most 64 MiB through
+  one buffer (converting the 4B transformer peaks at 0.55 GB), with a checked header and a
+  CRC-32 per parameter (`flat_store.verify`).
+- **orbax**: an Orbax PyTree checkpoint of plain zarr (v2) arrays, uncompressed, one chunk file
+  per shard it was written with (orbax_store.py). Orbax, TensorStore and zarr readers open it as
+  it is. Orbax stages a host copy of what it writes, so converting peaks at about twice the
+  largest parameter (7.7 GB for the 4B transformer). Orbax checkpoints in other forms (OCDBT,
+  compressed) also load, through TensorStore, with a copy.
 
 Writing both would double the disk (18 GB more for 9B) and the conversion time for a directory
 that is only ever read one way, so a directory holds one layout, named in the manifest.

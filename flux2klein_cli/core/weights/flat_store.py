@@ -6,19 +6,12 @@
 
 Every parameter is stored exactly as it lives in host memory: in its target dtype, in JAX
 layout (linear kernels (in, out), convolutions HWIO), scanned layers already stacked, C order.
-Loading maps the file read-only and hands each parameter to JAX as a view of the mapping.
-JAX's CPU client adopts a host buffer aligned to 64 bytes as the array's own storage instead of
-copying it, so on a CPU host a load costs opening the file and, later, the page faults of first
-use: no copy, no conversion, and no new memory (the pages are the page cache's, shared with any
-other process that maps the file). Each array holds its numpy view, which holds the mapping, so
-the mapping lives exactly as long as the last array that uses it. Nothing writes through it:
-the mapping is read-only, and donating a mapped parameter to a jitted function gives the array
-up without writing into it (the output gets a buffer of its own; tested).
-
-With a sharding (several devices, or an accelerator), each device's slice is cut from the
-mapping and placed with `device_put`: an accelerator reads its bytes straight from the mapped
-pages, and a CPU device adopts its slice as it is when it is contiguous and aligned (a
-row-sharded slice) or gets one aligned copy of it (anything else, or a dtype cast).
+Loading maps the file read-only and hands each parameter to JAX as a view of the mapping
+(mapped.py): on a CPU host no byte is copied and no new memory is used. Nothing writes through
+the mapping: it is read-only, and donating a mapped parameter to a jitted function gives the
+array up without writing into it (the output gets a buffer of its own; tested). A CPU device
+adopts a sharded slice as it is when it is contiguous and aligned (a row-sharded slice) and
+gets one aligned copy of anything else (or a dtype cast).
 
 Integrity: the header holds a magic string, the conversion's id (also in the index) and the
 SHA-256 of index.json, and the file's size is in the index; every offset is checked to lie
