@@ -369,7 +369,7 @@ def test_damaged_orbax_chunks_are_one_line_errors(converted_orbax: Path, tmp_pat
     chunk as zeros)."""
     damaged = tmp_path / "damaged"
     shutil.copytree(converted_orbax, damaged)
-    chunk = next((damaged / "transformer" / "orbax" / "state" / "x_embedder.kernel").glob("0.0"))
+    chunk = damaged / "transformer" / "orbax" / "state" / "x_embedder.kernel" / "0.0"
     if how == "truncated":
         os.truncate(chunk, chunk.stat().st_size - 64)
     else:

@@ -38,9 +38,9 @@ def convert(
     The output directory holds everything a run needs (configs, tokenizer, scheduler), so it
     is a complete --model; loading it puts each parameter straight into its dtype and
     sharding, with nothing to convert or transpose. A CPU host uses the mapped files' pages as
-    the parameters, without copying them. Tensors are
-    converted one at a time, into a temporary directory renamed into place at the end: an
-    interrupted convert leaves nothing that --model would accept. The path is printed on stdout.
+    the parameters, without copying them. Tensors are converted one at a time, into a
+    temporary directory renamed into place at the end: an interrupted convert leaves nothing
+    that --model would accept. The path is printed on stdout.
 
     Example: flux2klein convert 4b --out ~/models/klein-4b-bf16
     """

@@ -91,10 +91,11 @@ def restore_arrays(checkpoint: Path, targets: dict[str, jax.ShapeDtypeStruct]) -
     from their raw chunk files where each device's slice is one chunk (see the module docstring),
     the rest through TensorStore."""
     state = checkpoint / "state"  # the PyTree checkpointable that `ocp.partial.save` writes
-    zarrays = _zarr_v2_arrays(state)
+    meta = _tree_metadata(state)
+    zarrays = _zarr_v2_arrays(state, meta)
     # Orbax's own metadata reader costs an import and a TensorStore open per array (0.4 s and
     # 0.35 s for the VAE's 250): read only where the plain zarr metadata is not there.
-    shapes = ({key: tuple(meta.get("shape") or ()) for key, meta in zarrays.items()} if zarrays is not None
+    shapes = ({key: tuple(array.get("shape") or ()) for key, array in zarrays.items()} if zarrays is not None
               else {key: tuple(value.shape) for key, value in _stored_arrays(checkpoint).items()})
     _check_keys(checkpoint, shapes, targets)
     mapped: dict[str, Piece] = {}
@@ -105,15 +106,25 @@ def restore_arrays(checkpoint: Path, targets: dict[str, jax.ShapeDtypeStruct]) -
     results = place_views(mapped, targets)
     rest = {key: target for key, target in targets.items() if key not in mapped}
     if rest:
-        results.update(_restore_with_tensorstore(checkpoint, state, rest))
+        # Orbax records both flags; checkpoints this project wrote before the raw chunks used both.
+        flags = bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", True))
+        results.update(_restore_with_tensorstore(checkpoint, state, rest, *flags))
     return {key: results[key] for key in targets}
 
 
-def _zarr_v2_arrays(state: Path) -> dict[str, dict[str, Any]] | None:
-    """Name -> zarr (v2) metadata of every array Orbax's tree metadata lists, when the checkpoint
-    holds them as plain zarr v2 arrays (no OCDBT); else None."""
+def _tree_metadata(state: Path) -> dict[str, Any]:
+    """Orbax's _METADATA of a PyTree checkpoint ({} when unreadable: Orbax's reader then says why)."""
     try:
         meta = json.loads((state / "_METADATA").read_text())
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _zarr_v2_arrays(state: Path, meta: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
+    """Name -> zarr (v2) metadata of every array the tree metadata `meta` lists, when the
+    checkpoint holds them as plain zarr v2 arrays (no OCDBT); else None."""
+    try:
         if meta.get("use_ocdbt", True) or meta.get("use_zarr3", True):
             return None
         arrays = {}
@@ -151,7 +162,7 @@ def _raw_chunks(directory: Path, meta: dict[str, Any], target: jax.ShapeDtypeStr
         return None
     files: dict[tuple[tuple[int, int], ...], Path] = {}
     for slices, _ in unique_shards(target.sharding, shape):
-        bounds = tuple(s.indices(n)[:2] for s, n in zip(slices, shape, strict=True))
+        bounds = _bounds(slices, shape)
         if any(lo % c or hi - lo != c for (lo, hi), c in zip(bounds, chunks, strict=True)):
             return None  # a device slice that is not one whole chunk: TensorStore assembles it
         coords = [str(lo // c) for (lo, _), c in zip(bounds, chunks, strict=True)] or ["0"]
@@ -164,24 +175,16 @@ def _raw_chunks(directory: Path, meta: dict[str, Any], target: jax.ShapeDtypeStr
             raise CheckpointError(f"{path}: damaged Orbax chunk ({found})")
     views = {bounds: view(map_readonly(path), dtype, chunks) for bounds, path in files.items()}
 
-    def piece(slices: tuple[slice, ...]) -> np.ndarray:
-        return views[tuple(s.indices(n)[:2] for s, n in zip(slices, shape, strict=True))]
-
-    return piece
+    return lambda slices: views[_bounds(slices, shape)]
 
 
-def _tensorstore_flags(state: Path) -> tuple[bool, bool]:
-    """(use_ocdbt, use_zarr3) as the checkpoint was written; Orbax records both in _METADATA.
-    Checkpoints this project wrote before the raw chunks used both."""
-    try:
-        meta = json.loads((state / "_METADATA").read_text())
-    except (OSError, ValueError):
-        meta = {}
-    return bool(meta.get("use_ocdbt", True)), bool(meta.get("use_zarr3", True))
+def _bounds(slices: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """(start, stop) per dimension of a device's slice."""
+    return tuple(s.indices(n)[:2] for s, n in zip(slices, shape, strict=True))
 
 
-def _restore_with_tensorstore(checkpoint: Path, state: Path, targets: dict[str, jax.ShapeDtypeStruct]
-                              ) -> dict[str, jax.Array]:
+def _restore_with_tensorstore(checkpoint: Path, state: Path, targets: dict[str, jax.ShapeDtypeStruct],
+                              use_ocdbt: bool, use_zarr3: bool) -> dict[str, jax.Array]:
     """The arrays opened with the TensorStore specs Orbax itself reads them with, then each
     addressable shard written by TensorStore straight into an aligned host buffer that the
     device adopts (on CPU without a copy; on an accelerator the buffer is transferred and freed).
@@ -192,7 +195,6 @@ def _restore_with_tensorstore(checkpoint: Path, state: Path, targets: dict[str, 
     from etils import epath
     from orbax.checkpoint import type_handlers
 
-    use_ocdbt, use_zarr3 = _tensorstore_flags(state)
     context = type_handlers.get_ts_context(use_ocdbt=use_ocdbt)
     opened = {}
     for key in targets:
