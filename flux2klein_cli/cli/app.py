@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import typer
 from typer.completion import completion_init
+from typer.core import TyperGroup
 
 from flux2klein_cli import __version__
 from flux2klein_cli.cli import (
@@ -20,12 +22,39 @@ from flux2klein_cli.cli import (
     inspect_cmd,
     parity_cmd,
 )
+from flux2klein_cli.cli.output import click_exceptions, usage_error
 
 # add_completion=False skips this registration; the scripts in completions/ call back into the app.
 completion_init()
 
+
+class OneLineErrors(TyperGroup):
+    """Usage errors (`--height 64.5`, an unknown option) print one `error:` line and exit 2, as every
+    other error does; Typer's boxed form is kept for `--help` only."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click_exceptions.ClickException as e:
+            sys.exit(usage_error(e))
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
     name="flux2klein",
+    cls=OneLineErrors,
     help=(
         "Run Black Forest Labs' FLUX.2 \\[klein] image models on JAX.\n\n"
         "Exit codes: 0 done, 1 runtime failure, 2 bad usage or bad input."

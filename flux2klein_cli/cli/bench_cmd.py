@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
 from flux2klein_cli.cli import image_options as o
-from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+from flux2klein_cli.cli import output
+from flux2klein_cli.cli.output import Table, emit_json, note, show_table, status, user_errors
 
 PHASES = ("pipeline", "ttfi", "load", "transformer-compile")
 
@@ -114,14 +114,14 @@ def bench(
             from flux2klein_cli.core.snapshot import resolve_model
 
             result = bench_load(resolve_model(model), convert=True, dtype=dtype, reps=reps,
-                                log=None if as_json else stderr.print)
+                                log=None if as_json else note)
             result = dict(phase=phase, **result)
         elif phase == "ttfi":
             from flux2klein_cli.core.bench import bench_ttfi
             from flux2klein_cli.core.snapshot import resolve_model
 
             path = resolve_model(model)
-            with stderr.status(f"timing first images of {model}") if not as_json else nullcontext():
+            with status(f"timing first images of {model}") if not as_json else nullcontext():
                 result = bench_ttfi(path, height=height, width=width, steps=steps or 4, guidance=1.0, reps=reps,
                                     dtype=dtype, diffusers=diffusers)
             result = dict(model=model, phase=phase, **result)
@@ -141,7 +141,7 @@ def bench(
                 from flux2klein_cli.core.generate import check_kv_model
 
                 check_kv_model(Snapshot.open(path), model)
-            with stderr.status(f"benchmarking {model}") if not as_json else nullcontext():
+            with status(f"benchmarking {model}") if not as_json else nullcontext():
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
                                         dtype=target, references=refs, kv=kv, mesh=run_on, store=not no_store,
                                         compile_cache=compile_cache, save=not no_save, effort=effort,
@@ -170,7 +170,7 @@ def _transformer_compile(model: str, height: int, width: int, bs: int, reps: int
         runs.append(transformer_compile_seconds(spec.transformer, scan=not unrolled, batch=bs, height=height,
                                                 width=width))
         if not as_json:
-            stderr.print(f"rep {i + 1}/{reps}: {runs[-1]['total_s']:.2f} s")
+            note(f"rep {i + 1}/{reps}: {runs[-1]['total_s']:.2f} s")
     return dict(
         model=spec.alias, phase="transformer-compile", layers="unrolled" if unrolled else "scan", height=height,
         width=width, batch=bs,
@@ -185,7 +185,7 @@ def _compile_table(result: dict[str, Any]) -> None:
         table.add_column(column, justify="left" if column == "step" else "right")
     for key in ("lower_s", "compile_s", "total_s"):
         table.add_row(key.removesuffix("_s"), f"{result[key]['min']:.2f}", f"{result[key]['median']:.2f}")
-    stdout.print(table)
+    show_table(table)
 
 
 def _pipeline_table(result: dict[str, Any]) -> None:
@@ -211,20 +211,20 @@ def _pipeline_table(result: dict[str, Any]) -> None:
         row(phase, lambda r, phase=phase: timing(r["phases"].get(phase)))
     row("run", lambda r: timing(r["run_s"]))
     row("per image", lambda r: ("", f"{r['per_image_s']:.3f}"))
-    stdout.print(table)
+    show_table(table)
     devices = result.get("devices")
     if devices and devices["count"] > 1:
         per = ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in devices["parameter_bytes"].items())
-        stdout.print(f"parameters per device ({devices['count']} devices, mesh {devices['mesh']}): {per}")
+        output.result(f"parameters per device ({devices['count']} devices, mesh {devices['mesh']}): {per}")
     _executables_table(result, runs)
     for name, run in runs.items():
         if run.get("timed_compiles"):
             prefix = f"{name}: " if len(runs) > 1 else ""
-            stdout.print(f"{prefix}{len(run['timed_compiles'])} XLA program(s) compiled during the timed calls: "
+            output.result(f"{prefix}{len(run['timed_compiles'])} XLA program(s) compiled during the timed calls: "
                          f"{', '.join(run['timed_compiles'])}")
     if "kv_speedup" in result:
         s, reuse = result["kv_speedup"], result["kv_reuse"]
-        stdout.print(f"KV speed-up: transformer {s['transformer']:.2f}x (bound {s['bound']:.2f}x, "
+        output.result(f"KV speed-up: transformer {s['transformer']:.2f}x (bound {s['bound']:.2f}x, "
                      f"{100 * s['of_bound']:.0f}% of it), whole run {s['run']:.2f}x; reusing one cache over "
                      f"{reuse['prompts']} prompts saves {100 * reuse['saving']:.0f}%")
 
@@ -236,7 +236,7 @@ def _executables_table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) 
     """Per program of each run: what the executable store did on the first call."""
     store = result.get("store")
     if store is None:
-        stdout.print("executables: no store (--no-store): jit-compiled on the first call")
+        output.result("executables: no store (--no-store): jit-compiled on the first call")
         return
     saving = "" if store["save"] else ", --no-save"
     table = Table(title=f"executables ({store['root']}{saving})")
@@ -249,7 +249,7 @@ def _executables_table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) 
             cells = [p["name"], STORE_ACTIONS.get(p["status"], p["status"]), f"{p['seconds']:.2f}",
                      "yes" if p.get("saved") else ""]
             table.add_row(*([name] if len(runs) > 1 else []), *cells)
-    stdout.print(table)
+    show_table(table)
 
 
 def _ttfi_table(result: dict[str, Any]) -> None:
@@ -262,7 +262,7 @@ def _ttfi_table(result: dict[str, Any]) -> None:
             r = f"{result[ratio]:.2f}x" if ratio and ratio in result else ""
             table.add_row(key.removesuffix("_s").replace("_", " "), f"{result[key]['min']:.2f}",
                           f"{result[key]['median']:.2f}", r)
-    stdout.print(table)
+    show_table(table)
 
 
 def _load_table(result: dict[str, Any]) -> None:
@@ -275,4 +275,4 @@ def _load_table(result: dict[str, Any]) -> None:
                 peak = component[kind].get("peak_ratio")
                 table.add_row(name, kind, f"{component[kind]['seconds']['median']:.3f}",
                               "" if peak is None else f"{peak:.2f}x")
-    stdout.print(table)
+    show_table(table)

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+from flux2klein_cli.cli.output import Table, emit_json, note, result, show_table, user_errors, warn
+from flux2klein_cli.cli.params import float_option
 
 
 def compile_programs(
@@ -19,7 +19,7 @@ def compile_programs(
     bs: int = typer.Option(1, "--bs", help="Images per run (the denoise and decode batch)."),
     prompts: int = typer.Option(1, "--prompts", help="Distinct prompts per run (the text encoder's batch)."),
     steps: int = typer.Option(None, "--steps", help="Denoising steps [default: the model's]."),
-    guidance: float = typer.Option(None, "--guidance", help="Guidance; above 1 on a base model compiles CFG."),
+    guidance: float = float_option(None, "--guidance", help="Guidance; above 1 on a base model compiles CFG."),
     refs: str = typer.Option(None, "--refs", help="Reference sizes for edits, HxW comma-separated: 512x512,768x1024."),
     kv: bool = typer.Option(False, "--kv", help="KV edit: the references-only pass and denoising "
                             "against its cache (9b-kv)."),
@@ -61,8 +61,7 @@ def compile_programs(
                               guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu, cache_dir=cache_dir,
                               sequential=sequential, dtype=dtype, max_sequence_length=max_sequence_length,
                               save=not no_save, effort=effort)
-        report = run_compile(opts, progress=lambda m: stderr.print(m, highlight=False),
-                             warn=lambda m: stderr.print(f"[yellow]warning:[/] {m}", highlight=False, soft_wrap=True))
+        report = run_compile(opts, progress=note, warn=warn)
     if as_json:
         emit_json(report)
     else:
@@ -85,9 +84,9 @@ def _table(report: dict[str, Any]) -> None:
         table.add_row(p["name"], p["status"], "" if hit else f"{p['lower_s']:.2f}", f"{p['compile_s']:.2f}",
                       f"{p['seconds']:.2f}" if hit else "", _mib(p["memory"].get("peak")),
                       _mib(p["needed_bytes_per_device"]))
-    stdout.print(table)
-    stdout.print(f"{report['wall_s']:.2f} s in all ({'parallel' if report['parallel'] else 'sequential'}); "
-                 f"store: {report['store']}", highlight=False)
+    show_table(table)
+    result(f"{report['wall_s']:.2f} s in all ({'parallel' if report['parallel'] else 'sequential'}); "
+           f"store: {report['store']}")
     if "verdict" in report:
         v = report["verdict"]
-        stdout.print(f"[{'green' if v['fits'] else 'red'}]{v['text']}[/]", highlight=False)
+        result(v["text"], style="green" if v["fits"] else "red")

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.progress import TaskID
 
-from flux2klein_cli.cli.output import emit_json, stderr, user_errors
+from flux2klein_cli.cli.output import emit_json, note, stderr, user_errors
 
 
 def convert(
@@ -62,7 +62,7 @@ def convert(
             run_on = run_mesh(DeviceOptions(mesh=mesh))
             rule = parameter_rule(run_on) if run_on is not None else None
         resolved = resolve(model, revision=revision, offline=offline, download=True,
-                           progress=lambda message: stderr.print(message, highlight=False))
+                           progress=note)
         slug = _slug(model, resolved.repo_id, resolved.revision)
         target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{dtype}"
         start = time.perf_counter()
@@ -81,7 +81,7 @@ def convert(
             "seconds": round(seconds, 3),
         })
         return
-    stderr.print(f"converted in {seconds:.1f} s")
+    note(f"converted in {seconds:.1f} s")
     typer.echo(str(Path(target).expanduser().absolute()))
 
 

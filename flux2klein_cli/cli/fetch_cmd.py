@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from flux2klein_cli.cli.output import emit_json, stderr, user_errors
+from flux2klein_cli.cli.output import emit_json, note, user_errors
 
 
 def fetch(
@@ -29,10 +29,7 @@ def fetch(
         from flux2klein_cli.core.errors import CheckpointError
         from flux2klein_cli.core.snapshot import describe, resolve, snapshot_problems
 
-        def say(message: str) -> None:
-            stderr.print(message, highlight=False)
-
-        resolved = resolve(model, revision=revision, offline=offline, download=True, progress=say)
+        resolved = resolve(model, revision=revision, offline=offline, download=True, progress=note)
         if resolved.kind == "local":
             problems = snapshot_problems(resolved.path)
             if problems:

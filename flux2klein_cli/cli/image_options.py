@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+from flux2klein_cli.cli.output import emit_json, note, plain, result, status, user_errors, warn
+from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core.distributed import native_stdout_to_stderr
 from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
 
@@ -19,7 +20,7 @@ HEIGHT = typer.Option(None, "--height", help="Output height in pixels, a multipl
                       "256), or the first reference's]")
 WIDTH = typer.Option(None, "--width", help="Output width in pixels, a multiple of 16 [default: as height]")
 STEPS = typer.Option(None, "--steps", help="Denoising steps [default: 4 distilled, 50 base]")
-GUIDANCE = typer.Option(None, "--guidance", help="Guidance scale; real CFG on base models only "
+GUIDANCE = float_option(None, "--guidance", help="Guidance scale; real CFG on base models only "
                         "[default: 1.0 distilled, 4.0 base]")
 NEGATIVE = typer.Option("", "--negative-prompt", help="What to steer away from (base models with guidance > 1).")
 SEED = typer.Option(0, "--seed", help="Noise seed; image i uses seed + i.")
@@ -43,10 +44,6 @@ NO_SAVE = typer.Option(False, "--no-save", help="Use stored executables but stor
 JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
 
 
-def warn(message: str) -> None:
-    stderr.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
-
-
 def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bool) -> None:
     """Build the options, run, and report: paths on stdout, or one JSON object (process 0 only)."""
     from flux2klein_cli.core.runtime import configure_jax
@@ -58,15 +55,16 @@ def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bo
         if as_json:
             report = run_generate(opts, resolve_model, warn=warn)
         else:
-            with stderr.status("starting") as status:
-                report = run_generate(opts, resolve_model, on_phase=lambda phase: status.update(phase), warn=warn)
+            with status("starting") as spinner:
+                report = run_generate(opts, resolve_model, warn=warn,
+                                      on_phase=lambda phase: spinner.update(plain(phase)))
     if not report.get("writer", True):
         return
     if as_json:
         emit_json(report)
         return
     seconds = report["seconds"]
-    stderr.print(f"{len(report['outputs'])} image(s) {report['width']}x{report['height']}, {report['steps']} steps, "
+    note(f"{len(report['outputs'])} image(s) {report['width']}x{report['height']}, {report['steps']} steps, "
                  f"in {seconds['total']:.1f} s (load {seconds['load']:.1f} s, denoise {seconds['denoise']:.1f} s)")
     for path in report["outputs"]:
-        stdout.print(path, highlight=False, soft_wrap=True)
+        result(path)

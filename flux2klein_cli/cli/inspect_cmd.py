@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import typer
-from rich.table import Table
 
-from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+from flux2klein_cli.cli.output import Table, emit_json, note, show_table, user_errors
 
 
 def inspect(
@@ -26,7 +25,7 @@ def inspect(
 
         target = parse_dtype(dtype)
         snapshot = Snapshot.open(resolve_model(model))
-        log = (lambda name, s: None) if as_json else (lambda name, s: stderr.print(f"loaded {name} in {s:.2f} s"))
+        log = (lambda name, s: None) if as_json else (lambda name, s: note(f"loaded {name} in {s:.2f} s"))
         models = load_models(snapshot, dtype=target, on_loaded=log)
 
     components = {}
@@ -49,4 +48,4 @@ def inspect(
         table.add_column(column, justify="left" if column == "component" else "right")
     for name, c in components.items():
         table.add_row(name, f"{c['parameters']:,}", f"{c['bytes'] / 2**20:.1f}", f"{c['load_seconds']:.2f}")
-    stdout.print(table)
+    show_table(table)

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
-from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+from flux2klein_cli.cli.output import Table, emit_json, note, plain, show_table, user_errors
+from flux2klein_cli.cli.params import float_option
 
 
 def parity(
@@ -17,10 +17,10 @@ def parity(
     height: int = typer.Option(None, "--height", help="Output height [default: 1024 or the first reference's]."),
     width: int = typer.Option(None, "--width", help="Output width [default: as height]."),
     steps: int = typer.Option(None, "--steps", help="Steps [default: the model's]."),
-    guidance: float = typer.Option(None, "--guidance", help="Guidance [default: the model's]."),
+    guidance: float = float_option(None, "--guidance", help="Guidance [default: the model's]."),
     seed: int = typer.Option(0, "--seed", help="Seed of the shared initial noise."),
     dtype: str = typer.Option("fp32", "--dtype", help="Both pipelines' dtype: fp32 or bf16."),
-    threshold: float = typer.Option(0.99, "--threshold", help="Exit 1 when SSIM is below this."),
+    threshold: float = float_option(0.99, "--threshold", help="Exit 1 when SSIM is below this."),
     out_dir: Path = typer.Option(Path("parity"), "--out-dir", help="Where ours.png, diffusers.png, diff.png go."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out-dir."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -50,10 +50,10 @@ def parity(
         table = Table(title=f"parity: {model}, {report['width']}x{report['height']}, {report['steps']} steps, {dtype}")
         for column in ("SSIM", "PSNR dB", "max diff /255", "verdict"):
             table.add_column(column, justify="right")
-        verdict = "[green]pass[/]" if passed else "[red]FAIL[/]"
+        verdict = plain("pass", "green") if passed else plain("FAIL", "red")
         psnr = "inf" if report["psnr"] is None else f"{report['psnr']:.2f}"
         table.add_row(f"{report['ssim']:.5f}", psnr, str(report["max_diff"]), verdict)
-        stdout.print(table)
-        stderr.print("images: " + ", ".join(report["files"].values()), highlight=False)
+        show_table(table)
+        note("images: " + ", ".join(report["files"].values()))
     if not passed:
         raise typer.Exit(1)
