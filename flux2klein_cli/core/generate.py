@@ -17,8 +17,14 @@ from typing import Any
 from flux2klein_cli import __version__
 from flux2klein_cli.core.checkpoint import Snapshot, parse_dtype
 from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
-from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.images import load_reference, postprocess, preprocess_reference, validate_size
+from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.images import (
+    check_reference_count,
+    load_reference,
+    postprocess,
+    preprocess_reference,
+    validate_size,
+)
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS, PIXELS_PER_TOKEN, Request, check_seeds
 from flux2klein_cli.core.registry import default_size
@@ -54,7 +60,8 @@ def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
     prompts = [prompt] if prompt is not None else []
     if prompt_file is not None:
         try:
-            lines = prompt_file.read_text(encoding="utf-8").splitlines()
+            # utf-8-sig: a BOM (Windows editors write one) is not part of the first prompt.
+            lines = prompt_file.read_text(encoding="utf-8-sig").splitlines()
         except (OSError, UnicodeDecodeError) as e:
             raise UserInputError(f"{prompt_file}: cannot read prompt file ({e})") from None
         prompts += [line.strip() for line in lines if line.strip()]
@@ -78,6 +85,7 @@ def _check_options(opts: GenerateOptions) -> None:
     if opts.max_sequence_length < 1:
         raise UserInputError("--max-sequence-length must be at least 1")
     validate_size(opts.height, opts.width)
+    check_reference_count(len(opts.references))
     if opts.kv and not opts.references:
         raise UserInputError("--kv needs at least one reference image (--image)")
     if opts.kv_cache_dir is not None and not opts.kv:
@@ -92,6 +100,32 @@ def check_kv_model(snapshot: Snapshot, model: str) -> None:
             f"--kv needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model} is {snapshot.pipeline_class}: "
             "use --model 9b-kv, or drop --kv"
         )
+
+
+def _check_cost(snapshot: Snapshot, opts: GenerateOptions, dtype: Any, height: int, width: int,
+                references: list[Any], steps: int, guidance: float, batch: int, mesh: Any,
+                warn: Callable[[str], None]) -> None:
+    """The size limit, the memory estimate against the device, and a word on long runs; before loading."""
+    from flux2klein_cli.core import run_cost
+    from flux2klein_cli.core.weights.configs import read_config
+
+    configs = {name: read_config(snapshot.component(name)) for name in ("transformer", "text_encoder", "vae")}
+    run_cost.check_size_limit(height, width, configs["transformer"], PIXELS_PER_TOKEN)
+    image_tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
+    ref_tokens = sum((r.shape[0] // PIXELS_PER_TOKEN) * (r.shape[1] // PIXELS_PER_TOKEN) for r in references)
+    passes = 2 if not snapshot.is_distilled and guidance > 1.0 else 1  # CFG: a second, negative pass
+    item = 4 if opts.dtype == "fp32" else 2
+    cost = run_cost.RunCost(
+        parameter_bytes=run_cost.parameter_bytes(configs, dtype),
+        activation_bytes_per_image=passes * run_cost.activation_bytes(
+            configs["transformer"], image_tokens, opts.max_sequence_length, ref_tokens, item),
+        batch=batch, token_steps=image_tokens * steps * batch * passes,
+    )
+    if mesh is None:  # a mesh spreads both over its devices; its own checks apply
+        run_cost.check_fits(cost, *run_cost.device_memory_bytes())
+    message = run_cost.describe_long_run(cost)
+    if message:
+        warn(message)
 
 
 def run_generate(
@@ -128,6 +162,7 @@ def run_generate(
     check_run_fits(mesh, model_dir, batch)
     steps = opts.steps or (4 if snapshot.is_distilled else 50)
     guidance = opts.guidance if opts.guidance is not None else (1.0 if snapshot.is_distilled else 4.0)
+    _check_cost(snapshot, opts, dtype, height, width, references, steps, guidance, batch, mesh, warn)
     load_start = time.perf_counter()
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
@@ -152,7 +187,13 @@ def run_generate(
         num_images=opts.num_images, negative_prompt=opts.negative_prompt, seed=opts.seed, latents=noise,
         references=references, max_sequence_length=opts.max_sequence_length, kv=opts.kv,
     )
-    result = pipeline(request)
+    try:
+        result = pipeline(request)
+    except Exception as e:  # a device that still runs out: one line, exit 1
+        if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        raise Flux2KleinError(f"the device ran out of memory for {batch} image(s) of {width}x{height}; "
+                              "try fewer --num-images or a smaller size") from None
     images = postprocess(result.images)
 
     on_phase("writing")

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import ml_dtypes
@@ -26,10 +29,34 @@ MIN_SIDE = 64
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
 MULTIPLE_OF = 16  # VAE downsampling (8) x latent patchify (2)
+MAX_REFERENCES = 4  # what FLUX.2 [klein] was trained with; diffusers warns above it
+# The largest reference read (decoded RGB: 768 MiB on the host before it is scaled to MAX_AREA).
+# One limit of our own instead of Pillow's decompression-bomb warning (89 MP) and error (179 MP).
+MAX_REFERENCE_SIDE = 16384
+MAX_REFERENCE_PIXELS = MAX_REFERENCE_SIDE * MAX_REFERENCE_SIDE
 
 
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
+
+
+def check_reference_count(count: int) -> None:
+    if count > MAX_REFERENCES:
+        raise UserInputError(f"{count} reference images given; at most {MAX_REFERENCES} are supported")
+
+
+@contextmanager
+def _own_size_limit() -> Iterator[None]:
+    """Pillow's decompression-bomb checks off (its warning is three raw lines): `load_reference` applies
+    MAX_REFERENCE_PIXELS itself, from the header, before any pixel is decoded."""
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
 
 
 def load_reference(path: str | os.PathLike[str]) -> Image.Image:
@@ -43,7 +70,14 @@ def load_reference(path: str | os.PathLike[str]) -> Image.Image:
     if p.is_dir():
         raise UserInputError(f"reference image {p} is a directory, not an image file")
     try:
-        with Image.open(p) as opened:
+        with _own_size_limit(), Image.open(p) as opened:
+            width, height = opened.size
+            if width * height > MAX_REFERENCE_PIXELS:
+                raise UserInputError(
+                    f"reference image {p} is {width}x{height} ({width * height / 1e6:.0f} megapixels); the limit is "
+                    f"{MAX_REFERENCE_PIXELS / 1e6:.0f} megapixels ({MAX_REFERENCE_SIDE}x{MAX_REFERENCE_SIDE}): "
+                    "scale it down first"
+                )
             opened.load()
             upright = ImageOps.exif_transpose(opened)
             return upright.convert("RGB")

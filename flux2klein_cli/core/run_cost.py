@@ -1,0 +1,123 @@
+"""What a run will cost, known before any work: the largest size the model's positions can
+address, a peak-memory estimate from the shapes, and the work in token-steps.
+
+The estimate is deliberately simple and on the safe side: every parameter, plus the largest
+live activations of one transformer block for the whole batch (the denoise loop scans the
+blocks, so one block's activations are alive at a time), including an attention score matrix
+in float32 as XLA materialises it where no fused kernel applies.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from flux2klein_cli.core.errors import UserInputError
+
+# Beyond this many transformer token-steps (image tokens x steps x images) a run is announced:
+# 4 steps of one 1024x1024 image is 16384; this is ~64 such images, minutes on a GPU, hours on a CPU.
+LONG_RUN_TOKEN_STEPS = 1 << 20
+GIB = 2**30
+
+
+def max_positions(axes_dims_rope: tuple[int, ...], rope_theta: float) -> int:
+    """How many positions one RoPE axis tells apart: the wavelength of its slowest frequency,
+    2*pi*theta^((d-2)/d). Further apart than that, two tokens get the same rotation."""
+    dim = min(axes_dims_rope[1:3]) if len(axes_dims_rope) >= 3 else min(axes_dims_rope)
+    return int(2 * math.pi * rope_theta ** ((dim - 2) / dim))
+
+
+def max_side(transformer_config: dict[str, Any], pixels_per_token: int) -> int:
+    """The largest --height / --width in pixels, a multiple of `pixels_per_token`."""
+    axes = tuple(int(d) for d in transformer_config.get("axes_dims_rope", (32, 32, 32, 32)))
+    theta = float(transformer_config.get("rope_theta", 2000))
+    return max_positions(axes, theta) * pixels_per_token
+
+
+def check_size_limit(height: int, width: int, transformer_config: dict[str, Any], pixels_per_token: int) -> None:
+    limit = max_side(transformer_config, pixels_per_token)
+    for label, value in (("height", height), ("width", width)):
+        if value > limit:
+            raise UserInputError(
+                f"--{label} {value} is above this model's limit of {limit} px (its position encoding "
+                f"tells {limit // pixels_per_token} tokens apart per side)"
+            )
+
+
+@dataclass(frozen=True)
+class RunCost:
+    parameter_bytes: int
+    activation_bytes_per_image: int
+    batch: int
+    token_steps: int  # transformer tokens x steps x images (x2 with CFG): the work
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.parameter_bytes + self.activation_bytes_per_image * self.batch
+
+    def images_that_fit(self, available: int) -> int:
+        return max((available - self.parameter_bytes) // max(self.activation_bytes_per_image, 1), 0)
+
+
+def activation_bytes(transformer_config: dict[str, Any], image_tokens: int, text_tokens: int,
+                     reference_tokens: int, dtype_bytes: int) -> int:
+    """Largest live activations of one block for one image (one sequence)."""
+    heads = int(transformer_config.get("num_attention_heads", 24))
+    dim = heads * int(transformer_config.get("attention_head_dim", 128))
+    mlp = float(transformer_config.get("mlp_ratio", 3.0))
+    tokens = image_tokens + text_tokens + reference_tokens
+    # hidden state, q/k/v, the fused qkv+mlp projection and its output: ~(4 + 2 * mlp) x (S, D)
+    linear = int(tokens * dim * (4 + 2 * mlp)) * dtype_bytes
+    scores = heads * tokens * tokens * 4  # float32 attention probabilities
+    return linear + scores
+
+
+def parameter_bytes(configs: dict[str, dict[str, Any]], dtype: Any) -> int:
+    """Every parameter of the three models, from their abstract shapes (nothing is allocated)."""
+    import jax
+    from flax import nnx
+
+    from flux2klein_cli.core.weights.converted import abstract_component
+
+    total = 0
+    for name, config in configs.items():
+        state = nnx.state(abstract_component(name, config, dtype))
+        total += sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "shape"))
+    return total
+
+
+def device_memory_bytes() -> tuple[int, str]:
+    """Memory of the first local device, or the host's RAM when the device does not say (CPU)."""
+    import jax
+
+    device = jax.local_devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # some backends raise instead of returning None
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]), f"{device.device_kind}"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+
+
+def check_fits(cost: RunCost, available: int, where: str) -> None:
+    """Refuse a run whose estimate is above the memory it has, saying what would fit."""
+    if cost.peak_bytes <= available:
+        return
+    fit = cost.images_that_fit(available)
+    hint = (f"at most --num-images {fit} in all (prompts x images) would fit" if fit >= 1
+            else "a smaller --height/--width would fit")
+    raise UserInputError(
+        f"this run needs about {cost.peak_bytes / GIB:.1f} GiB ({cost.batch} image(s)), more than the "
+        f"{available / GIB:.1f} GiB of {where}; {hint}"
+    )
+
+
+def describe_long_run(cost: RunCost) -> str | None:
+    """One line for a run that will take long, or None."""
+    if cost.token_steps <= LONG_RUN_TOKEN_STEPS:
+        return None
+    return (f"a long run: {cost.token_steps:,} token-steps ({cost.token_steps / 16384:.0f}x four steps of one "
+            f"1024x1024 image), about {cost.peak_bytes / GIB:.1f} GiB")
