@@ -351,8 +351,8 @@ def noise_program(target: Target, run: RunShape) -> ProgramSpec:
 
     seeds = _input((run.batch,), jnp.uint32, target.mesh, batched=False)
     # The output shape is not in the arguments: the key must name it.
-    return ProgramSpec("noise", noise_fn(LATENT_CHANNELS, *run.grid), (seeds,), {"channels": LATENT_CHANNELS,
-                       "grid": list(run.grid)}, target)
+    return ProgramSpec("noise", noise_fn(LATENT_CHANNELS, *run.grid), (seeds,),
+                       {"shapes": {"channels": LATENT_CHANNELS, "grid": list(run.grid)}}, target)
 
 
 def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | None = None,

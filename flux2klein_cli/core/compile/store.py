@@ -139,8 +139,9 @@ class ProgramSpec:
     """One program: a jitted function, its abstract arguments, and what else identifies it.
 
     `key_parts` holds JSON-able facts the arguments do not show (model configs, dtypes of
-    constants, options); `model` names the component whose parameters the program reads,
-    for memory accounting."""
+    constants, options); shapes not in the arguments (an output's) go under `key_parts["shapes"]`:
+    another shape is another program, never a stale entry. `model` names the component whose
+    parameters the program reads, for memory accounting."""
 
     name: str
     fn: Any  # a jax.jit-wrapped function: .lower(*args)
@@ -486,11 +487,14 @@ class ExecutableStore:
                         path=str(path) if path else None)
 
     def stale_reason(self, name: str, parts: dict[str, Any]) -> str | None:
-        """Why an entry for the same program (same name, arguments and target) does not apply:
-        the differing versions, configs, code or flags. None when there is no such entry."""
+        """Why an entry for the same program (same name, arguments, shapes and target) does not
+        apply: the differing versions, configs, code or flags. None when there is no such entry."""
+        shapes = parts.get("extra", {}).get("shapes")
         for other in self.manifest().get("executables", []):
             old = other.get("key_parts", {})
             if other.get("name") != name or old.get("args") != parts["args"] or old.get("target") != parts["target"]:
+                continue
+            if old.get("extra", {}).get("shapes") != shapes:  # a new output size: a new key, nothing stale
                 continue
             if old == parts:
                 continue
