@@ -14,8 +14,9 @@ def inspect(
 ) -> None:
     """Load transformer, text encoder and VAE of a checkpoint, checking every key and shape.
 
-    A missing shard, a truncated file, a missing or unexpected key, a wrong shape or a
-    missing config is exit code 2 with a message that names the file and keys.
+    A missing shard, a truncated file, a missing or unexpected key, a wrong shape, a
+    missing config, tokenizer or scheduler config is exit code 2 with a message that names
+    the file and keys.
 
     Example: flux2klein inspect ~/models/FLUX.2-klein-4B --dtype bf16
     """
@@ -27,6 +28,9 @@ def inspect(
         snapshot = Snapshot.open(resolve_model(model))
         log = (lambda name, s: None) if as_json else (lambda name, s: note(f"loaded {name} in {s:.2f} s"))
         models = load_models(snapshot, dtype=target, on_loaded=log)
+        from flux2klein_cli.core.pipeline.pipeline import load_tokenizer_and_scheduler
+
+        load_tokenizer_and_scheduler(snapshot)  # everything else generate needs, checked as generate does
 
     components = {}
     for name in ("transformer", "text_encoder", "vae"):

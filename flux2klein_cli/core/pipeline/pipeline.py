@@ -38,6 +38,13 @@ LATENT_CHANNELS = 128
 PIXELS_PER_TOKEN = 16  # 8x VAE downsampling, then 2x2 patches
 
 
+def load_tokenizer_and_scheduler(snapshot: Snapshot) -> tuple[PromptTokenizer, SchedulerConfig]:
+    """The run's parts besides the three models; `inspect` loads them the same way."""
+    tokenizer = PromptTokenizer(snapshot.component("tokenizer"))
+    scheduler = SchedulerConfig.from_dict(read_json(snapshot.component("scheduler") / "scheduler_config.json"))
+    return tokenizer, scheduler
+
+
 @dataclass
 class Request:
     """One run: every prompt x num_images images, all of one size, sharing the references."""
@@ -158,9 +165,7 @@ class KleinPipeline:
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
         snapshot = Snapshot.open(model_dir)
         models = load_models(snapshot, dtype=dtype, mesh=mesh)
-        tokenizer = PromptTokenizer(snapshot.component("tokenizer"))
-        scheduler = SchedulerConfig.from_dict(read_json(snapshot.component("scheduler") / "scheduler_config.json"))
-        return cls(snapshot, models, tokenizer, scheduler, mesh)
+        return cls(snapshot, models, *load_tokenizer_and_scheduler(snapshot), mesh)
 
     # On a mesh every program input is a global array: batch inputs split over (data, fsdp)
     # by `_batched`, everything else replicated; GSPMD partitions the programs from there.
