@@ -27,10 +27,10 @@ def inspect(
         target = parse_dtype(dtype)
         snapshot = Snapshot.open(resolve_model(model))
         log = (lambda name, s: None) if as_json else (lambda name, s: note(f"loaded {name} in {s:.2f} s"))
-        models = load_models(snapshot, dtype=target, on_loaded=log)
         from flux2klein_cli.core.pipeline.pipeline import load_tokenizer_and_scheduler
 
-        load_tokenizer_and_scheduler(snapshot)  # everything else generate needs, checked as generate does
+        load_tokenizer_and_scheduler(snapshot)  # what generate needs besides the weights, checked as it does
+        models = load_models(snapshot, dtype=target, on_loaded=log)
 
     components = {}
     for name in ("transformer", "text_encoder", "vae"):
