@@ -118,7 +118,8 @@ def _check_cost(snapshot: Snapshot, opts: GenerateOptions, dtype: Any, height: i
     cost = run_cost.RunCost(
         parameter_bytes=run_cost.parameter_bytes(configs, dtype),
         activation_bytes_per_image=passes * run_cost.activation_bytes(
-            configs["transformer"], image_tokens, opts.max_sequence_length, ref_tokens, item),
+            configs["transformer"], image_tokens, opts.max_sequence_length, ref_tokens, item,
+            scores=run_cost.materialises_scores(item)),
         batch=batch, token_steps=image_tokens * steps * batch * passes,
     )
     if mesh is None:  # a mesh spreads both over its devices; its own checks apply

@@ -61,17 +61,30 @@ class RunCost:
         return max((available - self.parameter_bytes) // max(self.activation_bytes_per_image, 1), 0)
 
 
+def materialises_scores(dtype_bytes: int) -> bool:
+    """Whether attention holds its whole score matrix: XLA's own form on CPU, in fp32, or with
+    FLUX2KLEIN_GPU_ATTENTION=xla; cuDNN's fused kernel (GPU) and the TPU kernel do not."""
+    import jax
+
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return False
+    if backend == "gpu":
+        return dtype_bytes == 4 or os.environ.get("FLUX2KLEIN_GPU_ATTENTION", "cudnn") == "xla"
+    return True
+
+
 def activation_bytes(transformer_config: dict[str, Any], image_tokens: int, text_tokens: int,
-                     reference_tokens: int, dtype_bytes: int) -> int:
-    """Largest live activations of one block for one image (one sequence)."""
+                     reference_tokens: int, dtype_bytes: int, scores: bool = True) -> int:
+    """Largest live activations of one block for one image (one sequence); `scores`: attention
+    holds its (heads, S, S) float32 probabilities."""
     heads = int(transformer_config.get("num_attention_heads", 24))
     dim = heads * int(transformer_config.get("attention_head_dim", 128))
     mlp = float(transformer_config.get("mlp_ratio", 3.0))
     tokens = image_tokens + text_tokens + reference_tokens
     # hidden state, q/k/v, the fused qkv+mlp projection and its output: ~(4 + 2 * mlp) x (S, D)
     linear = int(tokens * dim * (4 + 2 * mlp)) * dtype_bytes
-    scores = heads * tokens * tokens * 4  # float32 attention probabilities
-    return linear + scores
+    return linear + (heads * tokens * tokens * 4 if scores else 0)
 
 
 def parameter_bytes(configs: dict[str, dict[str, Any]], dtype: Any) -> int:
