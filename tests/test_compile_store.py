@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flux2klein_cli.core import trust
 from flux2klein_cli.core.compile import store as store_mod
 from flux2klein_cli.core.compile.store import (
     EXECUTABLE,
@@ -163,9 +164,9 @@ def test_damaged_entry_is_recompiled_never_used(tmp_path: Path, damage: str) -> 
     elif damage == "flip":
         exe.write_bytes(data[:100] + bytes([data[100] ^ 0xFF]) + data[101:])
         reason = "sha256"
-    elif damage == "meta":
+    elif damage == "meta":  # signed again with the store's own key: the deeper checks still hold
         meta["key_parts"]["extra"]["scale"] = 5.0
-        meta_path.write_text(json.dumps(meta))
+        meta_path.write_text(json.dumps(trust.sign(meta, trust.store_key(tmp_path))))
         reason = "key parts differ"
     else:  # a well-formed entry whose executable does not deserialize
         junk = b"not an executable" * 10
@@ -173,7 +174,7 @@ def test_damaged_entry_is_recompiled_never_used(tmp_path: Path, damage: str) -> 
 
         meta["files"][EXECUTABLE] = {"bytes": len(junk), "sha256": hashlib.sha256(junk).hexdigest()}
         exe.write_bytes(junk)
-        meta_path.write_text(json.dumps(meta))
+        meta_path.write_text(json.dumps(trust.sign(meta, trust.store_key(tmp_path))))
         reason = "deserialization failed"
     with pytest.warns(StoreWarning, match=reason):
         compiled, again = store.load_or_compile(make_spec())

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flux2klein_cli.core import trust
 from flux2klein_cli.core.images import postprocess, preprocess_reference
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest, weights_identity
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
@@ -70,6 +73,10 @@ def test_several_prompts_share_one_references_pass(kv_pipeline: KleinPipeline) -
     assert np.abs(batch[2].astype(int) - alone[0].astype(int)).max() <= 1
 
 
+def kv_shapes(pipeline: KleinPipeline, refs: list[np.ndarray]) -> list[tuple[int, ...]]:
+    return pipeline.models.transformer.reference_kv_shapes(sum(r.shape[0] * r.shape[1] // 256 for r in refs))
+
+
 def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     refs = [preprocess_reference(REFERENCES[0])]
     digest = references_digest(refs)
@@ -78,23 +85,24 @@ def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path,
     warnings: list[str] = []
     pipeline.kv_store = store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
     good, _ = edit(pipeline, ["a red fox"], refs)
+    shapes = kv_shapes(pipeline, refs)
     data = tmp_path / f"{store.key(digest)}.bin"
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
-    assert store.load(digest) is None and "checksum" in warnings[-1]
+    assert store.load(digest, shapes) is None and "checksum" in warnings[-1]
 
     pipeline._kv_memory.clear()
     again, source = edit(pipeline, ["a red fox"], refs)
     assert source == "computed"
     assert np.abs(good.astype(int) - again.astype(int)).max() <= 1
-    assert store.load(digest) is not None  # rewritten
+    assert store.load(digest, shapes) is not None  # rewritten
 
     # Another model's store with the same directory never sees this entry.
     foreign = ReferenceKVStore(tmp_path, "another-model", jnp.float32, warnings.append)
-    assert foreign.load(digest) is None
+    assert foreign.load(digest, shapes) is None
     # Nor does the same model in another dtype.
-    assert ReferenceKVStore(tmp_path, identity, jnp.bfloat16, warnings.append).load(digest) is None
+    assert ReferenceKVStore(tmp_path, identity, jnp.bfloat16, warnings.append).load(digest, shapes) is None
 
 
 def test_an_unwritable_store_warns_and_the_edit_runs(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
@@ -113,3 +121,35 @@ def test_weights_identity_tells_checkpoints_of_one_geometry_apart(tiny_checkpoin
     a = weights_identity(tiny_checkpoint / "transformer")
     assert a == weights_identity(tiny_checkpoint / "transformer")
     assert a != weights_identity(tiny_kv_checkpoint / "transformer")
+
+
+@pytest.mark.parametrize("record", ["list", "number", "permuted shapes", "nan", "planted", "world-writable"])
+def test_a_wrong_or_planted_record_is_recomputed_with_one_warning(kv_pipeline: KleinPipeline, tiny_kv_checkpoint: Path,
+                                                                  tmp_path: Path, record: str) -> None:
+    refs = [preprocess_reference(REFERENCES[0])]
+    digest = references_digest(refs)
+    warnings: list[str] = []
+    identity = weights_identity(tiny_kv_checkpoint / "transformer")
+    kv_pipeline._kv_memory.clear()
+    kv_pipeline.kv_store = store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
+    good, _ = edit(kv_pipeline, ["a red fox"], refs)
+    meta_path, data_path = tmp_path / f"{store.key(digest)}.json", tmp_path / f"{store.key(digest)}.bin"
+    meta, key = json.loads(meta_path.read_text()), trust.store_key(tmp_path)
+    if record in ("list", "number"):  # valid JSON of the wrong kind
+        meta_path.write_text("[]" if record == "list" else "42")
+    elif record == "permuted shapes":  # signed by this user: only the schema can tell
+        meta["shapes"] = [[s[0], s[3], s[2], s[1], s[4]] for s in meta["shapes"]]
+        meta_path.write_text(json.dumps(trust.sign(meta, key)))
+    elif record in ("nan", "planted"):  # a checksum that matches its data
+        data = np.frombuffer(data_path.read_bytes(), np.float32).copy()
+        data[7] = np.nan if record == "nan" else 1e3
+        data_path.write_bytes(data.tobytes())
+        meta["sha256"] = hashlib.sha256(data.tobytes()).hexdigest()
+        unsigned = {k: v for k, v in meta.items() if k != trust.SIGNATURE_FIELD}
+        meta_path.write_text(json.dumps(trust.sign(meta, key) if record == "nan" else unsigned))
+    else:
+        data_path.chmod(0o666)
+    kv_pipeline._kv_memory.clear()
+    again, source = edit(kv_pipeline, ["a red fox"], refs)
+    assert source == "computed" and len(warnings) == 1 and "recomputing" in warnings[0]
+    assert np.array_equal(good, again)

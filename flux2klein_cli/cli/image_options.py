@@ -49,7 +49,7 @@ def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bo
     from flux2klein_cli.core.runtime import configure_jax
     from flux2klein_cli.core.snapshot import resolve_model
 
-    configure_jax()
+    configure_jax(warn)
     with user_errors(), native_stdout_to_stderr():
         opts = GenerateOptions(prompts=read_prompts(prompt, prompt_file), **options)
         if as_json:

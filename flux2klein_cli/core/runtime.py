@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 CACHE_ENV = "FLUX2KLEIN_XLA_CACHE"
@@ -19,17 +20,26 @@ def xla_cache_dir() -> Path | None:
     return base / "flux2klein" / "xla"
 
 
-def configure_jax() -> None:
-    """Turn on JAX's persistent compilation cache, so the second run of a shape skips XLA."""
+def configure_jax(warn: Callable[[str], None] | None = None) -> None:
+    """Turn on JAX's persistent compilation cache, so the second run of a shape skips XLA.
+    Its entries are executables jax runs unchecked, so it is used only when no other user
+    can write it (core/trust.py); otherwise it stays off, with one warning to `warn`."""
     import jax
+
+    from flux2klein_cli.core import trust
 
     cache = xla_cache_dir()
     if cache is None:
         return
     try:
-        cache.mkdir(parents=True, exist_ok=True)
+        trust.make_private_dir(cache)
+        trust.check_private_dir(cache, "XLA cache")
     except OSError:
         return  # an unwritable cache only costs speed
+    except trust.Untrusted as e:
+        if warn is not None:
+            warn(f"{e}: the persistent XLA cache is off for this run")
+        return
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

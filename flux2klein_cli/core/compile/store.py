@@ -7,13 +7,18 @@ structure, shapes, dtypes and shardings, the target (platform, device kind, devi
 topology), the jax / jaxlib / libtpu versions, a fingerprint of the model and pipeline
 source, and the flags that change code generation.
 
-Layout: `<root>/<key>/` holds `executable.bin` (jax's serialized executable), `trees.pkl`
-(its argument and output tree structures) and `meta.json` (the key parts, sha256 and size
-of both files, compile seconds, `memory_analysis()`, creation time); `<root>/manifest.json`
-lists every entry. Entries are written in a temporary folder and renamed into place, so a
-reader or a concurrent writer never sees half an entry. A load checks the key parts and the
-checksums before deserializing; any mismatch, truncation or deserialization error is a
-warning and a recompile, never a use of the entry.
+Layout: `<root>/<key>/` holds `executable.bin` (jax's serialized executable), `trees.json`
+(its output tree structure, plain JSON: core/compile/treedefs.py) and `meta.json` (the key
+parts, sha256 and size of both files, compile seconds, `memory_analysis()`, creation time,
+and an HMAC of all that with the store's key); `<root>/manifest.json` lists every entry.
+Entries are written in a temporary folder and renamed into place, so a reader or a
+concurrent writer never sees half an entry.
+
+An executable is code: a store is used only when this user owns it and no one else can
+write it, and an entry only when its files are this user's and its record carries the
+store's HMAC (core/trust.py). A load checks ownership, the HMAC, the key parts and the
+checksums before deserializing; any failure is one warning and a recompile, never a use of
+the entry.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import functools
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -38,9 +42,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
+from flux2klein_cli.core import trust
+from flux2klein_cli.core.compile import treedefs
+
 STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
-FORMAT = 1  # bump when the entry layout or the key's meaning changes
-EXECUTABLE, TREES, META, MANIFEST = "executable.bin", "trees.pkl", "meta.json", "manifest.json"
+FORMAT = 2  # bump when the entry layout or the key's meaning changes
+EXECUTABLE, TREES, META, MANIFEST = "executable.bin", "trees.json", "meta.json", "manifest.json"
 # Source whose edits change what a program computes without changing any config or shape.
 _CODE_DIRS = ("core/models", "core/pipeline")
 _CODE_FILES = ("core/compile/programs.py",)
@@ -319,6 +326,8 @@ class ExecutableStore:
         self.root = Path(root).expanduser() if root is not None else default_root()
         self._on_warning = on_warning
         self._ignored_options: set[str] = set()  # platforms already warned about an unknown option
+        self._key: bytes | None = None
+        self._refused: str | None = None  # why this store is not used at all (warned once)
 
     def warn(self, message: str) -> None:
         if self._on_warning is not None:
@@ -328,6 +337,26 @@ class ExecutableStore:
 
     def entry(self, key: str) -> Path:
         return self.root / key
+
+    def trusted_key(self, *, create: bool) -> bytes | None:
+        """The store's HMAC key once the store is known to be private; None when there is no
+        store yet (and `create` is False) or it is refused (warned once)."""
+        if self._key is not None or self._refused is not None:
+            return self._key
+        try:
+            if create:
+                trust.make_private_dir(self.root)
+            elif not self.root.is_dir():
+                return None
+            trust.check_private_dir(self.root, "executable store")
+            self._key = trust.store_key(self.root)
+        except trust.Untrusted as e:
+            self._refused = str(e)
+            self.warn(f"{e}: its executables are not used or written (see docs/cli.md, 'Trusting a store')")
+        except OSError as e:
+            self._refused = e.strerror or str(e)
+            self.warn(f"cannot use the executable store {self.root}: {self._refused}")
+        return self._key
 
     # --- loading
 
@@ -340,10 +369,11 @@ class ExecutableStore:
         key = key_of(parts)
         start = time.perf_counter()
         entry = self.entry(key)
-        if not (entry / META).is_file():
+        store_key = self.trusted_key(create=False)
+        if store_key is None or not (entry / META).is_file():
             return None
         try:
-            meta, payload, trees = self._read_verified(entry, parts)
+            meta, payload, trees = self._read_verified(entry, parts, store_key)
             compiled = None
             if not (spec.target or Target.local()).compile_only:
                 compiled = self._deserialize(spec, payload, trees)
@@ -354,35 +384,48 @@ class ExecutableStore:
                         memory=meta.get("memory", {}), path=str(entry))
         return compiled, info
 
-    def _read_verified(self, entry: Path, parts: dict[str, Any]) -> tuple[dict[str, Any], bytes, bytes]:
+    def _read_verified(self, entry: Path, parts: dict[str, Any], store_key: bytes
+                       ) -> tuple[dict[str, Any], bytes, Any]:
+        """(meta, executable bytes, output tree) of an entry this user wrote, checked before
+        anything in it is parsed beyond JSON."""
         try:
+            trust.check_private_dir(entry, "entry")
+            for name in (META, EXECUTABLE, TREES):
+                trust.check_private_file(entry / name)
             meta = json.loads((entry / META).read_text())
+            if not isinstance(meta, dict):
+                raise _Unusable(f"{META} is not a JSON object")
+            trust.verify(meta, store_key)
             payload = (entry / EXECUTABLE).read_bytes()
             trees = (entry / TREES).read_bytes()
+        except trust.Untrusted as e:
+            raise _Unusable(str(e)) from None
         except (OSError, ValueError) as e:
             raise _Unusable(f"unreadable ({e})") from None
         if meta.get("key_parts") != parts:
             raise _Unusable("its recorded key parts differ from this program's")
+        files = meta.get("files")
         for name, data in ((EXECUTABLE, payload), (TREES, trees)):
-            want = meta.get("files", {}).get(name, {})
+            want = files.get(name) if isinstance(files, dict) else None
+            want = want if isinstance(want, dict) else {}
             if want.get("bytes") != len(data):
                 raise _Unusable(f"{name} has {len(data)} bytes, {want.get('bytes')} recorded (truncated?)")
             if want.get("sha256") != hashlib.sha256(data).hexdigest():
                 raise _Unusable(f"{name} does not match its recorded sha256 (corrupt)")
-        return meta, payload, trees
+        try:
+            out_tree = treedefs.decode(json.loads(trees))
+        except ValueError as e:
+            raise _Unusable(f"its tree structure does not load ({e})") from None
+        return meta, payload, out_tree
 
-    def _deserialize(self, spec: ProgramSpec, payload: bytes, trees: bytes) -> jax.stages.Compiled:
+    def _deserialize(self, spec: ProgramSpec, payload: bytes, out_tree: Any) -> jax.stages.Compiled:
         from jax.experimental.serialize_executable import deserialize_and_load
 
         target = spec.target or Target.local()
         try:
-            in_tree, out_tree = pickle.loads(trees)
-        except Exception as e:  # any unpickling failure means the entry is unusable
-            raise _Unusable(f"its tree structures do not load ({type(e).__name__})") from None
-        if in_tree != spec.in_tree:
-            raise _Unusable("its argument tree structure differs from this program's")
-        try:
-            return deserialize_and_load(payload, in_tree, out_tree, backend=target.platform,
+            # The payload is authenticated (HMAC of the record holding its sha256): only now
+            # may jax unpickle it.
+            return deserialize_and_load(payload, spec.in_tree, out_tree, backend=target.platform,
                                         execution_devices=target.devices)
         except Exception as e:  # XLA raises its own error types for a bad executable
             raise _Unusable(f"deserialization failed ({type(e).__name__}: {_first_line(e)})") from None
@@ -418,9 +461,12 @@ class ExecutableStore:
         from jax.experimental.serialize_executable import serialize
 
         key = key_of(parts)
+        store_key = self.trusted_key(create=True)
+        if store_key is None:
+            return None
         try:
-            payload, in_tree, out_tree = serialize(compiled)
-            trees = pickle.dumps((in_tree, out_tree))
+            payload, _, out_tree = serialize(compiled)
+            trees = json.dumps(treedefs.encode(out_tree)).encode()
         except Exception as e:  # e.g. a backend without executable serialization
             self.warn(f"cannot store {spec.name}: serialization failed ({type(e).__name__}: {_first_line(e)})")
             return None
@@ -430,13 +476,13 @@ class ExecutableStore:
             "files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
                       for name, data in ((EXECUTABLE, payload), (TREES, trees))},
         }
+        meta = trust.sign(meta, store_key)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:12]}-", dir=self.root))
             try:
-                (tmp / EXECUTABLE).write_bytes(payload)
-                (tmp / TREES).write_bytes(trees)
-                (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+                for name, data in ((EXECUTABLE, payload), (TREES, trees),
+                                   (META, json.dumps(meta, indent=1, sort_keys=True).encode())):
+                    _write_private(tmp / name, data)
                 self._install(tmp, self.entry(key))
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -488,13 +534,16 @@ class ExecutableStore:
 
     def stale_reason(self, name: str, parts: dict[str, Any]) -> str | None:
         """Why an entry for the same program (same name, arguments, shapes and target) does not
-        apply: the differing versions, configs, code or flags. None when there is no such entry."""
-        shapes = parts.get("extra", {}).get("shapes")
+        apply: the differing versions, configs, code or flags. None when there is no such entry
+        (or the store is refused: its manifest says nothing then)."""
+        if self._refused is not None:
+            return None
+        shapes = _recorded_shapes(parts)
         for other in self.manifest().get("executables", []):
             old = other.get("key_parts", {})
             if other.get("name") != name or old.get("args") != parts["args"] or old.get("target") != parts["target"]:
                 continue
-            if old.get("extra", {}).get("shapes") != shapes:  # a new output size: a new key, nothing stale
+            if _recorded_shapes(old) != shapes:  # a new output size: a new key, nothing stale
                 continue
             if old == parts:
                 continue
@@ -510,15 +559,24 @@ class ExecutableStore:
             if entry.name.startswith(".") or not (entry / META).is_file():
                 continue
             try:
-                yield json.loads((entry / META).read_text())
+                meta = json.loads((entry / META).read_text())
             except (OSError, ValueError):
                 continue
+            if isinstance(meta, dict):
+                yield meta
 
     def manifest(self) -> dict[str, Any]:
+        """The manifest, or {} when it is missing or not of the expected form (it is only an
+        index: entries are checked on their own)."""
         try:
-            return json.loads((self.root / MANIFEST).read_text())
+            manifest = json.loads((self.root / MANIFEST).read_text())
         except (OSError, ValueError):
             return {}
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("executables"), list):
+            return {}
+        manifest["executables"] = [e for e in manifest["executables"]
+                                   if isinstance(e, dict) and isinstance(e.get("key_parts", {}), dict)]
+        return manifest
 
     def write_manifest(self) -> None:
         """Rebuild manifest.json from every entry's meta.json, under a lock, atomically."""
@@ -540,6 +598,14 @@ class _Unusable(Exception):
     pass
 
 
+def _write_private(path: Path, data: bytes) -> None:
+    """A new file only this user can write, whatever the umask (a group-writable entry would
+    be refused on load)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
 @contextlib.contextmanager
 def _warnings_to(store: ExecutableStore) -> Iterator[list[str]]:
     """Collect the store's warnings during a load, still passing them on."""
@@ -558,6 +624,11 @@ def _warnings_to(store: ExecutableStore) -> Iterator[list[str]]:
         yield caught
     finally:
         store._on_warning = previous
+
+
+def _recorded_shapes(parts: dict[str, Any]) -> Any:
+    extra = parts.get("extra")
+    return extra.get("shapes") if isinstance(extra, dict) else None
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

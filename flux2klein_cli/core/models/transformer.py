@@ -319,6 +319,13 @@ class Flux2Transformer(nnx.Module):
         self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
         self.proj_out = linear(d, cfg.out_channels, dtype=dtype, rngs=rngs)
 
+    def reference_kv_shapes(self, tokens: int) -> list[tuple[int, ...]]:
+        """The shapes of a batch-1 ReferenceKV over `tokens` reference tokens, field by field."""
+        cfg = self.cfg
+        per_block = (1, tokens, cfg.num_attention_heads, cfg.attention_head_dim)
+        double, single = (cfg.num_layers, *per_block), (cfg.num_single_layers, *per_block)
+        return [double, double, single, single]
+
     def rope(self, txt_ids: np.ndarray, img_ids: np.ndarray) -> Rope:
         """RoPE tables for the joint sequence [txt, img] from (T, 4) and (N, 4) position ids."""
         cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.cfg.axes_dims_rope, self.cfg.rope_theta)

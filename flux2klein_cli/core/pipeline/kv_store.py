@@ -3,9 +3,14 @@
 The cached K / V depend only on the transformer weights, the compute dtype and the
 processed reference pixels (with their sizes and order), so that is the key. On disk an
 entry is `<key>.bin` (the four arrays back to back) and `<key>.json` (shapes, dtype, the
-SHA-256 of the bytes and the key's inputs), the JSON written last as the commit mark, both
-by atomic rename. A missing, corrupt or mismatched entry is recomputed, never used; a store
-that cannot be written is a warning, not a failure.
+SHA-256 of the bytes, the key's inputs, and an HMAC of all that with the directory's key),
+the JSON written last as the commit mark, both by atomic rename.
+
+The directory is trusted as the executable store is (core/trust.py): this user's, written
+by no one else, each record signed. Every record is checked against a schema and against the
+shapes the model expects before its bytes are used. A missing, foreign, corrupt or
+mismatched entry is recomputed with one warning, never used; a directory that cannot be
+written is a warning, not a failure.
 """
 
 from __future__ import annotations
@@ -21,9 +26,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from flux2klein_cli.core import trust
 from flux2klein_cli.core.models.transformer import ReferenceKV
 
-FORMAT = "flux2klein-reference-kv-1"
+FORMAT = "flux2klein-reference-kv-2"
 FIELDS = ("double_k", "double_v", "single_k", "single_v")
 SAMPLE_BYTES = 1 << 16
 
@@ -58,45 +64,83 @@ class ReferenceKVStore:
 
     def __init__(self, root: Path, identity: str, dtype: Any, warn: Callable[[str], None]):
         self.root, self.identity, self.dtype_name, self.warn = root, identity, jnp.dtype(dtype).name, warn
+        self._key: bytes | None = None
+        self._refused = False
 
     def key(self, digest: str) -> str:
         return hashlib.sha256(f"{FORMAT}\n{self.identity}\n{self.dtype_name}\n{digest}".encode()).hexdigest()[:32]
 
-    def load(self, digest: str) -> ReferenceKV | None:
+    def _store_key(self, *, create: bool) -> bytes | None:
+        """The directory's HMAC key once it is known to be private (warned once otherwise)."""
+        if self._key is not None or self._refused:
+            return self._key
+        try:
+            if create:
+                trust.make_private_dir(self.root)
+            elif not self.root.is_dir():
+                return None
+            trust.check_private_dir(self.root, "KV cache directory")
+            self._key = trust.store_key(self.root)
+        except trust.Untrusted as e:
+            self._refused = True
+            self.warn(f"{e}: reference KV caches there are not used or written")
+        except OSError as e:
+            self._refused = True
+            self.warn(f"cannot store the reference KV cache in {self.root} ({e.strerror or e}); continuing without")
+        return self._key
+
+    def load(self, digest: str, shapes: list[tuple[int, ...]]) -> ReferenceKV | None:
+        """The cached KV of these references, or None. `shapes` are the four arrays' shapes
+        the model expects: a record of any other shape is not used."""
         key = self.key(digest)
         meta_path, data_path = self.root / f"{key}.json", self.root / f"{key}.bin"
-        if not meta_path.exists():
+        store_key = self._store_key(create=False)
+        if store_key is None or not meta_path.exists():
             return None
         try:
+            for path in (meta_path, data_path):
+                trust.check_private_file(path, "KV cache file")
             meta = json.loads(meta_path.read_text())
-            expected = dict(format=FORMAT, identity=self.identity, dtype=self.dtype_name, references=digest)
-            if any(meta.get(k) != v for k, v in expected.items()):
-                raise ValueError("written for another model, dtype or reference set")
+            if not isinstance(meta, dict):
+                raise ValueError("its record is not a JSON object")
+            trust.verify(meta, store_key)
+            expected = dict(format=FORMAT, identity=self.identity, dtype=self.dtype_name, references=digest,
+                            fields=list(FIELDS), shapes=[list(s) for s in shapes])
+            wrong = [k for k, v in expected.items() if meta.get(k) != v]
+            if wrong:
+                raise ValueError(f"written for another model, dtype, reference set or shape ({', '.join(wrong)})")
+            dtype = jnp.dtype(self.dtype_name)
+            size = sum(int(np.prod(shape)) for shape in shapes) * dtype.itemsize
             data = data_path.read_bytes()
-            if len(data) != meta["bytes"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            if meta.get("bytes") != size or len(data) != size:
+                raise ValueError(f"it holds {len(data)} bytes, {size} expected")
+            if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
                 raise ValueError("its data does not match its checksum")
-            dtype = jnp.dtype(meta["dtype"])
             arrays, offset = [], 0
-            for shape in meta["shapes"]:
+            for shape in shapes:
                 count = int(np.prod(shape))
                 arrays.append(np.frombuffer(data, dtype, count, offset).reshape(shape))
                 offset += count * dtype.itemsize
+            if not all(np.isfinite(a.astype(np.float32)).all() for a in arrays):
+                raise ValueError("it holds non-finite values")
             return ReferenceKV(*(jnp.asarray(a) for a in arrays))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (trust.Untrusted, OSError, ValueError) as e:
             self.warn(f"reference KV cache entry {meta_path} is unusable ({e}); recomputing it")
             return None
 
     def save(self, digest: str, kv: ReferenceKV) -> None:
+        store_key = self._store_key(create=True)
+        if store_key is None:
+            return
         key = self.key(digest)
         arrays = [np.asarray(getattr(kv, name)) for name in FIELDS]
         data = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
-        meta = dict(
+        meta = trust.sign(dict(
             format=FORMAT, identity=self.identity, dtype=self.dtype_name, references=digest,
             shapes=[list(a.shape) for a in arrays], fields=list(FIELDS), bytes=len(data),
             sha256=hashlib.sha256(data).hexdigest(),
-        )
+        ), store_key)
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
             _write_atomic(self.root / f"{key}.bin", data)
             _write_atomic(self.root / f"{key}.json", json.dumps(meta, indent=1).encode())
         except OSError as e:

@@ -268,7 +268,10 @@ class KleinPipeline:
         digest = references_digest(references)
         if digest in self._kv_memory:
             return self._kv_memory[digest], "memory"
-        kv, source = (self.kv_store.load(digest) if self.kv_store else None), "disk"
+        reference_tokens = sum((image.shape[0] // PIXELS_PER_TOKEN) * (image.shape[1] // PIXELS_PER_TOKEN)
+                               for image in references)
+        shapes = self.models.transformer.reference_kv_shapes(reference_tokens)
+        kv, source = (self.kv_store.load(digest, shapes) if self.kv_store else None), "disk"
         if kv is None:
             refs, grids = _timed(seconds, "references", lambda: self.encode_references(references))
             cos, sin = self.models.transformer.rope(np.zeros((0, 4), np.int32), tokens.reference_ids(grids))
