@@ -17,10 +17,11 @@ from typing import Any
 from flux2klein_cli import __version__
 from flux2klein_cli.core.checkpoint import Snapshot, parse_dtype
 from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.images import load_reference, postprocess, preprocess_reference, validate_size
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
-from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS, PIXELS_PER_TOKEN, Request, check_seeds
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
 from flux2klein_cli.core.registry import default_size
 
 
@@ -77,7 +78,6 @@ def _check_options(opts: GenerateOptions) -> None:
     check_seeds(opts.seed, len(opts.prompts) * opts.num_images)
     if opts.max_sequence_length < 1:
         raise UserInputError("--max-sequence-length must be at least 1")
-    validate_size(opts.height, opts.width)
     if opts.kv and not opts.references:
         raise UserInputError("--kv needs at least one reference image (--image)")
     if opts.kv_cache_dir is not None and not opts.kv:
@@ -94,6 +94,18 @@ def check_kv_model(snapshot: Snapshot, model: str) -> None:
         )
 
 
+def model_geometry(model: str) -> LatentGeometry | None:
+    """The model's latent geometry from its configs alone, when they are here (a local or cached
+    snapshot, `tiny`, or a published alias); None when only a download would tell."""
+    from flux2klein_cli.core.compile.programs import model_configs
+
+    try:
+        configs = model_configs(model)
+    except Flux2KleinError:
+        return None  # resolve() says what is wrong, or downloads it
+    return configs.geometry
+
+
 def run_generate(
     opts: GenerateOptions,
     resolve: Callable[[str], Path],
@@ -107,20 +119,30 @@ def run_generate(
     from flux2klein_cli.core.compile.store import parse_effort
 
     parse_effort(opts.effort)
-    references = [preprocess_reference(load_reference(path)) for path in opts.references]
+    # Sizes, references and --latents depend on the model's geometry: checked before any
+    # download when the configs are here, else right after resolving, before the weights load.
+    geometry = model_geometry(opts.model)
+    model_dir = None
+    if geometry is None:
+        on_phase("loading model")
+        model_dir = resolve(opts.model)
+        geometry = LatentGeometry.of_snapshot(model_dir)
+    multiple = geometry.pixels_per_token
+    validate_size(opts.height, opts.width, multiple_of=multiple)
+    references = [preprocess_reference(load_reference(path), multiple_of=multiple) for path in opts.references]
     side = default_size(opts.model)
     first = references[0].shape[:2] if references else (side, side)
     height, width = opts.height or int(first[0]), opts.width or int(first[1])
-    validate_size(height, width)
+    validate_size(height, width, multiple_of=multiple)
     batch = len(opts.prompts) * opts.num_images
     outputs = plan_outputs(opts.output, batch, force=opts.force)
     noise = None
     if opts.latents is not None:
-        shape = (batch, LATENT_CHANNELS, height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN)
-        noise = load_latents(opts.latents, shape)
+        noise = load_latents(opts.latents, geometry.latents_shape(batch, height, width))
 
     on_phase("loading model")
-    model_dir = resolve(opts.model)
+    if model_dir is None:
+        model_dir = resolve(opts.model)
     snapshot = Snapshot.open(model_dir)
     if opts.kv:
         check_kv_model(snapshot, opts.model)
