@@ -33,3 +33,11 @@ def tiny_kv_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_base_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An undistilled `Flux2KleinPipeline` snapshot (like `base-4b`): real classifier-free guidance."""
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "flux2-klein-tiny-base", distilled=False, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_shallow_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Another latent geometry: a 3-level VAE with 8 latent channels, so 8 pixels and 32 channels
+    per token (klein: 16 and 128); the transformer's in_channels is 32."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "flux2-klein-tiny-shallow", seed=3, vae_levels=3,
+                            latent_channels=8)

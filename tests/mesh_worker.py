@@ -21,7 +21,8 @@ from tests.test_pipeline_parity import synthetic_image
 
 def requests(kind: str, batch: int) -> dict[str, Request]:
     """Small requests (1 step, 32 px, 16 text tokens): the meshes, not the sizes, are under test."""
-    refs = [preprocess_reference(synthetic_image(w, h, i)) for i, (w, h) in enumerate([(64, 64), (96, 64)])]
+    refs = [preprocess_reference(synthetic_image(w, h, i), multiple_of=16)
+            for i, (w, h) in enumerate([(64, 64), (96, 64)])]
     prompts = ["a red fox", "a lighthouse", "two cats", "a bowl of fruit"][: max(1, batch // 2)]
     common = dict(prompts=prompts, num_images=batch // len(prompts), steps=1, guidance=1.0, height=32, width=32,
                   seed=3, max_sequence_length=16)

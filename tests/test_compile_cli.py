@@ -21,6 +21,9 @@ from flux2klein_cli.core.compile import programs as P  # noqa: E402
 from flux2klein_cli.core.compile.store import ExecutableStore, compile_all  # noqa: E402
 from flux2klein_cli.core.compile.tpu import parse_preset  # noqa: E402
 from flux2klein_cli.core.errors import UserInputError  # noqa: E402
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry  # noqa: E402
+
+KLEIN = LatentGeometry(pixels_per_token=16, channels=128)  # the tiny fixtures', as the published models'
 
 runner = CliRunner()
 SMALL = ["--height", "32", "--width", "32", "--max-sequence-length", "16", "--steps", "2"]
@@ -46,7 +49,7 @@ def test_programs_from_configs_run_the_real_pipeline(request: pytest.FixtureRequ
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
     checkpoint = request.getfixturevalue("tiny_kv_checkpoint" if kv else "tiny_checkpoint")
-    run = P.RunShape(32, 32, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
+    run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
                      dtype=jnp.float32, kv=kv)
     specs = P.pipeline_programs(P.model_configs(str(checkpoint)), run)
     results = compile_all(specs, ExecutableStore(tmp_path))
@@ -77,7 +80,7 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
     from flux2klein_cli.core.compile.store import Target
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
-    run = P.RunShape(32, 32, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
+    run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
                      dtype=jnp.float32)
     configs = P.model_configs(str(tiny_checkpoint))
     def vae_programs(effort: str) -> list:
@@ -147,7 +150,8 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
     from flux2klein_cli.core.compile.tpu import parse_preset, preset_target
 
     target = dataclasses.replace(preset_target(parse_preset("v6e-4")), effort="fast")
-    run = P.RunShape(32, 32, batch=4, prompts=1, steps=2, references=(), max_sequence_length=16, dtype=jnp.bfloat16)
+    run = P.RunShape(32, 32, KLEIN, batch=4, prompts=1, steps=2, references=(), max_sequence_length=16,
+                     dtype=jnp.bfloat16)
     spec = next(s for s in P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run, target)
                 if s.name == "vae_decode")
     lowered = spec.lower()
@@ -208,7 +212,7 @@ def test_registry_alias_needs_no_download(monkeypatch: pytest.MonkeyPatch) -> No
     assert configs.source == "registry:9b" and configs.transformer["num_layers"] == 8
     assert configs.vae["block_out_channels"] == [128, 256, 512, 512]
     with pytest.raises(UserInputError):
-        P.RunShape(1000, 1024)
+        P.RunShape(1000, 1024, configs.geometry)
 
 
 def test_fsdp_rule_splits_the_largest_divisible_dimension() -> None:

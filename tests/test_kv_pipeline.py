@@ -40,7 +40,7 @@ def edit(pipeline: KleinPipeline, prompts: list[str], references: list[np.ndarra
 
 
 def test_reuse_in_memory_and_on_disk_gives_the_same_image(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
-    refs = [preprocess_reference(image) for image in REFERENCES[:2]]
+    refs = [preprocess_reference(image, multiple_of=16) for image in REFERENCES[:2]]
     fresh = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
     warnings: list[str] = []
     identity = weights_identity(tiny_kv_checkpoint / "transformer")
@@ -61,7 +61,7 @@ def test_reuse_in_memory_and_on_disk_gives_the_same_image(tiny_kv_checkpoint: Pa
 
 def test_several_prompts_share_one_references_pass(kv_pipeline: KleinPipeline) -> None:
     """Two prompts x two images use one cache; each image equals the one from its own run."""
-    refs = [preprocess_reference(REFERENCES[0])]
+    refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
     kv_pipeline._kv_memory.clear()
     batch, source = edit(kv_pipeline, ["a red fox", "a blue bird"], refs, num_images=2)
     assert source == "computed" and batch.shape[0] == 4
@@ -74,11 +74,12 @@ def test_several_prompts_share_one_references_pass(kv_pipeline: KleinPipeline) -
 
 
 def kv_shapes(pipeline: KleinPipeline, refs: list[np.ndarray]) -> list[tuple[int, ...]]:
-    return pipeline.models.transformer.reference_kv_shapes(sum(r.shape[0] * r.shape[1] // 256 for r in refs))
+    return pipeline.models.transformer.reference_kv_shapes(
+        sum(int(np.prod(pipeline.geometry.grid(*r.shape[:2]))) for r in refs))
 
 
 def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
-    refs = [preprocess_reference(REFERENCES[0])]
+    refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
     digest = references_digest(refs)
     identity = weights_identity(tiny_kv_checkpoint / "transformer")
     pipeline = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
@@ -111,7 +112,7 @@ def test_an_unwritable_store_warns_and_the_edit_runs(tiny_kv_checkpoint: Path, t
     pipeline = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
     warnings: list[str] = []
     pipeline.kv_store = ReferenceKVStore(blocked / "kv", "id", jnp.float32, warnings.append)
-    images, source = edit(pipeline, ["a red fox"], [preprocess_reference(REFERENCES[0])])
+    images, source = edit(pipeline, ["a red fox"], [preprocess_reference(REFERENCES[0], multiple_of=16)])
     assert source == "computed" and images.shape == (1, 64, 64, 3)
     assert len(warnings) == 1 and "cannot store" in warnings[0]
 

@@ -31,7 +31,8 @@ def synthetic_image(width: int, height: int, seed: int) -> Image.Image:
 
 
 def check(pipeline: KleinPipeline, request: Request, references: list[Image.Image] = ()) -> None:
-    request.references = [preprocess_reference(image) for image in references]
+    multiple = pipeline.geometry.pixels_per_token
+    request.references = [preprocess_reference(image, multiple_of=multiple) for image in references]
     run = run_parity(pipeline, request, list(references), "fp32")
     assert run.ours.shape == run.reference.shape
     assert run.metrics.ssim >= MIN_SSIM, run.metrics

@@ -19,8 +19,9 @@ def bench(
     model: str = typer.Option("4b", "--model", "-m", help="Alias, repo id or local dir (geometry only for "
                               "transformer-compile)."),
     phase: str = typer.Option("pipeline", "--phase", help=f"What to time: {', '.join(PHASES)}."),
-    height: int = typer.Option(1024, "--height", help="Image height in pixels (multiple of 16)."),
-    width: int = typer.Option(1024, "--width", help="Image width in pixels (multiple of 16)."),
+    height: int = typer.Option(1024, "--height", help="Image height in pixels (a multiple of the model's "
+                               "pixels per token: 16 for klein)."),
+    width: int = typer.Option(1024, "--width", help="Image width in pixels (as --height)."),
     bs: int = typer.Option(1, "--bs", help="Batch size (images per run)."),
     steps: int = typer.Option(None, "--steps", help="Denoising steps [default: the model's]."),
     reps: int = typer.Option(3, "--reps", help="Timed repetitions after the first call; min and median."),
@@ -89,7 +90,7 @@ def bench(
 
         if phase not in PHASES:
             raise UserInputError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
-        validate_size(height, width)
+        validate_size(height, width, multiple_of=1)  # positive here; the model's pixels per token once known
         if bs < 1 or reps < 1 or (steps is not None and steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
         target = parse_dtype(dtype)
@@ -162,13 +163,17 @@ def bench(
 def _transformer_compile(model: str, height: int, width: int, bs: int, reps: int, unrolled: bool,
                          as_json: bool) -> dict[str, Any]:
     from flux2klein_cli.core.bench import summarize, transformer_compile_seconds
+    from flux2klein_cli.core.compile.programs import configs_from_registry
+    from flux2klein_cli.core.images import validate_size
     from flux2klein_cli.core.registry import spec_for
 
     spec = spec_for(model)
+    geometry = configs_from_registry(spec.alias).geometry
+    validate_size(height, width, multiple_of=geometry.pixels_per_token)
     runs = []
     for i in range(reps):
         runs.append(transformer_compile_seconds(spec.transformer, scan=not unrolled, batch=bs, height=height,
-                                                width=width))
+                                                width=width, pixels_per_token=geometry.pixels_per_token))
         if not as_json:
             note(f"rep {i + 1}/{reps}: {runs[-1]['total_s']:.2f} s")
     return dict(

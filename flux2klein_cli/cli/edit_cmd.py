@@ -45,8 +45,8 @@ def edit(
     """Edit or combine reference images following a prompt.
 
     References are checked (sides >= 64 px, aspect <= 8), scaled down to 1024x1024 area if
-    larger, cropped to multiples of 16; the output takes the first reference's size unless
-    --height/--width are given.
+    larger, cropped to multiples of the model's pixels per token (16 for klein); the output
+    takes the first reference's size unless --height/--width are given.
 
     Examples:
 

@@ -16,9 +16,9 @@ MODEL = typer.Option("4b", "--model", "-m", help="Alias (4b, 9b, 9b-kv, base-4b,
                      "tiny is a built-in random-weight model whose images are noise (for trying the tool).")
 OUTPUT = typer.Option(Path("out.png"), "--output", "-o",
                       help="PNG path; several images become NAME-0.png, NAME-1.png, ...")
-HEIGHT = typer.Option(None, "--height", help="Output height in pixels, a multiple of 16 [default: 1024 (tiny: "
-                      "256), or the first reference's]")
-WIDTH = typer.Option(None, "--width", help="Output width in pixels, a multiple of 16 [default: as height]")
+HEIGHT = typer.Option(None, "--height", help="Output height in pixels, a multiple of the model's pixels per token "
+                      "(16 for klein) [default: 1024 (tiny: 256), or the first reference's]")
+WIDTH = typer.Option(None, "--width", help="Output width in pixels, as --height [default: as height]")
 STEPS = typer.Option(None, "--steps", help="Denoising steps [default: 4 distilled, 50 base]")
 GUIDANCE = float_option(None, "--guidance", help="Guidance scale; real CFG on base models only "
                         "[default: 1.0 distilled, 4.0 base]")
@@ -26,7 +26,8 @@ NEGATIVE = typer.Option("", "--negative-prompt", help="What to steer away from (
 SEED = typer.Option(0, "--seed", help="Noise seed; image i uses seed + i.")
 NUM_IMAGES = typer.Option(1, "--num-images", "-n", help="Images per prompt.")
 DTYPE = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32.")
-LATENTS = typer.Option(None, "--latents", help="Initial noise .npy, shape (B, 128, H/16, W/16) as diffusers' latents=.")
+LATENTS = typer.Option(None, "--latents", help="Initial noise .npy in diffusers' latents= shape: (B, 128, H/16, "
+                       "W/16) for klein, from the model's latent geometry in general.")
 FORCE = typer.Option(False, "--force", help="Overwrite existing output files.")
 MAX_SEQUENCE = typer.Option(512, "--max-sequence-length", help="Prompt tokens (padded and truncated to this).")
 MESH = typer.Option(None, "--mesh", help="Device mesh axis sizes over all devices of the run, e.g. data=2,fsdp=4 "

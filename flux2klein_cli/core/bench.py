@@ -27,15 +27,17 @@ def transformer_compile_seconds(
     width: int = 1024,
     text_tokens: int = 512,
     dtype: Any = jnp.bfloat16,
+    pixels_per_token: int,
 ) -> dict[str, float]:
-    """Lower and compile one transformer forward from abstract shapes only (no weights).
+    """Lower and compile one transformer forward from abstract shapes only (no weights);
+    `pixels_per_token` is the model's (LatentGeometry).
 
     Returns trace+lower seconds and XLA compile seconds, separately."""
     jax.clear_caches()  # every repetition is a cold compile, as in a fresh process
     cfg = TransformerConfig.from_dict(config)
     model = nnx.eval_shape(lambda: Flux2Transformer(cfg, dtype=dtype, scan_layers=scan, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    n_img = (height // 16) * (width // 16)
+    n_img = (height // pixels_per_token) * (width // pixels_per_token)
     seq = text_tokens + n_img
 
     def forward(state: nnx.State, img: jax.Array, txt: jax.Array, sigma: jax.Array, cos: jax.Array,
@@ -148,7 +150,7 @@ def bench_pipeline(
     kv_run = _time_request(pipeline, kv_request, reps)
     plain_s = result["phases"]["denoise"]["median"]
     kv_s = kv_run["phases"]["denoise"]["median"] + kv_run["phases"]["reference_kv"]["median"]
-    n_img = (height // 16) * (width // 16)
+    n_img = pipeline.geometry.tokens(height, width)
     bound = kv_speedup_bound(pipeline.models.transformer.cfg, text=request.max_sequence_length, image=n_img,
                              refs=references * n_img, steps=request.steps)
     return dict(

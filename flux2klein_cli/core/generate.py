@@ -26,7 +26,8 @@ from flux2klein_cli.core.images import (
     validate_size,
 )
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
-from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS, PIXELS_PER_TOKEN, Request, check_seeds
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
 from flux2klein_cli.core.registry import default_size
 
 
@@ -84,7 +85,6 @@ def _check_options(opts: GenerateOptions) -> None:
     check_seeds(opts.seed, len(opts.prompts) * opts.num_images)
     if opts.max_sequence_length < 1:
         raise UserInputError("--max-sequence-length must be at least 1")
-    validate_size(opts.height, opts.width)
     check_reference_count(len(opts.references))
     if opts.kv and not opts.references:
         raise UserInputError("--kv needs at least one reference image (--image)")
@@ -104,15 +104,15 @@ def check_kv_model(snapshot: Snapshot, model: str) -> None:
 
 def _check_cost(snapshot: Snapshot, opts: GenerateOptions, dtype: Any, height: int, width: int,
                 references: list[Any], steps: int, guidance: float, batch: int, mesh: Any,
-                warn: Callable[[str], None]) -> None:
+                pixels_per_token: int, warn: Callable[[str], None]) -> None:
     """The size limit, the memory estimate against the device, and a word on long runs; before loading."""
     from flux2klein_cli.core import run_cost
     from flux2klein_cli.core.weights.configs import read_config
 
     configs = {name: read_config(snapshot.component(name)) for name in ("transformer", "text_encoder", "vae")}
-    run_cost.check_size_limit(height, width, configs["transformer"], PIXELS_PER_TOKEN)
-    image_tokens = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
-    ref_tokens = sum((r.shape[0] // PIXELS_PER_TOKEN) * (r.shape[1] // PIXELS_PER_TOKEN) for r in references)
+    run_cost.check_size_limit(height, width, configs["transformer"], pixels_per_token)
+    image_tokens = (height // pixels_per_token) * (width // pixels_per_token)
+    ref_tokens = sum((r.shape[0] // pixels_per_token) * (r.shape[1] // pixels_per_token) for r in references)
     passes = 2 if not snapshot.is_distilled and guidance > 1.0 else 1  # CFG: a second, negative pass
     item = 4 if opts.dtype == "fp32" else 2
     cost = run_cost.RunCost(
@@ -129,6 +129,18 @@ def _check_cost(snapshot: Snapshot, opts: GenerateOptions, dtype: Any, height: i
         warn(message)
 
 
+def model_geometry(model: str) -> LatentGeometry | None:
+    """The model's latent geometry from its configs alone, when they are here (a local or cached
+    snapshot, `tiny`, or a published alias); None when only a download would tell."""
+    from flux2klein_cli.core.compile.programs import model_configs
+
+    try:
+        configs = model_configs(model)
+    except Flux2KleinError:
+        return None  # resolve() says what is wrong, or downloads it
+    return configs.geometry
+
+
 def run_generate(
     opts: GenerateOptions,
     resolve: Callable[[str], Path],
@@ -142,20 +154,30 @@ def run_generate(
     from flux2klein_cli.core.compile.store import parse_effort
 
     parse_effort(opts.effort)
-    references = [preprocess_reference(load_reference(path)) for path in opts.references]
+    # Sizes, references and --latents depend on the model's geometry: checked before any
+    # download when the configs are here, else right after resolving, before the weights load.
+    geometry = model_geometry(opts.model)
+    model_dir = None
+    if geometry is None:
+        on_phase("loading model")
+        model_dir = resolve(opts.model)
+        geometry = LatentGeometry.of_snapshot(model_dir)
+    multiple = geometry.pixels_per_token
+    validate_size(opts.height, opts.width, multiple_of=multiple)
+    references = [preprocess_reference(load_reference(path), multiple_of=multiple) for path in opts.references]
     side = default_size(opts.model)
     first = references[0].shape[:2] if references else (side, side)
     height, width = opts.height or int(first[0]), opts.width or int(first[1])
-    validate_size(height, width)
+    validate_size(height, width, multiple_of=multiple)
     batch = len(opts.prompts) * opts.num_images
     outputs = plan_outputs(opts.output, batch, force=opts.force)
     noise = None
     if opts.latents is not None:
-        shape = (batch, LATENT_CHANNELS, height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN)
-        noise = load_latents(opts.latents, shape)
+        noise = load_latents(opts.latents, geometry.latents_shape(batch, height, width))
 
     on_phase("loading model")
-    model_dir = resolve(opts.model)
+    if model_dir is None:
+        model_dir = resolve(opts.model)
     snapshot = Snapshot.open(model_dir)
     if opts.kv:
         check_kv_model(snapshot, opts.model)
@@ -163,7 +185,8 @@ def run_generate(
     check_run_fits(mesh, model_dir, batch)
     steps = opts.steps or (4 if snapshot.is_distilled else 50)
     guidance = opts.guidance if opts.guidance is not None else (1.0 if snapshot.is_distilled else 4.0)
-    _check_cost(snapshot, opts, dtype, height, width, references, steps, guidance, batch, mesh, warn)
+    _check_cost(snapshot, opts, dtype, height, width, references, steps, guidance, batch, mesh,
+                geometry.pixels_per_token, warn)
     load_start = time.perf_counter()
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 

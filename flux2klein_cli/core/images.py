@@ -4,7 +4,7 @@ Preprocessing of one reference (diffusers 0.42 `Flux2KleinPipeline.__call__` + `
 
 1. reject a side under 64 px or an aspect ratio over 8 (checked on the image as given);
 2. if w*h > 1024^2: Lanczos-resize, in the image's own mode, to (int(w*s), int(h*s)), s = sqrt(1024^2 / (w*h));
-3. floor both sides to a multiple of 16;
+3. floor both sides to a multiple of the pixels per token (vae_scale_factor x 2: 16 for the klein models);
 4. `preprocess(..., resize_mode="crop")`: `Flux2ImageProcessor` overrides `_resize_and_crop` with a plain
    centre crop (offsets (w - W) // 2, (h - H) // 2), so no second resample happens;
 5. convert to RGB (after the crop), uint8 / 255 in float32, then 2x - 1.
@@ -28,7 +28,6 @@ from flux2klein_cli.core.errors import UserInputError
 MIN_SIDE = 64
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
-MULTIPLE_OF = 16  # VAE downsampling (8) x latent patchify (2)
 MAX_REFERENCES = 4  # what FLUX.2 [klein] was trained with; diffusers warns above it
 # The largest reference read (decoded RGB: 768 MiB on the host before it is scaled to MAX_AREA).
 # One limit of our own instead of Pillow's decompression-bomb warning (89 MP) and error (179 MP).
@@ -110,16 +109,18 @@ def _area_capped_size(width: int, height: int) -> tuple[int, int]:
     return int(width * scale), int(height * scale)
 
 
-def reference_size(width: int, height: int, multiple_of: int = MULTIPLE_OF) -> tuple[int, int]:
-    """The (width, height) a reference of this size has after preprocessing (no pixels needed)."""
+def reference_size(width: int, height: int, *, multiple_of: int) -> tuple[int, int]:
+    """The (width, height) a reference of this size has after preprocessing (no pixels needed);
+    `multiple_of` is the model's pixels per token (LatentGeometry)."""
     w, h = _area_capped_size(width, height)
     return (w // multiple_of) * multiple_of, (h // multiple_of) * multiple_of
 
 
 def preprocess_reference(
-    image: Image.Image, name: str = "reference image", multiple_of: int = MULTIPLE_OF
+    image: Image.Image, name: str = "reference image", *, multiple_of: int
 ) -> np.ndarray:
-    """One reference image as diffusers feeds it to the VAE: (H, W, 3) float32 in [-1, 1]."""
+    """One reference image as diffusers feeds it to the VAE: (H, W, 3) float32 in [-1, 1], cropped
+    to a multiple of the model's pixels per token (`multiple_of`, LatentGeometry)."""
     check_reference(image, name)
     capped = _area_capped_size(*image.size)
     if capped != image.size:
@@ -156,8 +157,9 @@ def postprocess(images: np.ndarray) -> np.ndarray:
     return (x * 255).round().astype(np.uint8)
 
 
-def validate_size(height: int | None, width: int | None, multiple_of: int = MULTIPLE_OF) -> None:
-    """An explicit output size: positive and a multiple of 16 (None means "not given")."""
+def validate_size(height: int | None, width: int | None, *, multiple_of: int) -> None:
+    """An explicit output size: positive and a multiple of the model's pixels per token
+    (`multiple_of`, LatentGeometry; 16 for the published models). None means "not given"."""
     for label, value in (("height", height), ("width", width)):
         if value is None:
             continue

@@ -210,7 +210,8 @@ def _shape(shape: Sequence[int]) -> str:
 
 
 def load_latents(path: str | os.PathLike[str], expected_shape: Sequence[int]) -> np.ndarray:
-    """Initial noise for `--latents`: a `.npy` array of exactly `expected_shape`, diffusers' (B, C, H/16, W/16).
+    """Initial noise for `--latents`: a `.npy` array of exactly `expected_shape`, diffusers'
+    (B, C, H/p, W/p) with p the model's pixels per token (LatentGeometry.latents_shape).
 
     Returns float32; any float dtype on disk is accepted (diffusers casts `latents=` to the pipeline dtype too).
     """
@@ -234,7 +235,7 @@ def load_latents(path: str | os.PathLike[str], expected_shape: Sequence[int]) ->
     if tuple(loaded.shape) != tuple(int(s) for s in expected_shape):
         raise UserInputError(
             f"latents in {p} have shape {_shape(loaded.shape)}; expected {expected} "
-            "(batch, channels, height/16, width/16)"
+            "(batch, latent channels, height and width in tokens)"
         )
     latents = np.ascontiguousarray(loaded, dtype=np.float32)
     if not np.isfinite(latents).all():

@@ -100,7 +100,7 @@ def run_parity(pipeline: KleinPipeline, request: Request, pil_references: list[A
     A KV checkpoint's reference pipeline always uses the reference KV cache, so ours does too."""
     request.kv = pipeline.snapshot.kv and bool(request.references)
     height, width = pipeline.output_size(request)
-    noise, _ = pipeline.initial_noise(request, (height // 16, width // 16))
+    noise, _ = pipeline.initial_noise(request, pipeline.geometry.grid(height, width))
     request.latents, request.height, request.width = noise, height, width
     ours = postprocess(pipeline(request).images)
     reference = run_reference(reference_pipeline(pipeline, torch_dtype), request, noise, pil_references)
@@ -133,8 +133,8 @@ def parity_check(
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = {name: plan_outputs(out_dir / f"{name}.png", 1, force=force)[0] for name in ("ours", "diffusers", "diff")}
     pil = [load_reference(p) for p in references]
-    processed = [preprocess_reference(image) for image in pil]
     pipeline = KleinPipeline.load(resolve(model), dtype=parse_dtype(dtype))
+    processed = [preprocess_reference(image, multiple_of=pipeline.geometry.pixels_per_token) for image in pil]
     distilled = pipeline.snapshot.is_distilled
     request = Request(prompts=[prompt], steps=steps or (4 if distilled else 50),
                       guidance=guidance if guidance is not None else (1.0 if distilled else 4.0),

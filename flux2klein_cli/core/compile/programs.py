@@ -30,9 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.compile.store import ProgramSpec, Target
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
-
-PIXELS_PER_TOKEN = 16  # as pipeline.py: 8x VAE downsampling, then 2x2 patches
-
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 
 # ----------------------------------------------------------------------------- configs
 
@@ -47,6 +45,11 @@ class ModelConfigs:
     distilled: bool
     kv: bool
     source: str  # the directory read, or "registry:<alias>" for a published geometry
+
+    @property
+    def geometry(self) -> LatentGeometry:
+        """Pixels per token and latent channels (a CheckpointError if the configs disagree)."""
+        return LatentGeometry.from_configs(self.vae, self.transformer)
 
 
 def model_configs(model: str) -> ModelConfigs:
@@ -95,6 +98,7 @@ class RunShape:
 
     height: int
     width: int
+    geometry: LatentGeometry  # the model's (ModelConfigs.geometry): token grid and latent channels
     batch: int = 1  # images per run (prompts x images per prompt)
     prompts: int = 1  # distinct prompts: the text encoder's batch
     steps: int = 4
@@ -106,8 +110,9 @@ class RunShape:
 
     def __post_init__(self) -> None:
         for h, w in ((self.height, self.width), *self.references):
-            if h <= 0 or w <= 0 or h % PIXELS_PER_TOKEN or w % PIXELS_PER_TOKEN:
-                raise UserInputError(f"sizes must be positive multiples of {PIXELS_PER_TOKEN}, got {h}x{w}")
+            if not self.geometry.fits(h, w):
+                raise UserInputError(f"sizes must be positive multiples of {self.geometry.pixels_per_token}, "
+                                     f"got {h}x{w}")
         if min(self.batch, self.prompts, self.steps, self.max_sequence_length) < 1:
             raise UserInputError("batch, prompts, steps and max sequence length must be at least 1")
         if self.kv and not self.references:
@@ -117,11 +122,11 @@ class RunShape:
 
     @property
     def grid(self) -> tuple[int, int]:
-        return self.height // PIXELS_PER_TOKEN, self.width // PIXELS_PER_TOKEN
+        return self.geometry.grid(self.height, self.width)
 
     @property
     def reference_tokens(self) -> int:
-        return sum((h // PIXELS_PER_TOKEN) * (w // PIXELS_PER_TOKEN) for h, w in self.references)
+        return sum(self.geometry.tokens(h, w) for h, w in self.references)
 
 
 @dataclass
@@ -248,7 +253,8 @@ def _text_width(models: AbstractModels) -> int:
 
 
 def _key(models: AbstractModels, component: str, **extra: Any) -> dict[str, Any]:
-    return {"config": getattr(models.configs, component), "dtype": jnp.dtype(models.dtype).name, **extra}
+    return {"config": getattr(models.configs, component), "dtype": jnp.dtype(models.dtype).name,
+            "geometry": models.configs.geometry.as_key(), **extra}
 
 
 def text_encoder_program(models: AbstractModels, target: Target, prompts: int, length: int,
@@ -345,14 +351,15 @@ def _vae_form(fn: Any, target: Target) -> Any:
 
 
 def noise_program(target: Target, run: RunShape) -> ProgramSpec:
-    """pipeline.noise_latents: seeds (B,) uint32 -> (B, h, w, LATENT_CHANNELS) float32 noise."""
+    """pipeline.noise_latents: seeds (B,) uint32 -> (B, h, w, channels) float32 noise."""
     from flux2klein_cli.core.pipeline.denoise import noise_fn
-    from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS
 
     seeds = _input((run.batch,), jnp.uint32, target.mesh, batched=False)
     # The output shape is not in the arguments: the key must name it.
-    return ProgramSpec("noise", noise_fn(LATENT_CHANNELS, *run.grid), (seeds,),
-                       {"shapes": {"channels": LATENT_CHANNELS, "grid": list(run.grid)}}, target)
+    channels = run.geometry.channels
+    return ProgramSpec("noise", noise_fn(channels, *run.grid), (seeds,),
+                       {"shapes": {"channels": channels, "grid": list(run.grid)}, "geometry": run.geometry.as_key()},
+                       target)
 
 
 def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | None = None,
@@ -360,6 +367,8 @@ def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | Non
     """Every program a run needs: text encoder (and the negative prompt's, batch 1, with CFG),
     denoise loop, VAE decode, and a VAE encode per distinct reference size."""
     target = target or Target.local()
+    if run.geometry != configs.geometry:
+        raise ValueError(f"run geometry {run.geometry} is not the model's {configs.geometry}")
     models = models or AbstractModels.build(configs, run.dtype)
     for name in ("transformer", "text_encoder", "vae"):
         models.states[name] = models.state(name, target.mesh)

@@ -105,7 +105,8 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     size = default_size(opts.model)
     guidance = opts.guidance if opts.guidance is not None else (1.0 if configs.distilled else 4.0)
     run = P.RunShape(
-        height=opts.height or size, width=opts.width or size, batch=opts.batch, prompts=opts.prompts,
+        height=opts.height or size, width=opts.width or size, geometry=configs.geometry, batch=opts.batch,
+        prompts=opts.prompts,
         steps=opts.steps or (4 if configs.distilled else 50), references=refs,
         cfg=not configs.distilled and guidance > 1.0, max_sequence_length=opts.max_sequence_length, dtype=dtype,
         kv=opts.kv,

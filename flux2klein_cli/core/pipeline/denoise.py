@@ -1,11 +1,11 @@
 """The whole denoising loop as one program: a scan over steps of transformer + Euler update.
 
 Shapes: B images on an h x w latent grid (N = h * w image tokens), P prompts, R reference
-tokens (0 for text-to-image), T text tokens, C = 128 latent channels. Latents stay float32
-between steps (the Euler update is float32 in the reference too); the transformer runs in its
-parameter dtype. Repeating prompts per image, broadcasting references and packing the grid
-into tokens happen inside the program, so a run calls nothing but its programs (and compiles
-nothing once they are stored).
+tokens (0 for text-to-image), T text tokens, C latent channels (LatentGeometry.channels: 128
+for klein). Latents stay float32 between steps (the Euler update is float32 in the reference
+too); the transformer runs in its parameter dtype. Repeating prompts per image, broadcasting
+references and packing the grid into tokens happen inside the program, so a run calls nothing
+but its programs (and compiles nothing once they are stored).
 """
 
 from __future__ import annotations

@@ -27,15 +27,13 @@ from flux2klein_cli.core.mesh import check_divides
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 from flux2klein_cli.core.registry import DEFAULT_SIZE
 from flux2klein_cli.core.sharding import BATCH_AXES, batch_shards, batch_spec, constrain
 from flux2klein_cli.core.weights.configs import read_json
-
-LATENT_CHANNELS = 128
-PIXELS_PER_TOKEN = 16  # 8x VAE downsampling, then 2x2 patches
 
 
 def load_tokenizer_and_scheduler(snapshot: Snapshot) -> tuple[PromptTokenizer, SchedulerConfig]:
@@ -57,7 +55,7 @@ class Request:
     num_images: int = 1
     negative_prompt: str = ""
     seed: int = 0
-    latents: np.ndarray | None = None  # (B, 128, H/16, W/16) initial noise, diffusers' convention
+    latents: np.ndarray | None = None  # LatentGeometry.latents_shape initial noise, diffusers' convention
     references: list[np.ndarray] = field(default_factory=list)  # preprocessed (H, W, 3) in [-1, 1]
     max_sequence_length: int = 512
     kv: bool = False  # reference KV cache (KV-trained checkpoints only)
@@ -106,12 +104,12 @@ def check_seeds(first: int, count: int) -> None:
 
 
 def encode_tokens(vae: Any, pixels: jax.Array) -> jax.Array:
-    """pixels (1, H, W, 3) -> the reference's packed latents (1, H/16 * W/16, 128)."""
+    """pixels (1, H, W, 3) -> the reference's packed latents (1, tokens, channels) of its LatentGeometry."""
     return tokens.pack_nhwc(vae.encode(pixels))
 
 
 def decode_latents(vae: Any, latents: jax.Array) -> jax.Array:
-    """The denoise loop's float32 latents (B, h, w, 128) -> images, rounded to the VAE's dtype
+    """The denoise loop's float32 latents (B, h, w, channels) -> images, rounded to the VAE's dtype
     first, as diffusers hands them over.
 
     Decoded one image per batch shard at a time (a `lax.map` over the images each device
@@ -143,6 +141,8 @@ class KleinPipeline:
         mesh: Mesh | None = None,
     ):
         self.snapshot, self.models, self.tokenizer, self.scheduler = snapshot, models, tokenizer, scheduler
+        tcfg = models.transformer.cfg
+        self.geometry = LatentGeometry.of(models.vae.config, tcfg.in_channels, tcfg.out_channels)
         self.mesh = mesh  # None: one device, arrays where JAX puts them
         self.transformer_state = nnx.state(models.transformer)
         self.text_state = nnx.state(models.text_encoder)
@@ -164,6 +164,7 @@ class KleinPipeline:
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
         snapshot = Snapshot.open(model_dir)
+        LatentGeometry.of_snapshot(snapshot.root)  # a geometry the pipeline cannot run fails before the weights load
         models = load_models(snapshot, dtype=dtype, mesh=mesh)
         return cls(snapshot, models, *load_tokenizer_and_scheduler(snapshot), mesh)
 
@@ -210,8 +211,9 @@ class KleinPipeline:
         from flux2klein_cli.core.compile.programs import RunShape
 
         height, width = self.output_size(request)
-        run = RunShape(height=height, width=width, batch=request.batch, prompts=len(request.prompts),
-                       steps=request.steps, references=tuple(tuple(r.shape[:2]) for r in request.references),
+        run = RunShape(height=height, width=width, geometry=self.geometry, batch=request.batch,
+                       prompts=len(request.prompts), steps=request.steps,
+                       references=tuple(tuple(r.shape[:2]) for r in request.references),
                        cfg=self.uses_guidance(request.guidance), max_sequence_length=request.max_sequence_length,
                        dtype=self.dtype, kv=request.kv and bool(request.references))
         if run != self._prepared_run:  # one load per run shape, not per call
@@ -244,7 +246,7 @@ class KleinPipeline:
         return self._call(name, self._text, self.text_state, self._batched(ids), self._batched(mask))
 
     def encode_references(self, references: list[np.ndarray]) -> tuple[Any, list[tuple[int, int]]]:
-        """Each reference through the VAE at its own size; tokens concatenated in order, (1, R, 128)."""
+        """Each reference through the VAE at its own size; tokens concatenated in order, (1, R, channels)."""
         if not references:
             return None, []
         packed, grids = [], []
@@ -252,7 +254,7 @@ class KleinPipeline:
             pixels = np.asarray(image, self.dtype)[None]
             packed.append(self._call(f"vae_encode_{image.shape[0]}x{image.shape[1]}", self._encode, self.vae_state,
                                      pixels))
-            grids.append((image.shape[0] // PIXELS_PER_TOKEN, image.shape[1] // PIXELS_PER_TOKEN))
+            grids.append(self.geometry.grid(*image.shape[:2]))
         if len(packed) == 1:
             return packed[0], grids
         # Joined on the host (a few MB): an eager concatenate would compile a program per run shape.
@@ -268,8 +270,7 @@ class KleinPipeline:
         digest = references_digest(references)
         if digest in self._kv_memory:
             return self._kv_memory[digest], "memory"
-        reference_tokens = sum((image.shape[0] // PIXELS_PER_TOKEN) * (image.shape[1] // PIXELS_PER_TOKEN)
-                               for image in references)
+        reference_tokens = sum(int(np.prod(self.geometry.grid(*image.shape[:2]))) for image in references)
         shapes = self.models.transformer.reference_kv_shapes(reference_tokens)
         kv, source = (self.kv_store.load(digest, shapes) if self.kv_store else None), "disk"
         if kv is None:
@@ -285,28 +286,29 @@ class KleinPipeline:
         return kv, source
 
     def noise_latents(self, request: Request, grid: tuple[int, int]) -> tuple[Any, list[int]]:
-        """(B, h, w, 128) float32 initial noise, the denoise loop's layout (`--latents` if given);
+        """(B, h, w, channels) float32 initial noise, the denoise loop's layout (`--latents` if given);
         image i draws from seed + i, so each image can be reproduced alone."""
-        shape = (request.batch, LATENT_CHANNELS, *grid)
+        shape = (request.batch, self.geometry.channels, *grid)
         seeds = [request.seed + i for i in range(request.batch)]
         if request.latents is not None:
             if tuple(request.latents.shape) != shape:
                 raise UserInputError(f"--latents has shape {tuple(request.latents.shape)}, expected {shape}")
             return np.asarray(request.latents, np.float32).transpose(0, 2, 3, 1), seeds
         check_seeds(request.seed, request.batch)
-        noise = self._call("noise", noise_fn(LATENT_CHANNELS, *grid), np.asarray(seeds, np.uint32))
+        noise = self._call("noise", noise_fn(self.geometry.channels, *grid), np.asarray(seeds, np.uint32))
         return noise, seeds
 
     def initial_noise(self, request: Request, grid: tuple[int, int]) -> tuple[np.ndarray, list[int]]:
-        """The same noise as a host array in diffusers' (B, 128, h, w) layout, e.g. for parity."""
+        """The same noise as a host array in diffusers' (B, channels, h, w) layout, e.g. for parity."""
         noise, seeds = self.noise_latents(request, grid)
         return np.ascontiguousarray(self._to_host(noise).transpose(0, 3, 1, 2)), seeds
 
     def output_size(self, request: Request) -> tuple[int, int]:
         first = request.references[0].shape[:2] if request.references else (DEFAULT_SIZE, DEFAULT_SIZE)
         height, width = request.height or first[0], request.width or first[1]
-        if height % PIXELS_PER_TOKEN or width % PIXELS_PER_TOKEN or height <= 0 or width <= 0:
-            raise UserInputError(f"height and width must be positive multiples of 16, got {height}x{width}")
+        if not self.geometry.fits(height, width):
+            raise UserInputError(f"height and width must be positive multiples of {self.geometry.pixels_per_token}, "
+                                 f"got {height}x{width}")
         return height, width
 
     def __call__(self, request: Request) -> Result:
@@ -320,7 +322,7 @@ class KleinPipeline:
         if self.mesh is not None:
             check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.cfg.num_attention_heads)
         height, width = self.output_size(request)
-        grid = (height // PIXELS_PER_TOKEN, width // PIXELS_PER_TOKEN)
+        grid = self.geometry.grid(height, width)
         cfg = self.uses_guidance(request.guidance)
 
         # Features per prompt, repeated per image: image order is prompt-major, as in diffusers.
