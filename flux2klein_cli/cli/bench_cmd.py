@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from flux2klein_cli.cli import image_options as o
@@ -85,10 +86,15 @@ def bench(
         from flux2klein_cli.core.checkpoint import parse_dtype
         from flux2klein_cli.core.compile.store import parse_effort
         from flux2klein_cli.core.errors import UserInputError
+        from flux2klein_cli.core.extras import require_parity
         from flux2klein_cli.core.images import validate_size
 
         if phase not in PHASES:
             raise UserInputError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
+        if diffusers:
+            if phase != "ttfi":
+                raise UserInputError("--diffusers: only with --phase ttfi")
+            require_parity("bench --diffusers")
         validate_size(height, width)
         if bs < 1 or reps < 1 or (steps is not None and steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
@@ -110,10 +116,11 @@ def bench(
         if phase == "transformer-compile":
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
         elif phase == "load":
-            from flux2klein_cli.core.bench_load import bench_load
+            from flux2klein_cli.core.bench_load import bench_load, load_kinds
             from flux2klein_cli.core.snapshot import resolve_model
 
             result = bench_load(resolve_model(model), convert=True, dtype=dtype, reps=reps,
+                                kinds=load_kinds(lambda note: stderr.print(escape(note), highlight=False)),
                                 log=None if as_json else stderr.print)
             result = dict(phase=phase, **result)
         elif phase == "ttfi":

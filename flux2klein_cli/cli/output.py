@@ -10,6 +10,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from flux2klein_cli.core.errors import Flux2KleinError
 
@@ -23,7 +24,7 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except Flux2KleinError as e:
-        stderr.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        stderr.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)  # `[parity]` stays
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         stderr.print("interrupted")
