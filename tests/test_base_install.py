@@ -155,3 +155,12 @@ def test_tiny_kv_is_a_generated_kv_checkpoint(tmp_path: Path, monkeypatch: pytes
     assert [p.name for p in tmp_path.iterdir()] == [TINY_KV_DIR_NAME]  # no temporary left, tiny not written
     with pytest.raises(UserInputError, match="tiny-kv"):
         resolve("tiny-kv", revision="main")
+
+
+def test_readme_quick_start_is_what_ci_runs() -> None:
+    """.ci/run takes the first line of the bash block under "## Quick start" and runs it as written."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block.splitlines() == ['pip install -e . && flux2klein generate "a red fox in snow" --model tiny -o fox.png']
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "/^## Quick start/" in ci and '"pip install -e . && flux2klein "*' in ci
