@@ -15,10 +15,11 @@ os.environ.setdefault("FLUX2KLEIN_COMPILE_CACHE", tempfile.mkdtemp(prefix="flux2
 import pytest  # noqa: E402
 
 from tests.fixtures.checkpoint import build_checkpoint  # noqa: E402
-from tests.fixtures.reference import needs_reference  # noqa: E402
+from tests.fixtures.reference import REFERENCE_FIXTURE_NAMES, needs_reference  # noqa: E402
 
 # Fixtures built by diffusers and transformers (torch): every test using one is `reference`.
 REFERENCE_FIXTURES = ("tiny_checkpoint", "tiny_kv_checkpoint", "tiny_base_checkpoint")
+REFERENCE_FIXTURE_NAMES.update(REFERENCE_FIXTURES)  # also when named in request.getfixturevalue
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
