@@ -15,6 +15,20 @@ os.environ.setdefault("FLUX2KLEIN_COMPILE_CACHE", tempfile.mkdtemp(prefix="flux2
 import pytest  # noqa: E402
 
 from tests.fixtures.checkpoint import build_checkpoint  # noqa: E402
+from tests.fixtures.reference import REFERENCE_FIXTURE_NAMES, needs_reference  # noqa: E402
+
+# Fixtures built by diffusers and transformers (torch): every test using one is `reference`.
+REFERENCE_FIXTURES = ("tiny_checkpoint", "tiny_kv_checkpoint", "tiny_base_checkpoint", "tiny_shallow_checkpoint")
+REFERENCE_FIXTURE_NAMES.update(REFERENCE_FIXTURES)  # also when named in request.getfixturevalue
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `reference` every test that needs torch or diffusers (fixtures or source), so the
+    base tier (`-m "not reference"`, no torch installed) runs all the others."""
+    for item in items:
+        function = getattr(item, "originalname", None) or item.name
+        if needs_reference(Path(item.path), function, list(getattr(item, "fixturenames", ())), REFERENCE_FIXTURES):
+            item.add_marker(pytest.mark.reference)
 
 
 @pytest.fixture(scope="session")

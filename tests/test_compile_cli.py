@@ -42,13 +42,14 @@ def _swap_in(pipeline: object, executables: dict[str, object]) -> None:
 
 
 @pytest.mark.parametrize("kv", [False, True], ids=["edit", "kv-edit"])
-def test_programs_from_configs_run_the_real_pipeline(request: pytest.FixtureRequest, tmp_path: Path,
-                                                     kv: bool) -> None:
+def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path, kv: bool) -> None:
     """Executables compiled from configs alone accept the pipeline's real arguments (a Compiled
     rejects any other tree, shape, dtype or sharding) and give its images."""
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+    from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 
-    checkpoint = request.getfixturevalue("tiny_kv_checkpoint" if kv else "tiny_checkpoint")
+    # The project's own writer: no torch needed, so the base tier runs this too.
+    checkpoint = write_random_checkpoint(tmp_path / "ckpt", "tiny", kv=kv, seed=int(kv))
     run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
                      dtype=jnp.float32, kv=kv)
     specs = P.pipeline_programs(P.model_configs(str(checkpoint)), run)

@@ -9,11 +9,6 @@ from unittest import mock
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
-from diffusers import Flux2KleinPipeline
-from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
-from diffusers.utils import load_image
 from PIL import Image
 
 from flux2klein_cli.core.errors import UserInputError
@@ -25,6 +20,14 @@ from flux2klein_cli.core.images import (
     reference_size,
     validate_size,
 )
+from tests.fixtures.reference import lazy
+
+# torch and diffusers on first use: the module collects on a base install (no torch).
+torch = lazy("torch")
+diffusers = lazy("diffusers")
+diffusers_images = lazy("diffusers.image_processor")
+flux2_images = lazy("diffusers.pipelines.flux2.image_processor")
+diffusers_utils = lazy("diffusers.utils")
 
 
 class _Captured(Exception):
@@ -38,7 +41,7 @@ def diffusers_condition_images(images: list[Image.Image]) -> tuple[list[np.ndarr
     """
     pipe = mock.MagicMock()
     pipe.vae_scale_factor = 8  # 2 ** (len(block_out_channels) - 1) for the real and the tiny VAE
-    pipe.image_processor = Flux2ImageProcessor(vae_scale_factor=16)
+    pipe.image_processor = flux2_images.Flux2ImageProcessor(vae_scale_factor=16)
     pipe.default_sample_size = 128
     pipe.do_classifier_free_guidance = False
     pipe.transformer.config.in_channels = 128
@@ -52,7 +55,8 @@ def diffusers_condition_images(images: list[Image.Image]) -> tuple[list[np.ndarr
 
     pipe.prepare_image_latents.side_effect = capture
     with pytest.raises(_Captured):
-        Flux2KleinPipeline.__call__(pipe, image=images, prompt_embeds=torch.zeros(1, 4, 8), guidance_scale=1.0)
+        diffusers.Flux2KleinPipeline.__call__(pipe, image=images, prompt_embeds=torch.zeros(1, 4, 8),
+                                              guidance_scale=1.0)
     size = pipe.prepare_latents.call_args.kwargs
     arrays = [t[0].permute(1, 2, 0).numpy() for t in seen["images"]]
     return arrays, size["height"], size["width"]
@@ -128,7 +132,7 @@ def test_load_reference_matches_diffusers_load_image(tmp_path: Path) -> None:
     image.save(path, exif=exif)
     ours = load_reference(path)
     assert ours.mode == "RGB" and ours.size == (90, 120)
-    assert np.array_equal(np.asarray(ours), np.asarray(load_image(str(path))))
+    assert np.array_equal(np.asarray(ours), np.asarray(diffusers_utils.load_image(str(path))))
 
 
 # --- bad input: each a UserInputError with one line naming the file --------------------------------------
@@ -206,7 +210,7 @@ def test_aspect_over_8(size: tuple[int, int]) -> None:
 def test_checks_accept_and_reject_what_diffusers_does(size: tuple[int, int]) -> None:
     image = Image.new("RGB", size)
     try:
-        Flux2ImageProcessor.check_image_input(image)
+        flux2_images.Flux2ImageProcessor.check_image_input(image)
         diffusers_ok = True
     except ValueError:
         diffusers_ok = False
@@ -241,7 +245,8 @@ def test_valid_sizes() -> None:
 
 
 def diffusers_postprocess(images_bhwc: torch.Tensor) -> np.ndarray:
-    pil = VaeImageProcessor(vae_scale_factor=16).postprocess(images_bhwc.permute(0, 3, 1, 2), output_type="pil")
+    processor = diffusers_images.VaeImageProcessor(vae_scale_factor=16)
+    pil = processor.postprocess(images_bhwc.permute(0, 3, 1, 2), output_type="pil")
     return np.stack([np.asarray(p) for p in pil])
 
 

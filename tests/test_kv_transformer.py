@@ -14,10 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 from flux2klein_cli.core.models.transformer import Flux2Transformer, ReferenceKV, load_transformer
+from tests.fixtures.reference import lazy
 from tests.test_transformer import image_ids, rel_err, text_ids
+
+# torch and diffusers on first use: the module collects on a base install (no torch).
+torch = lazy("torch")
 
 BATCH, TXT, H, W = 2, 12, 4, 6
 REF_SIZES = [(2, 3), (3, 2), (4, 4)]

@@ -10,15 +10,18 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
-from safetensors.torch import save_file
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.layers import linear, stack_blocks
 from flux2klein_cli.core.weights.loader import KeyPlan, aligned_empty, copy_into, load_module, plan_from_names
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
+from tests.fixtures.reference import lazy
+
+# torch and diffusers on first use: the module collects on a base install (no torch).
+torch = lazy("torch")
+st_torch = lazy("safetensors.torch")
 
 
 class Block(nnx.Module):
@@ -45,9 +48,9 @@ def bf16_checkpoint(tmp_path: Path) -> dict[str, torch.Tensor]:
         "blocks.1.proj.weight": torch.randn(5, 3, dtype=torch.bfloat16),
     }
     # Two shards and an index, as save_pretrained writes them.
-    save_file({"embed.weight": tensors["embed.weight"]}, tmp_path / "model-00001-of-00002.safetensors")
+    st_torch.save_file({"embed.weight": tensors["embed.weight"]}, tmp_path / "model-00001-of-00002.safetensors")
     blocks = {k: v for k, v in tensors.items() if k.startswith("blocks")}
-    save_file(blocks, tmp_path / "model-00002-of-00002.safetensors")
+    st_torch.save_file(blocks, tmp_path / "model-00002-of-00002.safetensors")
     weight_map = {k: f"model-0000{1 if k == 'embed.weight' else 2}-of-00002.safetensors" for k in tensors}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return tensors
@@ -101,8 +104,8 @@ def test_index_naming_a_key_that_is_not_in_its_shard(tmp_path: Path, bf16_checkp
 
 
 def test_long_key_lists_are_cut_at_ten(tmp_path: Path) -> None:
-    save_file({f"extra.{i:02d}": torch.zeros(1) for i in range(15)} | {"embed.weight": torch.zeros(3, 4)},
-              tmp_path / "model.safetensors")
+    st_torch.save_file({f"extra.{i:02d}": torch.zeros(1) for i in range(15)} | {"embed.weight": torch.zeros(3, 4)},
+                       tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError) as err:
         load_module(lambda: Tiny(jnp.float32, nnx.Rngs(0)), plan, tmp_path)
     message = str(err.value)

@@ -11,10 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from flax import nnx
-from safetensors.torch import save_file
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.qwen3 import (
@@ -27,8 +25,13 @@ from flux2klein_cli.core.models.qwen3 import (
 )
 from flux2klein_cli.core.registry import QWEN3_4B, QWEN3_8B
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
+from tests.fixtures.reference import lazy
 from tests.fixtures.tiny_configs import QWEN3_HIDDEN, qwen3_config
 from tests.fixtures.tokenizer import build_tokenizer
+
+# torch and diffusers on first use: the module collects on a base install (no torch).
+torch = lazy("torch")
+st_torch = lazy("safetensors.torch")
 
 PROMPTS = [
     "A red fox in the snow",
@@ -234,7 +237,7 @@ def _single_file_checkpoint(tiny: dict, directory: Path, extra: dict[str, torch.
     directory.mkdir()
     state = {k: v.detach().clone().contiguous() for k, v in tiny["torch_model"].state_dict().items()}
     state.update(extra)
-    save_file(state, str(directory / "model.safetensors"))
+    st_torch.save_file(state, str(directory / "model.safetensors"))
     (directory / "config.json").write_text((tiny["root"] / "text_encoder" / "config.json").read_text())
     return directory
 

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 from flax import nnx
 
 from flux2klein_cli.core.models.transformer import (
@@ -18,6 +17,10 @@ from flux2klein_cli.core.models.transformer import (
     transformer_key_plan,
 )
 from tests.fixtures.meta import assert_matches_reference, meta_state_shapes
+from tests.fixtures.reference import lazy
+
+# torch and diffusers on first use: the module collects on a base install (no torch).
+torch = lazy("torch")
 
 BATCH, TXT, H, W = 2, 12, 4, 6
 REF_SIZES = [(2, 3), (3, 2)]  # (h, w) in tokens of two reference images

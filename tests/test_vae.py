@@ -16,10 +16,11 @@ from flax import nnx
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.vae import Flux2VAE, VAEConfig, load_vae, patchify, unpatchify, vae_key_plan
+from tests.fixtures.reference import lazy
 from tests.fixtures.tiny_configs import vae_config
 
-torch = pytest.importorskip("torch")
-diffusers = pytest.importorskip("diffusers")
+torch = lazy("torch")
+diffusers = lazy("diffusers")
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 

@@ -86,10 +86,15 @@ def bench(
         from flux2klein_cli.core.checkpoint import parse_dtype
         from flux2klein_cli.core.compile.store import parse_effort
         from flux2klein_cli.core.errors import UserInputError
+        from flux2klein_cli.core.extras import require_parity
         from flux2klein_cli.core.images import validate_size
 
         if phase not in PHASES:
             raise UserInputError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
+        if diffusers:
+            if phase != "ttfi":
+                raise UserInputError("--diffusers: only with --phase ttfi")
+            require_parity("bench --diffusers")
         validate_size(height, width, multiple_of=1)  # positive here; the model's pixels per token once known
         if bs < 1 or reps < 1 or (steps is not None and steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
@@ -111,10 +116,11 @@ def bench(
         if phase == "transformer-compile":
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
         elif phase == "load":
-            from flux2klein_cli.core.bench_load import bench_load
+            from flux2klein_cli.core.bench_load import bench_load, load_kinds
             from flux2klein_cli.core.snapshot import resolve_model
 
             result = bench_load(resolve_model(model), convert=True, dtype=dtype, reps=reps,
+                                kinds=load_kinds(note),
                                 log=None if as_json else note)
             result = dict(phase=phase, **result)
         elif phase == "ttfi":

@@ -8,7 +8,8 @@ from flux2klein_cli.cli.output import emit_json, note, user_errors
 
 
 def fetch(
-    model: str = typer.Argument(..., help="Alias (4b, 9b, 9b-kv, base-4b, base-9b, tiny), hub repo id or directory."),
+    model: str = typer.Argument(..., help="Alias (4b, 9b, 9b-kv, base-4b, base-9b, tiny, tiny-kv), hub repo id "
+                                "or directory."),
     revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
     offline: bool = typer.Option(
         False, "--offline", help="Use the local cache only (as HF_HUB_OFFLINE=1 does); never touch the network."

@@ -13,7 +13,8 @@ from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_gene
 
 PROMPT_FILE = typer.Option(None, "--prompt-file", help="One prompt per line; each gets --num-images images.")
 MODEL = typer.Option("4b", "--model", "-m", help="Alias (4b, 9b, 9b-kv, base-4b, base-9b), repo id or dir; "
-                     "tiny is a built-in random-weight model whose images are noise (for trying the tool).")
+                     "tiny (tiny-kv for edit --kv) is a built-in random-weight model whose images are noise "
+                     "(for trying the tool).")
 OUTPUT = typer.Option(Path("out.png"), "--output", "-o",
                       help="PNG path; several images become NAME-0.png, NAME-1.png, ...")
 HEIGHT = typer.Option(None, "--height", help="Output height in pixels, a multiple of the model's pixels per token "

@@ -49,6 +49,17 @@ KINDS = ("safetensors", "flat", "orbax", "cat", "fill", "diffusers")
 LAYOUT_KINDS = ("flat", "orbax")
 
 
+def load_kinds(note: Callable[[str], None] | None = None) -> tuple[str, ...]:
+    """Every measurement this install can make: diffusers' load needs the [parity] extra."""
+    from flux2klein_cli.core.extras import PARITY_MODULES, install_command, missing_modules
+
+    if not missing_modules(PARITY_MODULES):
+        return KINDS
+    if note:
+        note(f"not timing diffusers' load: it needs the [parity] extra ({install_command('parity')})")
+    return tuple(kind for kind in KINDS if kind != "diffusers")
+
+
 def bench_load(
     model_dir: str | Path,
     *,

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.extras import require_parity
 from flux2klein_cli.core.images import postprocess
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
@@ -48,11 +49,10 @@ def difference_image(ours: np.ndarray, reference: np.ndarray) -> np.ndarray:
 
 def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
     """diffusers' pipeline class named by the snapshot, loaded from the same files."""
-    try:
-        import diffusers
-        import torch
-    except ImportError:
-        raise Flux2KleinError("parity needs torch and diffusers: pip install 'flux2klein-cli[parity]'") from None
+    require_parity("parity")
+    import diffusers
+    import torch
+
     cls = getattr(diffusers, pipeline.snapshot.pipeline_class)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[torch_dtype]
     return cls.from_pretrained(pipeline.snapshot.root, dtype=dtype)
@@ -129,6 +129,7 @@ def parity_check(
     from flux2klein_cli.core.images import load_reference, preprocess_reference
     from flux2klein_cli.core.output import plan_outputs, write_png
 
+    require_parity("parity")  # before anything is loaded or written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = {name: plan_outputs(out_dir / f"{name}.png", 1, force=force)[0] for name in ("ours", "diffusers", "diff")}

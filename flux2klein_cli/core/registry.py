@@ -64,7 +64,7 @@ def spec_for(alias: str) -> ModelSpec:
 
 # Output side when none is given; the random-weight `tiny` model is for trying the tool in seconds.
 DEFAULT_SIZE = 1024
-_DEFAULT_SIZES = {"tiny": 256}
+_DEFAULT_SIZES = {"tiny": 256, "tiny-kv": 256}
 
 
 def default_size(model: str) -> int:

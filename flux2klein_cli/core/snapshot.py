@@ -6,9 +6,9 @@ snapshot is used before the network is touched. Only what the pipeline reads is 
 (`model_index.json` and the five component folders): the klein repos also hold single-file
 checkpoints at their root, which would double the download.
 
-`tiny` is a small random-weight checkpoint in the real layout that this package writes
-itself on first use (no torch, no network) into the flux2klein cache:
-`$FLUX2KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux2klein`, else `~/.cache/flux2klein`.
+`tiny` (and `tiny-kv`, its KV-pipeline twin for `edit --kv`) is a small random-weight
+checkpoint in the real layout that this package writes itself on first use (no torch, no
+network) into the flux2klein cache: `$FLUX2KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux2klein`, else `~/.cache/flux2klein`.
 """
 
 from __future__ import annotations
@@ -31,6 +31,10 @@ ALLOW_PATTERNS = ["model_index.json", "transformer/*", "text_encoder/*", "tokeni
 WEIGHT_COMPONENTS = ("transformer", "text_encoder", "vae")
 TINY_ALIAS = "tiny"
 TINY_DIR_NAME = "tiny-v1"  # bump when the writer's output changes, so old caches are not reused
+TINY_KV_ALIAS = "tiny-kv"  # the same geometry as a Flux2KleinKVPipeline (like 9b-kv), weights of its own
+TINY_KV_DIR_NAME = "tiny-kv-v1"
+# Generated aliases: cache folder, KV pipeline, seed.
+GENERATED = {TINY_ALIAS: (TINY_DIR_NAME, False, 0), TINY_KV_ALIAS: (TINY_KV_DIR_NAME, True, 1)}
 CONVERTED_MANIFEST = "flux2klein-manifest.json"  # marks a directory written by `flux2klein convert`
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -107,16 +111,16 @@ def resolve(
     if local.exists():
         raise UserInputError(f"{model}: not a directory (a model is a snapshot directory, an alias or a repo id)")
     name = model.strip().lower()
-    if name == TINY_ALIAS:
+    if name in GENERATED:
         if revision:
-            raise UserInputError("--revision does not apply to tiny (a checkpoint written locally)")
-        return Resolved(ensure_tiny(progress), "generated")
+            raise UserInputError(f"--revision does not apply to {name} (a checkpoint written locally)")
+        return Resolved(ensure_tiny(progress, kv=name == TINY_KV_ALIAS), "generated")
     if name in MODELS:
         repo_id = MODELS[name].repo_id
     elif _REPO_ID.match(model):
         repo_id = model
     else:
-        aliases = ", ".join([*MODELS, TINY_ALIAS])
+        aliases = ", ".join([*MODELS, *GENERATED])
         raise UserInputError(
             f"{model}: no such directory, and not a model alias ({aliases}) or a hub repo id (org/name)"
         )
@@ -245,25 +249,27 @@ def snapshot_files(root: Path) -> list[tuple[str, int]]:
     return files
 
 
-def ensure_tiny(progress: Callable[[str], None] | None = None) -> Path:
-    """The `tiny` checkpoint, written on first use. The writer works in a temporary directory
-    that is renamed into place, so a cache entry is always complete and concurrent first uses
-    do not clash."""
+def ensure_tiny(progress: Callable[[str], None] | None = None, *, kv: bool = False) -> Path:
+    """The `tiny` (or, with `kv`, `tiny-kv`) checkpoint, written on first use. The writer works
+    in a temporary directory that is renamed into place, so a cache entry is always complete and
+    concurrent first uses do not clash."""
+    alias = TINY_KV_ALIAS if kv else TINY_ALIAS
+    dir_name, kv, seed = GENERATED[alias]
     cache = flux2klein_cache_dir()
-    target = cache / TINY_DIR_NAME
+    target = cache / dir_name
     if (target / "model_index.json").is_file():
         return target
     from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 
     if progress:
-        progress(f"writing the tiny random-weight checkpoint to {target} (first use)")
+        progress(f"writing the {alias} random-weight checkpoint to {target} (first use)")
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_DIR_NAME}-", dir=cache))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dir_name}-", dir=cache))
     except OSError as e:
-        raise Flux2KleinError(f"cannot write the tiny checkpoint under {cache}: {e.strerror or e}") from None
+        raise Flux2KleinError(f"cannot write the {alias} checkpoint under {cache}: {e.strerror or e}") from None
     try:
-        write_random_checkpoint(tmp, "tiny", seed=0)
+        write_random_checkpoint(tmp, "tiny", seed=seed, kv=kv)
         try:
             tmp.rename(target)
         except OSError:
