@@ -13,11 +13,12 @@ itself on first use (no torch, no network) into the flux2klein cache:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
-import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.registry import MODELS
+from flux2klein_cli.core.temporaries import temporary_dir
 
 # Everything the pipeline reads; nothing at the repo root but the index.
 ALLOW_PATTERNS = ["model_index.json", "transformer/*", "text_encoder/*", "tokenizer/*", "scheduler/*", "vae/*"]
@@ -247,8 +249,8 @@ def snapshot_files(root: Path) -> list[tuple[str, int]]:
 
 def ensure_tiny(progress: Callable[[str], None] | None = None) -> Path:
     """The `tiny` checkpoint, written on first use. The writer works in a temporary directory
-    that is renamed into place, so a cache entry is always complete and concurrent first uses
-    do not clash."""
+    (core/temporaries.py) that is renamed into place, so a cache entry is always complete,
+    concurrent first uses do not clash, and a killed writer's leftovers are removed next time."""
     cache = flux2klein_cache_dir()
     target = cache / TINY_DIR_NAME
     if (target / "model_index.json").is_file():
@@ -259,19 +261,26 @@ def ensure_tiny(progress: Callable[[str], None] | None = None) -> Path:
         progress(f"writing the tiny random-weight checkpoint to {target} (first use)")
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_DIR_NAME}-", dir=cache))
+        _remove_legacy_tiny_temporaries(cache)
+        with temporary_dir(cache, TINY_DIR_NAME) as tmp:
+            write_random_checkpoint(tmp, "tiny", seed=0)
+            try:
+                tmp.rename(target)
+            except OSError:
+                if not (target / "model_index.json").is_file():  # not a lost race: a real failure
+                    raise
     except OSError as e:
         raise Flux2KleinError(f"cannot write the tiny checkpoint under {cache}: {e.strerror or e}") from None
-    try:
-        write_random_checkpoint(tmp, "tiny", seed=0)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "model_index.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _remove_legacy_tiny_temporaries(cache: Path) -> None:
+    """Versions before core/temporaries.py named the writer's directory `.tiny-v1-RANDOM`, with no
+    PID to check; one an hour old is a killed writer's (the write takes seconds)."""
+    for path in cache.glob(f".{TINY_DIR_NAME}-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > 3600:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def describe(resolved: Resolved) -> dict[str, Any]:

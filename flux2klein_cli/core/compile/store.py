@@ -25,9 +25,7 @@ import json
 import os
 import pickle
 import shutil
-import tempfile
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +35,8 @@ from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding
+
+from flux2klein_cli.core.temporaries import partial_name, temporary_dir, temporary_file
 
 STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
 FORMAT = 1  # bump when the entry layout or the key's meaning changes
@@ -431,14 +431,11 @@ class ExecutableStore:
         }
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:12]}-", dir=self.root))
-            try:
+            with temporary_dir(self.root, key) as tmp:
                 (tmp / EXECUTABLE).write_bytes(payload)
                 (tmp / TREES).write_bytes(trees)
                 (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
                 self._install(tmp, self.entry(key))
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
             self.write_manifest()
         except OSError as e:
             self.warn(f"cannot store {spec.name} under {self.root}: {e.strerror or e}")
@@ -454,7 +451,7 @@ class ExecutableStore:
             return
         except OSError:
             pass
-        trash = final.with_name(f".trash-{final.name[:12]}-{uuid.uuid4().hex[:8]}")
+        trash = final.with_name(partial_name(final.name))  # a temporary's name: stale ones are removed
         with contextlib.suppress(OSError):
             final.rename(trash)
         with contextlib.suppress(OSError):
@@ -527,9 +524,10 @@ class ExecutableStore:
                  "memory": m.get("memory", {}), "created": m.get("created"), "key_parts": m.get("key_parts", {})}
                 for m in self.entries()
             ]
-            tmp = self.root / f".manifest-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
-            tmp.write_text(json.dumps({"format": FORMAT, "executables": executables}, indent=1))
-            os.replace(tmp, self.root / MANIFEST)
+            with temporary_file(self.root, MANIFEST) as (fd, tmp):
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps({"format": FORMAT, "executables": executables}, indent=1))
+                os.replace(tmp, self.root / MANIFEST)
 
 
 class _Unusable(Exception):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flux2klein_cli.core.models.transformer import ReferenceKV
+from flux2klein_cli.core.temporaries import temporary_file
 
 FORMAT = "flux2klein-reference-kv-1"
 FIELDS = ("double_k", "double_v", "single_k", "single_v")
@@ -104,12 +104,8 @@ class ReferenceKVStore:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
+    with temporary_file(path.parent, path.name) as (fd, tmp):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
