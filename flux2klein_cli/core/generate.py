@@ -17,7 +17,7 @@ from typing import Any
 from flux2klein_cli import __version__
 from flux2klein_cli.core.checkpoint import Snapshot, parse_dtype
 from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.images import load_reference, postprocess, preprocess_reference, validate_size
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.pipeline.pipeline import LATENT_CHANNELS, PIXELS_PER_TOKEN, Request, check_seeds
@@ -83,6 +83,16 @@ def _check_options(opts: GenerateOptions) -> None:
     if opts.kv_cache_dir is not None and not opts.kv:
         raise UserInputError("--kv-cache-dir needs --kv")
     opts.devices.check()
+
+
+def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> Flux2KleinError:
+    """A write that failed midway: the images already written stay (each is complete), and the
+    error names them, in its message and as `.written` for `--json`."""
+    if written:
+        names = ", ".join(str(p) for p in written)
+        error = type(error)(f"{error}; {len(written)} of {total} images were written: {names}")
+    error.written = [str(p) for p in written]  # type: ignore[attr-defined]
+    return error
 
 
 def check_kv_model(snapshot: Snapshot, model: str) -> None:
@@ -158,14 +168,19 @@ def run_generate(
     on_phase("writing")
     write_start = time.perf_counter()
     writer = is_writer()
-    for i, (path, image) in enumerate(zip(outputs if writer else [], images, strict=False)):
-        write_png(path, image, dict(
-            prompt=opts.prompts[i // opts.num_images],
-            negative_prompt=opts.negative_prompt if result.guidance_used else "",
-            seed=result.seeds[i] if noise is None else f"latents:{opts.latents}",
-            steps=steps, guidance=guidance, size=f"{width}x{height}", model=opts.model,
-            references=[str(p) for p in opts.references], dtype=opts.dtype, version=__version__,
-        ), force=opts.force)
+    written: list[Path] = []
+    try:
+        for i, (path, image) in enumerate(zip(outputs if writer else [], images, strict=False)):
+            write_png(path, image, dict(
+                prompt=opts.prompts[i // opts.num_images],
+                negative_prompt=opts.negative_prompt if result.guidance_used else "",
+                seed=result.seeds[i] if noise is None else f"latents:{opts.latents}",
+                steps=steps, guidance=guidance, size=f"{width}x{height}", model=opts.model,
+                references=[str(p) for p in opts.references], dtype=opts.dtype, version=__version__,
+            ), force=opts.force)
+            written.append(path)
+    except Flux2KleinError as e:
+        raise partly_written(e, written, len(outputs)) from e
     seconds = dict(load=load_seconds, **result.seconds, write=time.perf_counter() - write_start)
     seconds["total"] = time.perf_counter() - start
     return dict(
