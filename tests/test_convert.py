@@ -174,7 +174,7 @@ def test_a_killed_convert_leaves_no_model(source: Path, layout: str, tmp_path: P
     try:
         # Kill it as soon as the transformer's checkpoint is being written.
         while time.monotonic() < deadline and proc.poll() is None:
-            if any(tmp_path.glob(f".out.convert-*/transformer/{layout}/*")):
+            if any(tmp_path.glob(f".out.partial-*/transformer/{layout}/*")):
                 break
             time.sleep(0.005)
         proc.send_signal(signal.SIGKILL)

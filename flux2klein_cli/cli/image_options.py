@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
@@ -9,6 +11,7 @@ import typer
 from flux2klein_cli.cli.output import emit_json, note, plain, result, status, user_errors, warn
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core.distributed import native_stdout_to_stderr
+from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
 
 PROMPT_FILE = typer.Option(None, "--prompt-file", help="One prompt per line; each gets --num-images images.")
@@ -46,13 +49,25 @@ NO_SAVE = typer.Option(False, "--no-save", help="Use stored executables but stor
 JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
 
 
+@contextmanager
+def _written_on_failure(as_json: bool) -> Iterator[None]:
+    """With --json, a batch that failed midway still prints one object: the error and the images
+    already written (core/generate.py keeps them)."""
+    try:
+        yield
+    except Flux2KleinError as e:
+        if as_json and hasattr(e, "written"):
+            emit_json({"error": str(e), "outputs": e.written})
+        raise
+
+
 def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bool) -> None:
     """Build the options, run, and report: paths on stdout, or one JSON object (process 0 only)."""
     from flux2klein_cli.core.runtime import configure_jax
     from flux2klein_cli.core.snapshot import resolve_model
 
     configure_jax(warn)
-    with user_errors(), native_stdout_to_stderr():
+    with user_errors(), _written_on_failure(as_json), native_stdout_to_stderr():
         opts = GenerateOptions(prompts=read_prompts(prompt, prompt_file), **options)
         if as_json:
             report = run_generate(opts, resolve_model, warn=warn)

@@ -93,6 +93,16 @@ def _check_options(opts: GenerateOptions) -> None:
     opts.devices.check()
 
 
+def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> Flux2KleinError:
+    """A write that failed midway: the images already written stay (each is complete), and the
+    error names them, in its message and as `.written` for `--json`."""
+    if written:
+        names = ", ".join(str(p) for p in written)
+        error = type(error)(f"{error}; {len(written)} of {total} images were written: {names}")
+    error.written = [str(p) for p in written]  # type: ignore[attr-defined]
+    return error
+
+
 def check_kv_model(snapshot: Snapshot, model: str) -> None:
     """--kv needs a KV-trained transformer: other checkpoints were never taught cached references."""
     if not snapshot.kv:
@@ -223,14 +233,19 @@ def run_generate(
     on_phase("writing")
     write_start = time.perf_counter()
     writer = is_writer()
-    for i, (path, image) in enumerate(zip(outputs if writer else [], images, strict=False)):
-        write_png(path, image, dict(
-            prompt=opts.prompts[i // opts.num_images],
-            negative_prompt=opts.negative_prompt if result.guidance_used else "",
-            seed=result.seeds[i] if noise is None else f"latents:{opts.latents}",
-            steps=steps, guidance=guidance, size=f"{width}x{height}", model=opts.model,
-            references=[str(p) for p in opts.references], dtype=opts.dtype, version=__version__,
-        ), force=opts.force)
+    written: list[Path] = []
+    try:
+        for i, (path, image) in enumerate(zip(outputs if writer else [], images, strict=False)):
+            write_png(path, image, dict(
+                prompt=opts.prompts[i // opts.num_images],
+                negative_prompt=opts.negative_prompt if result.guidance_used else "",
+                seed=result.seeds[i] if noise is None else f"latents:{opts.latents}",
+                steps=steps, guidance=guidance, size=f"{width}x{height}", model=opts.model,
+                references=[str(p) for p in opts.references], dtype=opts.dtype, version=__version__,
+            ), force=opts.force)
+            written.append(path)
+    except Flux2KleinError as e:
+        raise partly_written(e, written, len(outputs)) from e
     seconds = dict(load=load_seconds, **result.seconds, write=time.perf_counter() - write_start)
     seconds["total"] = time.perf_counter() - start
     return dict(

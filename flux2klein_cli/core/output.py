@@ -1,7 +1,7 @@
 """Files the commands write and read: PNGs with their parameters, output naming, initial-noise `.npy` files.
 
-Writes are atomic: a hidden temporary file in the target directory, fsync, then a rename, so a crash or a
-full disk never leaves a half-written PNG under the final name.
+Writes are atomic: a hidden temporary file in the target directory (core/temporaries.py), fsync, then a
+rename, so a crash, an interrupt or a full disk never leaves a half-written PNG under the final name.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ import contextlib
 import errno
 import json
 import os
-import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import numpy as np
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.temporaries import temporary_file
 
 PNG_SUFFIX = ".png"
 # One iTXt chunk holding the whole metadata dict as JSON, so reading it back gives the original types;
@@ -59,22 +59,6 @@ def _pnginfo(metadata: Mapping[str, Any]) -> PngImagePlugin.PngInfo:
         info.add_text(key, value if isinstance(value, str) else _to_json(value))
     info.add_itxt(JSON_KEY, _to_json(dict(metadata)))
     return info
-
-
-def _temp_path(directory: Path, name: str) -> tuple[int, Path]:
-    while True:
-        tmp = directory / f".{name}.{secrets.token_hex(4)}.tmp"
-        try:
-            # 0o666 & ~umask: the final file gets the same permissions a plain open() would give it.
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-        except FileNotFoundError:
-            raise UserInputError(f"output directory {directory} does not exist") from None
-        except PermissionError:
-            raise UserInputError(f"cannot write to output directory {directory}: permission denied") from None
-        except NotADirectoryError:
-            raise UserInputError(f"{directory} is not a directory") from None
 
 
 def _commit(tmp: Path, path: Path, force: bool) -> None:
@@ -126,19 +110,23 @@ def write_png(
     info = _pnginfo(metadata)  # bad keys fail before any file exists
     picture = Image.fromarray(pixels, "RGB")
 
-    fd, tmp = _temp_path(path.parent, path.name)
     try:
-        with os.fdopen(fd, "wb") as f:
-            picture.save(f, format="PNG", pnginfo=info)
-            f.flush()
-            os.fsync(f.fileno())
-        _commit(tmp, path, force)
-    except BaseException as e:  # also Ctrl-C: never leave the temporary file behind
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):  # disk full, I/O error: a runtime failure (exit 1)
-            raise Flux2KleinError(f"could not write {path}: {e.strerror or e}") from e
-        raise
+        with temporary_file(path.parent, path.name) as (fd, tmp):
+            with os.fdopen(fd, "wb") as f:
+                picture.save(f, format="PNG", pnginfo=info)
+                f.flush()
+                os.fsync(f.fileno())
+            _commit(tmp, path, force)
+    except FileNotFoundError as e:
+        if not path.parent.exists():
+            raise UserInputError(f"output directory {path.parent} does not exist") from None
+        raise Flux2KleinError(f"could not write {path}: {e.strerror or e}") from e
+    except PermissionError:
+        raise UserInputError(f"cannot write to output directory {path.parent}: permission denied") from None
+    except NotADirectoryError:
+        raise UserInputError(f"{path.parent} is not a directory") from None
+    except OSError as e:  # disk full, I/O error: a runtime failure (exit 1)
+        raise Flux2KleinError(f"could not write {path}: {e.strerror or e}") from e
     _fsync_dir(path.parent)
     return path
 

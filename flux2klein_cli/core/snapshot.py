@@ -13,11 +13,12 @@ network) into the flux2klein cache: `$FLUX2KLEIN_CACHE`, else `$XDG_CACHE_HOME/f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
-import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Any
 
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.registry import MODELS
+from flux2klein_cli.core.temporaries import temporary_dir
 
 # Everything the pipeline reads; nothing at the repo root but the index.
 ALLOW_PATTERNS = ["model_index.json", "transformer/*", "text_encoder/*", "tokenizer/*", "scheduler/*", "vae/*"]
@@ -251,8 +253,9 @@ def snapshot_files(root: Path) -> list[tuple[str, int]]:
 
 def ensure_tiny(progress: Callable[[str], None] | None = None, *, kv: bool = False) -> Path:
     """The `tiny` (or, with `kv`, `tiny-kv`) checkpoint, written on first use. The writer works
-    in a temporary directory that is renamed into place, so a cache entry is always complete and
-    concurrent first uses do not clash."""
+    in a temporary directory (core/temporaries.py) that is renamed into place, so a cache entry
+    is always complete, concurrent first uses do not clash, and a killed writer's leftovers are
+    removed next time."""
     alias = TINY_KV_ALIAS if kv else TINY_ALIAS
     dir_name, kv, seed = GENERATED[alias]
     cache = flux2klein_cache_dir()
@@ -265,19 +268,26 @@ def ensure_tiny(progress: Callable[[str], None] | None = None, *, kv: bool = Fal
         progress(f"writing the {alias} random-weight checkpoint to {target} (first use)")
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dir_name}-", dir=cache))
+        _remove_legacy_tiny_temporaries(cache, dir_name)
+        with temporary_dir(cache, dir_name) as tmp:
+            write_random_checkpoint(tmp, "tiny", seed=seed, kv=kv)
+            try:
+                tmp.rename(target)
+            except OSError:
+                if not (target / "model_index.json").is_file():  # not a lost race: a real failure
+                    raise
     except OSError as e:
         raise Flux2KleinError(f"cannot write the {alias} checkpoint under {cache}: {e.strerror or e}") from None
-    try:
-        write_random_checkpoint(tmp, "tiny", seed=seed, kv=kv)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "model_index.json").is_file():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _remove_legacy_tiny_temporaries(cache: Path, dir_name: str) -> None:
+    """Versions before core/temporaries.py named the writer's directory `.tiny-v1-RANDOM`, with no
+    PID to check; one an hour old is a killed writer's (the write takes seconds)."""
+    for path in cache.glob(f".{dir_name}-*"):
+        with contextlib.suppress(OSError):
+            if time.time() - path.stat().st_mtime > 3600:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 def describe(resolved: Resolved) -> dict[str, Any]:

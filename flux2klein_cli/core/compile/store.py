@@ -29,9 +29,7 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
-import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from flux2klein_cli.core import trust
 from flux2klein_cli.core.compile import treedefs
+from flux2klein_cli.core.temporaries import partial_name, temporary_dir, temporary_file
 
 STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
 FORMAT = 2  # bump when the entry layout or the key's meaning changes
@@ -478,14 +477,11 @@ class ExecutableStore:
         }
         meta = trust.sign(meta, store_key)
         try:
-            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:12]}-", dir=self.root))
-            try:
+            with temporary_dir(self.root, key) as tmp:
                 for name, data in ((EXECUTABLE, payload), (TREES, trees),
                                    (META, json.dumps(meta, indent=1, sort_keys=True).encode())):
                     _write_private(tmp / name, data)
                 self._install(tmp, self.entry(key))
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
             self.write_manifest()
         except OSError as e:
             self.warn(f"cannot store {spec.name} under {self.root}: {e.strerror or e}")
@@ -501,7 +497,7 @@ class ExecutableStore:
             return
         except OSError:
             pass
-        trash = final.with_name(f".trash-{final.name[:12]}-{uuid.uuid4().hex[:8]}")
+        trash = final.with_name(partial_name(final.name))  # a temporary's name: stale ones are removed
         with contextlib.suppress(OSError):
             final.rename(trash)
         with contextlib.suppress(OSError):
@@ -589,9 +585,10 @@ class ExecutableStore:
                  "memory": m.get("memory", {}), "created": m.get("created"), "key_parts": m.get("key_parts", {})}
                 for m in self.entries()
             ]
-            tmp = self.root / f".manifest-{os.getpid()}-{uuid.uuid4().hex[:8]}.json"
-            tmp.write_text(json.dumps({"format": FORMAT, "executables": executables}, indent=1))
-            os.replace(tmp, self.root / MANIFEST)
+            with temporary_file(self.root, MANIFEST) as (fd, tmp):
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps({"format": FORMAT, "executables": executables}, indent=1))
+                os.replace(tmp, self.root / MANIFEST)
 
 
 class _Unusable(Exception):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import numpy as np
 
 from flux2klein_cli.core import trust
 from flux2klein_cli.core.models.transformer import ReferenceKV
+from flux2klein_cli.core.temporaries import temporary_file
 
 FORMAT = "flux2klein-reference-kv-2"
 FIELDS = ("double_k", "double_v", "single_k", "single_v")
@@ -148,12 +148,9 @@ class ReferenceKVStore:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
+    # 0600 whatever the umask: a file others can write would be refused on load (core/trust.py).
+    with temporary_file(path.parent, path.name, mode=0o600) as (fd, tmp):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 

@@ -4,15 +4,15 @@ flat or the Orbax layout (converted.py describes the directory and why there are
 Writing streams: parameters are read from the safetensors one at a time, converted to the
 target dtype and JAX layout, and written either in pieces into the flat file
 (flat_store.write_flat) or to Orbax in small groups (orbax_store.write_orbax). Everything is
-written into a temporary sibling directory renamed into place once complete (the manifest
-and model_index.json last): an interrupted convert leaves no directory `--model` accepts, and
-the next convert to the same place removes what a killed one left.
+written into a temporary sibling directory (core/temporaries.py) renamed into place once
+complete (the manifest and model_index.json last): an interrupted convert removes it and leaves
+no directory `--model` accepts, and the next convert to the same place removes what a killed
+one left.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 import uuid
@@ -28,6 +28,7 @@ from flux2klein_cli.core.errors import CheckpointError, UserInputError
 from flux2klein_cli.core.mesh import default_mesh
 from flux2klein_cli.core.sharding import replicated_rule
 from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
+from flux2klein_cli.core.temporaries import temporary_dir
 from flux2klein_cli.core.weights.configs import read_config, read_json
 from flux2klein_cli.core.weights.converted import (
     COPIED_COMPONENTS,
@@ -45,7 +46,6 @@ from flux2klein_cli.core.weights.loader import ShardingRule, check_plan, iter_ar
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 
 _GROUP_BYTES = 256 << 20  # parameters handed to Orbax per partial save
-_TMP_MARK = ".convert-"
 
 
 def convert(
@@ -84,11 +84,7 @@ def convert(
     if out.exists() and not out.is_dir():
         raise UserInputError(f"{out} exists and is not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(out)
-
-    tmp = out.parent / f".{out.name}{_TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with temporary_dir(out.parent, out.name) as tmp:
         mesh = mesh or default_mesh()
         written: dict[str, Any] = {}
         for name in MODEL_COMPONENTS:
@@ -103,8 +99,6 @@ def convert(
         shutil.copyfile(source / "model_index.json", tmp / "model_index.json")
         (tmp / CONVERTED_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return manifest
 
 
@@ -223,22 +217,3 @@ def _replace(tmp: Path, out: Path) -> None:
         old.rename(out)
         raise
     shutil.rmtree(old, ignore_errors=True)
-
-
-def _remove_stale_temporaries(out: Path) -> None:
-    """Temporary directories of earlier converts to the same place whose process is gone (killed)."""
-    for tmp in out.parent.glob(f".{out.name}{_TMP_MARK}*"):
-        pid = tmp.name.removeprefix(f".{out.name}{_TMP_MARK}").split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-

@@ -1,0 +1,204 @@
+"""The console script: signal handling first, then the app.
+
+Ctrl-C (SIGINT) and SIGTERM take one path: an `Interrupted` exception raised in the main thread, so
+every `finally` removes its temporaries, then one line, `interrupted`, and exit 130. It is not a
+KeyboardInterrupt, so neither click (which turns that into "Aborted!" and exit 1) nor a library's
+`except KeyboardInterrupt` can swallow it. A watchdog thread, woken by the signal itself even while
+the main thread is stuck in native code (an XLA compile), forces the same exit if the process has not
+ended a few seconds later, or at once on a second signal, removing live temporaries first.
+
+Only the standard library is imported here: the handlers are in place before jax, so a signal
+during the imports is handled too.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from types import FrameType, ModuleType
+
+EXIT_INTERRUPTED = 130
+GRACE_S = 4.0  # time the main thread gets to clean up before the watchdog exits for it
+_RETRY_S = 0.02
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_state = {"signalled": False, "announced": False}
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM: unwind, clean up, exit 130."""
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    if _state["signalled"]:
+        return  # the watchdog handles a second signal; raising again could cut a cleanup short
+    _state["signalled"] = True
+    _raise_soon(frame)
+
+
+def _raise_soon(frame: FrameType | None) -> None:
+    """Raise `Interrupted` here, unless the main thread is inside an import: an exception in the
+    middle of a module's (or an extension's) initialization leaves it half-built, which has ended
+    in tracebacks wrapped as ImportError and segfaults. Then try again in a moment (SIGALRM)."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
+            return
+        frame = frame.f_back
+    raise Interrupted()
+
+
+def _retry(signum: int, frame: FrameType | None) -> None:
+    _raise_soon(frame)
+
+
+def _unraisable(unraisable: sys.UnraisableHookArgs) -> None:
+    """An `Interrupted` raised where Python cannot propagate it (a gc callback, a __del__) is
+    dropped with a printed traceback: print nothing and raise it again in a moment instead."""
+    if unraisable.exc_type is Interrupted:
+        signal.setitimer(signal.ITIMER_REAL, _RETRY_S)
+        return
+    sys.__unraisablehook__(unraisable)
+
+
+def _announce() -> None:
+    if not _state["announced"]:
+        _state["announced"] = True
+        try:
+            sys.stderr.write("interrupted\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _force_exit() -> None:
+    from flux2klein_cli.core.temporaries import remove_live  # imported by install_handlers already
+
+    remove_live()
+    _announce()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _watchdog(read_fd: int) -> None:
+    """Blocks on the signal wakeup pipe; Python's C-level handler writes to it even when the main
+    thread cannot run Python code."""
+    deadline: float | None = None
+    while True:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, _, _ = select.select([read_fd], [], [], timeout)
+        if not ready:
+            _force_exit()
+        try:
+            data = os.read(read_fd, 64)
+        except BlockingIOError:
+            continue
+        for signum in data:
+            if signum not in _SIGNALS:
+                continue
+            if deadline is not None:  # a second signal: stop now
+                _force_exit()
+            deadline = time.monotonic() + GRACE_S
+
+
+def install_handlers() -> None:
+    """SIGINT and SIGTERM raise `Interrupted`; the watchdog listens on the wakeup pipe. A signal
+    the parent set to be ignored stays ignored (a shell starts background jobs with SIGINT ignored,
+    so that Ctrl-C at the terminal spares them), as Python itself does."""
+    # Imported now, not by the watchdog: the main thread may hold the import lock when it fires.
+    import flux2klein_cli.core.temporaries  # noqa: F401
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    os.set_blocking(read_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    threading.Thread(target=_watchdog, args=(read_fd,), name="flux2klein-interrupts", daemon=True).start()
+    sys.unraisablehook = _unraisable
+    signal.signal(signal.SIGALRM, _retry)
+    _reinstall()
+    sys.meta_path.insert(0, _XlaBridgeHook())
+
+
+def _reinstall() -> None:
+    for signum in _SIGNALS:
+        if signal.getsignal(signum) != signal.SIG_IGN:
+            signal.signal(signum, _handler)
+
+
+class _XlaBridgeHook(importlib.abc.MetaPathFinder):
+    """When jax's xla_bridge is imported, wrap its backend initialization: XLA installs absl's
+    FailureSignalHandler there, which would answer SIGTERM with a native stack dump and exit 143.
+    Our handlers go back in right after; absl keeps the crash signals (SIGSEGV, SIGABRT)."""
+
+    name = "jax._src.xla_bridge"
+
+    def find_spec(self, fullname: str, path: object, target: ModuleType | None = None
+                  ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        from importlib.util import find_spec
+
+        spec = find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        original_exec = loader.exec_module  # type: ignore[attr-defined]
+
+        def exec_module(module: ModuleType) -> None:
+            original_exec(module)
+            _wrap_init_backend(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def _wrap_init_backend(module: ModuleType) -> None:
+    init = getattr(module, "_init_backend", None)
+    if init is None:  # a jax without this private hook: SIGTERM may print absl's dump, nothing worse
+        return
+
+    def init_backend(platform: str) -> object:
+        try:
+            return init(platform)
+        finally:
+            if threading.current_thread() is threading.main_thread():
+                _reinstall()
+
+    module._init_backend = init_backend  # type: ignore[attr-defined]
+
+
+def _run() -> int | str | None:
+    try:
+        install_handlers()
+        from flux2klein_cli.cli.app import main as app_main
+
+        app_main()
+    except SystemExit as e:
+        # 130 from a KeyboardInterrupt that cli/output.py's user_errors caught has been announced there.
+        if e.code == EXIT_INTERRUPTED:
+            _state["announced"] = True
+        return e.code
+    except (Interrupted, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    except Exception:
+        if _state["signalled"]:  # a library turned the interrupt into its own error
+            return EXIT_INTERRUPTED
+        raise
+    return 0
+
+
+def main() -> None:
+    try:
+        code = _run()
+    except (Interrupted, KeyboardInterrupt):  # the signal came while _run was handling an exit
+        code = EXIT_INTERRUPTED
+    if _state["signalled"] or code == EXIT_INTERRUPTED:
+        # Also when a library swallowed the exception and the command went on: the user asked to stop.
+        _announce()
+        code = EXIT_INTERRUPTED
+    sys.exit(code)
