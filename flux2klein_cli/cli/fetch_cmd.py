@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from flux2klein_cli.cli.output import emit_json, stderr, user_errors
+from flux2klein_cli.cli.progress import wanted
 
 
 def fetch(
@@ -32,7 +33,10 @@ def fetch(
         def say(message: str) -> None:
             stderr.print(message, highlight=False)
 
-        resolved = resolve(model, revision=revision, offline=offline, download=True, progress=say)
+        from flux2klein_cli.cli.progress import hub_tqdm
+
+        resolved = resolve(model, revision=revision, offline=offline, download=True, progress=say,
+                           tqdm_class=hub_tqdm(enabled=wanted(as_json)))
         if resolved.kind == "local":
             problems = snapshot_problems(resolved.path)
             if problems:

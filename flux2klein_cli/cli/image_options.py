@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
+from flux2klein_cli.cli.progress import StepBar, wanted
 from flux2klein_cli.core.distributed import native_stdout_to_stderr
 from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
 
@@ -59,7 +60,13 @@ def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bo
             report = run_generate(opts, resolve_model, warn=warn)
         else:
             with stderr.status("starting") as status:
-                report = run_generate(opts, resolve_model, on_phase=lambda phase: status.update(phase), warn=warn)
+                bar = StepBar(pause=status.stop, resume=status.start) if wanted(as_json) else None
+                try:
+                    report = run_generate(opts, resolve_model, on_phase=lambda phase: status.update(phase),
+                                          warn=warn, on_step=bar)
+                finally:
+                    if bar is not None:
+                        bar.close()
     if not report.get("writer", True):
         return
     if as_json:

@@ -99,8 +99,10 @@ def run_generate(
     resolve: Callable[[str], Path],
     on_phase: Callable[[str], None] = lambda phase: None,
     warn: Callable[[str], None] = lambda message: print(f"warning: {message}", file=sys.stderr),
+    on_step: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Validate, load, run, write. Returns the report that `--json` prints."""
+    """Validate, load, run, write. Returns the report that `--json` prints. `on_step(done,
+    steps)` after each denoising step (the loop then runs in several calls; without it, one)."""
     start = time.perf_counter()
     _check_options(opts)
     dtype = parse_dtype(opts.dtype)
@@ -152,7 +154,7 @@ def run_generate(
         num_images=opts.num_images, negative_prompt=opts.negative_prompt, seed=opts.seed, latents=noise,
         references=references, max_sequence_length=opts.max_sequence_length, kv=opts.kv,
     )
-    result = pipeline(request)
+    result = pipeline(request, on_step=on_step)
     images = postprocess(result.images)
 
     on_phase("writing")
