@@ -50,10 +50,8 @@ def test_each_step_is_reported_once_in_order_and_the_images_are_bitwise_the_same
 
 def test_chunked_loop_gives_the_same_latents_as_one_call(pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
     """Several steps a call (as with many steps) still report each chunk and change nothing."""
-    from flux2klein_cli.core.pipeline import pipeline as pipeline_module
-
     plain = pipeline(_request(4)).images
-    monkeypatch.setattr(pipeline_module, "PROGRESS_CALLS", 2)
+    monkeypatch.setattr(pipeline, "progress_calls", 2)
     seen: list[int] = []
     chunked = pipeline(_request(4), on_step=lambda done, total: seen.append(done)).images
     assert seen == [2, 4]
@@ -120,3 +118,17 @@ def test_generate_draws_the_bar_only_for_a_terminal_without_json(tiny_checkpoint
     shown = generate("shown.png")
     assert shown.exit_code == 0, shown.stderr
     assert "denoising" in shown.stderr and "2/2" in shown.stderr
+
+
+def test_compile_reports_each_program_once(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """compile_all's on_done counts every program, loaded or compiled, up to their number."""
+    from flux2klein_cli.core.compile import programs as P
+    from flux2klein_cli.core.compile.store import ExecutableStore, compile_all
+
+    run = P.RunShape(32, 32, steps=2, max_sequence_length=16, dtype=jnp.float32)
+    specs = P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run)
+    seen: list[tuple[int, int]] = []
+    for _ in range(2):  # compiled, then loaded
+        seen.clear()
+        compile_all(specs, ExecutableStore(tmp_path), on_done=lambda done, total: seen.append((done, total)))
+        assert seen == [(i, len(specs)) for i in range(1, len(specs) + 1)]

@@ -12,7 +12,7 @@ from rich.table import Table
 from flux2klein_cli.cli import image_options as o
 from flux2klein_cli.cli.output import emit_json, stderr, stdout, user_errors
 
-PHASES = ("pipeline", "ttfi", "load", "transformer-compile")
+PHASES = ("pipeline", "ttfi", "load", "transformer-compile", "steps")
 
 
 def bench(
@@ -116,6 +116,21 @@ def bench(
             result = bench_load(resolve_model(model), convert=True, dtype=dtype, reps=reps,
                                 log=None if as_json else stderr.print)
             result = dict(phase=phase, **result)
+        elif phase == "steps":  # what a progress bar costs the denoising loop
+            from flux2klein_cli.core.bench_steps import bench_steps
+            from flux2klein_cli.core.runtime import configure_jax
+            from flux2klein_cli.core.snapshot import resolve_model
+
+            configure_jax()
+            with stderr.status(f"timing the denoising loop of {model}") if not as_json else nullcontext():
+                result = bench_steps(resolve_model(model), height=height, width=width, steps=steps or 8, reps=reps,
+                                     dtype=target, per_call=(1, 2), compile_cache=compile_cache)
+            result = dict(model=model, phase=phase, dtype=dtype, **result)
+            if not as_json:
+                for name, form in result["forms"].items():
+                    stdout.print(f"{name}: {form['median']:.3f} s median ({form['per_step']['median']:.3f} s/step), "
+                                 f"{form['cost']:+.1%}", highlight=False)
+                return
         elif phase == "ttfi":
             from flux2klein_cli.core.bench import bench_ttfi
             from flux2klein_cli.core.snapshot import resolve_model

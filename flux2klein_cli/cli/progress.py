@@ -21,20 +21,20 @@ def wanted(as_json: bool) -> bool:
 
 
 class StepBar:
-    """`on_step(done, total)` for the denoising loop: a bar with steps, rate and ETA, opened at
-    the first step and closed at the last. `pause` and `resume` run around it (e.g. to stop a
-    spinner that would draw over it)."""
+    """`on_step(done, total)` for the denoising loop (or any count: `unit`): a bar with count,
+    rate and ETA, opened at the first report and closed at the last. `pause` and `resume` run
+    around it (e.g. to stop a spinner that would draw over it)."""
 
     def __init__(self, desc: str = "denoising", pause: Callable[[], None] = lambda: None,
-                 resume: Callable[[], None] = lambda: None):
-        self.desc, self.pause, self.resume = desc, pause, resume
+                 resume: Callable[[], None] = lambda: None, unit: str = "step"):
+        self.desc, self.pause, self.resume, self.unit = desc, pause, resume, unit
         self.bar: tqdm | None = None
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             self.pause()
             # Steps are seconds apart: draw each one (tqdm's default skips updates within 0.1 s).
-            self.bar = tqdm(total=total, desc=self.desc, unit="step", file=sys.stderr, dynamic_ncols=True,
+            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, dynamic_ncols=True,
                             leave=False, mininterval=0)
         self.bar.update(done - self.bar.n)
         if done >= total:

@@ -167,6 +167,7 @@ class KleinPipeline:
         self._compiled: dict[str, Any] = {}
         self._prepared_run: Any = None
         self.warn: Callable[[str], None] = lambda message: None
+        self.progress_calls = PROGRESS_CALLS
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
@@ -352,7 +353,7 @@ class KleinPipeline:
         if request.steps < 1:
             raise UserInputError(f"--steps must be at least 1, got {request.steps}")
         seconds: dict[str, float] = {}
-        per_call = None if on_step is None else steps_per_call(request.steps, PROGRESS_CALLS)
+        per_call = None if on_step is None else steps_per_call(request.steps, self.progress_calls)
         if self.executables is not None:
             _timed(seconds, "executables", lambda: self.prepare(request, per_call))
         if self.mesh is not None:
