@@ -32,7 +32,7 @@ SMALL = ["--height", "32", "--width", "32", "--max-sequence-length", "16", "--st
 def _swap_in(pipeline: object, executables: dict[str, object]) -> None:
     """Replace the pipeline's jitted calls with the stored executables (which cannot retrace)."""
     pipeline._text = executables["text_encoder"]  # type: ignore[attr-defined]
-    pipeline._denoise = executables["denoise"]  # type: ignore[attr-defined]
+    pipeline._denoise = {None: executables["denoise"]}  # type: ignore[attr-defined]
     pipeline._decode = executables["vae_decode"]  # type: ignore[attr-defined]
     encodes = [v for k, v in executables.items() if k.startswith("vae_encode_")]
     if encodes:

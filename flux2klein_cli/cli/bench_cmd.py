@@ -12,7 +12,7 @@ from flux2klein_cli.cli import image_options as o
 from flux2klein_cli.cli import output
 from flux2klein_cli.cli.output import Table, emit_json, note, show_table, status, user_errors
 
-PHASES = ("pipeline", "ttfi", "load", "transformer-compile")
+PHASES = ("pipeline", "ttfi", "load", "transformer-compile", "steps")
 
 
 def bench(
@@ -123,6 +123,21 @@ def bench(
                                 kinds=load_kinds(note),
                                 log=None if as_json else note)
             result = dict(phase=phase, **result)
+        elif phase == "steps":  # what a progress bar costs the denoising loop
+            from flux2klein_cli.core.bench_steps import bench_steps
+            from flux2klein_cli.core.runtime import configure_jax
+            from flux2klein_cli.core.snapshot import resolve_model
+
+            configure_jax()
+            with status(f"timing the denoising loop of {model}") if not as_json else nullcontext():
+                result = bench_steps(resolve_model(model), height=height, width=width, steps=steps or 8, reps=reps,
+                                     dtype=target, per_call=(1, 2), compile_cache=compile_cache)
+            result = dict(model=model, phase=phase, dtype=dtype, **result)
+            if not as_json:
+                for name, form in result["forms"].items():
+                    output.result(f"{name}: {form['median']:.3f} s median "
+                                  f"({form['per_step']['median']:.3f} s/step), {form['cost']:+.1%}")
+                return
         elif phase == "ttfi":
             from flux2klein_cli.core.bench import bench_ttfi
             from flux2klein_cli.core.snapshot import resolve_model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +62,22 @@ def compile_programs(
                               guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu, cache_dir=cache_dir,
                               sequential=sequential, dtype=dtype, max_sequence_length=max_sequence_length,
                               save=not no_save, effort=effort)
-        report = run_compile(opts, progress=note, warn=warn)
+        from flux2klein_cli.cli.progress import StepBar, wanted
+
+        bar = StepBar("programs", unit="program") if wanted(as_json) else None
+
+        def say(message: str) -> None:  # above the bar, which redraws below it
+            if bar is not None and bar.bar is not None:
+                bar.bar.write(message, file=sys.stderr)
+            else:
+                note(message)
+
+        try:
+            report = run_compile(opts, progress=say, on_done=bar,
+                                 warn=warn)
+        finally:
+            if bar is not None:
+                bar.close()
     if as_json:
         emit_json(report)
     else:

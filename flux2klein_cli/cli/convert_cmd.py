@@ -11,6 +11,7 @@ import typer
 from rich.progress import TaskID
 
 from flux2klein_cli.cli.output import emit_json, note, stderr, user_errors
+from flux2klein_cli.cli.progress import wanted
 
 
 def convert(
@@ -66,7 +67,7 @@ def convert(
         slug = _slug(model, resolved.repo_id, resolved.revision)
         target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{dtype}"
         start = time.perf_counter()
-        with _progress_bar(enabled=not as_json) as update:
+        with _progress_bar(enabled=wanted(as_json)) as update:
             manifest = convert_snapshot_to(resolved, target, dtype=dtype, layout=layout, force=force, model=model,
                                            progress=update, mesh=run_on,
                                            **({"sharding_rule": rule} if rule is not None else {}))

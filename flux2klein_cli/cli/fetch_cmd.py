@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from flux2klein_cli.cli.output import emit_json, note, user_errors
+from flux2klein_cli.cli.progress import wanted
 
 
 def fetch(
@@ -27,10 +28,12 @@ def fetch(
     Example: path=$(flux2klein fetch 9b-kv)
     """
     with user_errors():
+        from flux2klein_cli.cli.progress import hub_tqdm
         from flux2klein_cli.core.errors import CheckpointError
         from flux2klein_cli.core.snapshot import describe, resolve, snapshot_problems
 
-        resolved = resolve(model, revision=revision, offline=offline, download=True, progress=note)
+        resolved = resolve(model, revision=revision, offline=offline, download=True, progress=note,
+                           tqdm_class=hub_tqdm(enabled=wanted(as_json)))
         if resolved.kind == "local":
             problems = snapshot_problems(resolved.path)
             if problems:

@@ -10,6 +10,7 @@ import typer
 
 from flux2klein_cli.cli.output import emit_json, note, plain, result, status, user_errors, warn
 from flux2klein_cli.cli.params import float_option
+from flux2klein_cli.cli.progress import StepBar, wanted
 from flux2klein_cli.core.distributed import native_stdout_to_stderr
 from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
@@ -73,8 +74,13 @@ def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bo
             report = run_generate(opts, resolve_model, warn=warn)
         else:
             with status("starting") as spinner:
-                report = run_generate(opts, resolve_model, warn=warn,
-                                      on_phase=lambda phase: spinner.update(plain(phase)))
+                bar = StepBar(pause=spinner.stop, resume=spinner.start) if wanted(as_json) else None
+                try:
+                    report = run_generate(opts, resolve_model, warn=warn, on_step=bar,
+                                          on_phase=lambda phase: spinner.update(plain(phase)))
+                finally:
+                    if bar is not None:
+                        bar.close()
     if not report.get("writer", True):
         return
     if as_json:

@@ -156,8 +156,10 @@ def run_generate(
     resolve: Callable[[str], Path],
     on_phase: Callable[[str], None] = lambda phase: None,
     warn: Callable[[str], None] = lambda message: print(f"warning: {message}", file=sys.stderr),
+    on_step: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Validate, load, run, write. Returns the report that `--json` prints."""
+    """Validate, load, run, write. Returns the report that `--json` prints. `on_step(done,
+    steps)` after each denoising step (the loop then runs in several calls; without it, one)."""
     start = time.perf_counter()
     _check_options(opts)
     dtype = parse_dtype(opts.dtype)
@@ -222,7 +224,7 @@ def run_generate(
         references=references, max_sequence_length=opts.max_sequence_length, kv=opts.kv,
     )
     try:
-        result = pipeline(request)
+        result = pipeline(request, on_step=on_step)
     except Exception as e:  # a device that still runs out: one line, exit 1
         if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
             raise

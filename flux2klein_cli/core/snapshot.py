@@ -100,8 +100,10 @@ def resolve(
     offline: bool | None = None,
     download: bool = False,
     progress: Callable[[str], None] | None = None,
+    tqdm_class: Any = None,
 ) -> Resolved:
-    """`resolve_model` with provenance (kind, repo id, commit) for `fetch --json` and manifests."""
+    """`resolve_model` with provenance (kind, repo id, commit) for `fetch --json` and manifests.
+    `tqdm_class` draws a download's byte progress (huggingface_hub's own bars when None)."""
     if not model or not model.strip():
         raise UserInputError("empty model name: give an alias (e.g. 4b), a hub repo id or a directory")
     local = Path(model).expanduser()
@@ -127,10 +129,11 @@ def resolve(
             f"{model}: no such directory, and not a model alias ({aliases}) or a hub repo id (org/name)"
         )
     offline = hub_offline() or bool(offline)
-    return _from_hub(model, repo_id, revision, offline=offline, download=download)
+    return _from_hub(model, repo_id, revision, offline=offline, download=download, tqdm_class=tqdm_class)
 
 
-def _from_hub(model: str, repo_id: str, revision: str | None, *, offline: bool, download: bool) -> Resolved:
+def _from_hub(model: str, repo_id: str, revision: str | None, *, offline: bool, download: bool,
+              tqdm_class: Any = None) -> Resolved:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
@@ -154,14 +157,14 @@ def _from_hub(model: str, repo_id: str, revision: str | None, *, offline: bool, 
                               f"with network access, run: {fetch}")
     if not download:
         raise CheckpointError(f"{problem}; download it with: {fetch}")
-    path = _download(repo_id, revision)
+    path = _download(repo_id, revision, tqdm_class)
     missing = snapshot_problems(path)
     if missing:
         raise CheckpointError(f"{repo_id}: the downloaded snapshot at {path} is incomplete: {'; '.join(missing)}")
     return Resolved(path, "hub", repo_id, _commit_of(path))
 
 
-def _download(repo_id: str, revision: str | None) -> Path:
+def _download(repo_id: str, revision: str | None, tqdm_class: Any = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -172,7 +175,8 @@ def _download(repo_id: str, revision: str | None) -> Path:
     )
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS))
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS,
+                                      tqdm_class=tqdm_class))
     except GatedRepoError:
         raise UserInputError(
             f"{repo_id} is gated: accept its licence at https://huggingface.co/{repo_id} and log in "

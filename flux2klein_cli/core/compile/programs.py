@@ -107,6 +107,7 @@ class RunShape:
     max_sequence_length: int = 512
     dtype: Any = jnp.bfloat16
     kv: bool = False  # KV edit: a references-only pass, then denoising against its cache
+    steps_per_call: int | None = None  # the denoise loop in chunks (a progress bar); None: one call
 
     def __post_init__(self) -> None:
         for h, w in ((self.height, self.width), *self.references):
@@ -119,6 +120,8 @@ class RunShape:
             raise UserInputError("--kv needs at least one reference size (--refs)")
         if self.batch % self.prompts:
             raise UserInputError(f"batch {self.batch} is not a multiple of the {self.prompts} prompts")
+        if self.steps_per_call is not None and (self.steps_per_call < 1 or self.steps % self.steps_per_call):
+            raise UserInputError(f"steps per call {self.steps_per_call} does not divide {self.steps} steps")
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -270,13 +273,22 @@ def text_encoder_program(models: AbstractModels, target: Target, prompts: int, l
 
 
 def denoise_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
-    """pipeline's denoise loop: denoise_fn(transformer graphdef)(state, DenoiseInputs)."""
-    from flux2klein_cli.core.pipeline.denoise import denoise_fn
+    """pipeline's denoise loop: denoise_fn(transformer graphdef, steps per call)(state,
+    DenoiseInputs, start step int32); all steps in one call unless run.steps_per_call."""
+    from flux2klein_cli.core.pipeline.denoise import denoise_fn, denoise_name
 
     inputs = denoise_inputs(denoise_fields(models, run, target.mesh))
-    fn = denoise_fn(nnx.split(models.transformer)[0])
-    return ProgramSpec("denoise", fn, (models.states["transformer"], inputs), _key(models, "transformer"), target,
-                       model="transformer")
+    start = _input((), jnp.int32, target.mesh, batched=False)
+    count = denoise_count(run)
+    fn = denoise_fn(nnx.split(models.transformer)[0], count)
+    return ProgramSpec(denoise_name(count), fn, (models.states["transformer"], inputs, start),
+                       _key(models, "transformer", steps_per_call=count), target, model="transformer")
+
+
+def denoise_count(run: RunShape) -> int | None:
+    """Steps per denoise call; None for the whole loop in one call."""
+    return None if run.steps_per_call in (None, run.steps) else run.steps_per_call
+
 
 
 def _reference_kv_args(models: AbstractModels, run: RunShape, mesh: Mesh) -> tuple[Any, ...]:

@@ -76,8 +76,10 @@ def local_mesh_target(text: str) -> Any:
 
 
 def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m: None,
-                warn: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Resolve, build every program of the run, load or compile each, and report."""
+                warn: Callable[[str], None] | None = None,
+                on_done: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Resolve, build every program of the run, load or compile each, and report;
+    `on_done(programs done, programs)` as each is ready."""
     from flux2klein_cli.core.checkpoint import parse_dtype
     from flux2klein_cli.core.compile import programs as P
     from flux2klein_cli.core.compile.store import (
@@ -125,7 +127,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     specs = P.pipeline_programs(configs, run, target)
     store = ExecutableStore(opts.cache_dir, on_warning=warn)
     parallel = not opts.sequential and not compiles_serially(specs)
-    results = compile_all(specs, store, parallel=parallel, save=opts.save, progress=progress)
+    results = compile_all(specs, store, parallel=parallel, save=opts.save, progress=progress, on_done=on_done)
     wall = time.perf_counter() - start
     report = _report(opts, configs, run, target, store, specs, [info for _, info in results], wall, parallel)
     if preset is not None:

@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -669,13 +670,22 @@ def compile_all(
     parallel: bool = True,
     save: bool = True,
     progress: Callable[[str], None] | None = None,
+    on_done: Callable[[int, int], None] | None = None,
 ) -> list[tuple[jax.stages.Compiled | None, LoadInfo]]:
     """Load what is stored, compile the rest (in threads when `parallel`: XLA's compiler
     releases the GIL), store it. Tracing and lowering stay in this thread, one program at a
     time: tracing is not meant to run concurrently; each program's compile starts as soon as
-    it is lowered. Results come back in `specs` order."""
+    it is lowered. Results come back in `specs` order. `on_done(programs done, programs)` as
+    each is loaded or compiled."""
     say = progress or (lambda message: None)
     results: list[tuple[jax.stages.Compiled | None, LoadInfo] | None] = [None] * len(specs)
+    done_lock, done = threading.Lock(), [0]
+
+    def finished() -> None:
+        with done_lock:  # builds finish in the pool's threads
+            done[0] += 1
+            if on_done is not None:
+                on_done(done[0], len(specs))
 
     def build(item: tuple[int, ProgramSpec, dict[str, Any], Any, float, list[str]]) -> None:
         i, spec, parts, lowered, lower_s, caught = item
@@ -683,6 +693,7 @@ def compile_all(
         compiled, _, compile_s = store.compile(spec, lowered)
         results[i] = compiled, store._finish(spec, parts, compiled, lower_s, compile_s, save, caught)
         say(f"{spec.name}: compiled in {compile_s:.2f} s")
+        finished()
 
     # One worker when not parallel: programs still compile one at a time, each while this
     # thread lowers the next.
@@ -696,6 +707,7 @@ def compile_all(
             if loaded is not None:
                 results[i] = loaded
                 say(f"{spec.name}: loaded ({loaded[1].seconds:.2f} s)")
+                finished()
                 continue
             start = time.perf_counter()
             say(f"{spec.name}: lowering")

@@ -34,9 +34,15 @@ class DenoiseInputs:
     guidance: jax.Array  # () float32, used only with negative_text
 
 
-def denoise(model: Flux2Transformer, x: DenoiseInputs) -> jax.Array:
-    """Run every step; returns the final (B, h, w, C) float32 latents."""
+def denoise(model: Flux2Transformer, x: DenoiseInputs, start: jax.Array | int = 0,
+            count: int | None = None) -> jax.Array:
+    """Run `count` steps (all when None) from step `start` on `x.latents`; returns the
+    (B, h, w, C) float32 latents after them. A run with a progress bar calls this several
+    times, feeding each call's latents to the next; the schedule stays whole in `x`, so
+    every call has the same arguments and one executable serves each chunk."""
     b, h, w, c = x.latents.shape
+    steps = x.timesteps.shape[0]
+    count = steps if count is None else count
     n_img = h * w
     cfg = x.negative_text is not None
     rope = (x.rope_cos, x.rope_sin)
@@ -57,7 +63,10 @@ def denoise(model: Flux2Transformer, x: DenoiseInputs) -> jax.Array:
         return latents + (sigma_next - sigma) * velocity.astype(jnp.float32), None
 
     packed = x.latents.reshape(b, n_img, c)  # row-major grid -> tokens, as the position ids
-    final, _ = jax.lax.scan(step, packed, (x.timesteps, x.sigmas[:-1], x.sigmas[1:]))
+    schedule = (x.timesteps, x.sigmas[:-1], x.sigmas[1:])
+    if count != steps:  # a chunk: its slice of the schedule (the whole loop slices nothing)
+        schedule = tuple(jax.lax.dynamic_slice_in_dim(s, start, count) for s in schedule)
+    final, _ = jax.lax.scan(step, packed, schedule)
     return final.reshape(b, h, w, c)
 
 
@@ -73,14 +82,28 @@ def noise_fn(channels: int, height: int, width: int) -> jax.stages.Wrapped:
     return jax.jit(jax.vmap(draw))
 
 
-def denoise_fn(graphdef: nnx.GraphDef) -> jax.stages.Wrapped:
-    """A jitted function of (transformer state, inputs), so the same program can be lowered
-    ahead of time from abstract shapes and called with real arrays."""
+def denoise_fn(graphdef: nnx.GraphDef, count: int | None = None) -> jax.stages.Wrapped:
+    """A jitted function of (transformer state, inputs, start step), so the same program can
+    be lowered ahead of time from abstract shapes and called with real arrays. `count` steps
+    per call; None: every step in one call."""
 
-    def run(state: nnx.State, x: DenoiseInputs) -> jax.Array:
-        return denoise(nnx.merge(graphdef, state), x)
+    def run(state: nnx.State, x: DenoiseInputs, start: jax.Array) -> jax.Array:
+        return denoise(nnx.merge(graphdef, state), x, start, count)
 
     return jax.jit(run)
+
+
+def denoise_name(count: int | None) -> str:
+    """The program's name: `denoise` for the whole loop, `denoise_by_<k>` for k steps a call,
+    so each form is its own stored entry."""
+    return "denoise" if count is None else f"denoise_by_{count}"
+
+
+def steps_per_call(steps: int, calls: int) -> int:
+    """Steps per call of a loop run in about `calls` calls: the largest divisor of `steps` not
+    above steps / calls (at least 1), so every call runs the same program."""
+    most = max(steps // max(calls, 1), 1)
+    return max(k for k in range(1, most + 1) if steps % k == 0)
 
 
 def reference_kv_fn(graphdef: nnx.GraphDef) -> jax.stages.Wrapped:

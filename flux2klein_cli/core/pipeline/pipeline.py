@@ -9,6 +9,7 @@ per reference set, in memory and optionally on disk, and reused by later request
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,14 @@ from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.mesh import check_divides
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import tokens
-from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn
+from flux2klein_cli.core.pipeline.denoise import (
+    DenoiseInputs,
+    denoise_fn,
+    denoise_name,
+    noise_fn,
+    reference_kv_fn,
+    steps_per_call,
+)
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
@@ -41,6 +49,12 @@ def load_tokenizer_and_scheduler(snapshot: Snapshot) -> tuple[PromptTokenizer, S
     tokenizer = PromptTokenizer(snapshot.component("tokenizer"))
     scheduler = SchedulerConfig.from_dict(read_json(snapshot.component("scheduler") / "scheduler_config.json"))
     return tokenizer, scheduler
+
+# With a step callback the loop runs in about this many calls (fewer when the steps have no
+# divisor near steps / calls); docs/benchmarks.md has what it costs against one call.
+PROGRESS_CALLS = 50
+
+StepCallback = Callable[[int, int], None]  # (steps done, steps in all)
 
 
 @dataclass
@@ -150,7 +164,8 @@ class KleinPipeline:
         self._text = _jit_module_call(models.text_encoder)
         self._encode = _jit_module_call(models.vae, encode_tokens)
         self._decode = _jit_module_call(models.vae, decode_latents)
-        self._denoise = denoise_fn(nnx.split(models.transformer)[0])
+        self._denoise_graph = nnx.split(models.transformer)[0]
+        self._denoise: dict[int | None, Any] = {}  # steps per call -> jitted loop
         self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
         self.kv_store: ReferenceKVStore | None = None
         self._kv_memory: dict[str, ReferenceKV] = {}
@@ -160,6 +175,7 @@ class KleinPipeline:
         self._compiled: dict[str, Any] = {}
         self._prepared_run: Any = None
         self.warn: Callable[[str], None] = lambda message: None
+        self.progress_calls = PROGRESS_CALLS
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
@@ -182,9 +198,10 @@ class KleinPipeline:
             return jax.device_put(x)  # unlike jnp.asarray, compiles nothing
         return self._global(x, batch_spec(self.mesh, np.shape(x)[0], np.ndim(x)))
 
-    def _call(self, name: str, program: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, name: str, program: Callable[..., Any], *args: Any, wait: bool = True) -> Any:
         """Run one program: its stored executable when there is one (arguments placed as it
-        was compiled for), else the jitted function."""
+        was compiled for), else the jitted function. `wait=False` returns as soon as the call
+        is queued (for a call after a first one that waited: the executable is known good)."""
         if self.mesh is not None:
             args = jax.tree.map(lambda x: self._global(x, PartitionSpec()), args)
         compiled = self._compiled.get(name)
@@ -193,7 +210,8 @@ class KleinPipeline:
                 # Waited for here: XLA's CPU runtime can fail to find a kernel of an executable
                 # re-loaded in a process that compiled the same code before, and says so only
                 # when the result is used.
-                return jax.block_until_ready(compiled(*jax.device_put(args, compiled.input_shardings[0])))
+                out = compiled(*jax.device_put(args, compiled.input_shardings[0]))
+                return jax.block_until_ready(out) if wait else out
             except (TypeError, ValueError, jax.errors.JaxRuntimeError) as e:  # never fail the run for it
                 self.warn(f"stored executable {name} does not fit this call ({str(e).splitlines()[0]}); "
                           "compiling it instead")
@@ -203,7 +221,7 @@ class KleinPipeline:
         with jax.set_mesh(self.mesh):
             return program(*args)
 
-    def prepare(self, request: Request) -> list[dict[str, Any]]:
+    def prepare(self, request: Request, per_call: int | None = None) -> list[dict[str, Any]]:
         """Load (or compile and store) every executable `request` needs; returns what happened
         per program. Without a store, nothing: programs are jitted on first use."""
         if self.executables is None:
@@ -215,7 +233,7 @@ class KleinPipeline:
                        prompts=len(request.prompts), steps=request.steps,
                        references=tuple(tuple(r.shape[:2]) for r in request.references),
                        cfg=self.uses_guidance(request.guidance), max_sequence_length=request.max_sequence_length,
-                       dtype=self.dtype, kv=request.kv and bool(request.references))
+                       dtype=self.dtype, kv=request.kv and bool(request.references), steps_per_call=per_call)
         if run != self._prepared_run:  # one load per run shape, not per call
             try:
                 self._compiled = self.executables.for_run(run)
@@ -311,14 +329,44 @@ class KleinPipeline:
                                  f"got {height}x{width}")
         return height, width
 
-    def __call__(self, request: Request) -> Result:
+    def denoise(self, inputs: DenoiseInputs, steps: int, per_call: int | None = None,
+                on_step: StepCallback | None = None) -> jax.Array:
+        """The loop in one call, or `per_call` steps a call with `on_step(done, steps)` after
+        each. Call i + 1 is queued before call i is waited for, so the device never idles
+        between calls; each call's latents are the next one's input, so the images are the
+        same either way."""
+        count = None if per_call in (None, steps) else per_call
+        name = denoise_name(count)
+        if count not in self._denoise:
+            self._denoise[count] = denoise_fn(self._denoise_graph, count)
+        program = self._denoise[count]
+        if count is None:
+            out = self._call(name, program, self.transformer_state, inputs, np.int32(0))
+            if on_step is not None:
+                on_step(steps, steps)
+            return out
+        latents, queued = inputs.latents, []
+        for start in range(0, steps, count):
+            x = dataclasses.replace(inputs, latents=latents)
+            latents = self._call(name, program, self.transformer_state, x, np.int32(start), wait=start == 0)
+            queued.append((start + count, latents))
+            last = start + count == steps
+            while len(queued) > 1 or (last and queued):  # all but the newest call, then the rest
+                done, ready = queued.pop(0)
+                jax.block_until_ready(ready)
+                if on_step is not None:
+                    on_step(done, steps)
+        return latents
+
+    def __call__(self, request: Request, on_step: StepCallback | None = None) -> Result:
         if not request.prompts:
             raise UserInputError("no prompt given")
         if request.steps < 1:
             raise UserInputError(f"--steps must be at least 1, got {request.steps}")
         seconds: dict[str, float] = {}
+        per_call = None if on_step is None else steps_per_call(request.steps, self.progress_calls)
         if self.executables is not None:
-            _timed(seconds, "executables", lambda: self.prepare(request))
+            _timed(seconds, "executables", lambda: self.prepare(request, per_call))
         if self.mesh is not None:
             check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.cfg.num_attention_heads)
         height, width = self.output_size(request)
@@ -349,7 +397,6 @@ class KleinPipeline:
             rope_cos=cos, rope_sin=sin, timesteps=np.asarray(schedule.timesteps, np.float32),
             sigmas=np.asarray(schedule.sigmas, np.float32), guidance=np.float32(request.guidance),
         )
-        latents = _timed(seconds, "denoise",
-                         lambda: self._call("denoise", self._denoise, self.transformer_state, inputs))
+        latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, request.steps, per_call, on_step))
         images = _timed(seconds, "decode", lambda: self._call("vae_decode", self._decode, self.vae_state, latents))
         return Result(self._to_host(images).astype(np.float32), seeds, height, width, cfg, seconds, kv_source)
