@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from flux2klein_cli.cli.output import Table, emit_json, note, show_table, user_errors
+from flux2klein_cli.cli.output import Table, emit_json, error, note, show_table, user_errors
 
 
 def inspect(
@@ -16,12 +16,19 @@ def inspect(
 
     A missing shard, a truncated file, a missing or unexpected key, a wrong shape, a
     missing config, tokenizer or scheduler config is exit code 2 with a message that names
-    the file and keys.
+    the file and keys. Parameters holding NaN or inf are counted per component; any is
+    exit code 2 after the report, naming the first ones.
 
     Example: flux2klein inspect ~/models/FLUX.2-klein-4B --dtype bf16
     """
     with user_errors():
-        from flux2klein_cli.core.checkpoint import Snapshot, load_models, parameter_stats, parse_dtype
+        from flux2klein_cli.core.checkpoint import (
+            Snapshot,
+            load_models,
+            non_finite_parameters,
+            parameter_stats,
+            parse_dtype,
+        )
         from flux2klein_cli.core.snapshot import resolve_model
 
         target = parse_dtype(dtype)
@@ -32,10 +39,12 @@ def inspect(
         load_tokenizer_and_scheduler(snapshot)  # what generate needs besides the weights, checked as it does
         models = load_models(snapshot, dtype=target, on_loaded=log)
 
-    components = {}
+    components, non_finite = {}, {}
     for name in ("transformer", "text_encoder", "vae"):
         count, nbytes = parameter_stats(getattr(models, name))
-        components[name] = dict(parameters=count, bytes=nbytes, load_seconds=round(models.seconds[name], 4))
+        non_finite[name] = non_finite_parameters(getattr(models, name))
+        components[name] = dict(parameters=count, bytes=nbytes, load_seconds=round(models.seconds[name], 4),
+                                non_finite=sum(non_finite[name].values()))
     result = dict(
         model=str(snapshot.root),
         pipeline=snapshot.pipeline_class,
@@ -46,10 +55,16 @@ def inspect(
     )
     if as_json:
         emit_json(result)
-        return
-    table = Table(title=f"{snapshot.root.name} ({snapshot.pipeline_class}, {dtype})")
-    for column in ("component", "parameters", "MiB", "load s"):
-        table.add_column(column, justify="left" if column == "component" else "right")
-    for name, c in components.items():
-        table.add_row(name, f"{c['parameters']:,}", f"{c['bytes'] / 2**20:.1f}", f"{c['load_seconds']:.2f}")
-    show_table(table)
+    else:
+        table = Table(title=f"{snapshot.root.name} ({snapshot.pipeline_class}, {dtype})")
+        for column in ("component", "parameters", "MiB", "load s", "NaN/inf"):
+            table.add_column(column, justify="left" if column == "component" else "right")
+        for name, c in components.items():
+            table.add_row(name, f"{c['parameters']:,}", f"{c['bytes'] / 2**20:.1f}", f"{c['load_seconds']:.2f}",
+                          f"{c['non_finite']:,}")
+        show_table(table)
+    bad = {f"{name}.{path}": n for name, paths in non_finite.items() for path, n in paths.items()}
+    if bad:
+        names = ", ".join(f"{path} ({n})" for path, n in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else "")
+        error(f"{len(bad)} parameter(s) hold NaN or inf values: {names}; this checkpoint makes black images")
+        raise typer.Exit(2)

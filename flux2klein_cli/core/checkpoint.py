@@ -87,6 +87,20 @@ def parameter_stats(module: nnx.Module) -> tuple[int, int]:
     return sum(int(np.prod(a.shape)) for a in leaves), sum(a.nbytes for a in leaves)
 
 
+def non_finite_parameters(module: nnx.Module) -> dict[str, int]:
+    """Parameter path -> count of NaN / inf values, for the parameters that hold any. Checked
+    on the host one array at a time (a compiled check would compile a program per shape)."""
+    out = {}
+    for path, variable in nnx.to_flat_state(nnx.state(module)):
+        values = np.asarray(variable.get_value())
+        if np.issubdtype(values.dtype, np.integer):
+            continue
+        bad = int(np.count_nonzero(~np.isfinite(values)))
+        if bad:
+            out[".".join(str(part) for part in path)] = bad
+    return out
+
+
 def load_models(
     snapshot: Snapshot,
     *,

@@ -15,3 +15,7 @@ class UserInputError(Flux2KleinError):
 
 class CheckpointError(UserInputError):
     """A checkpoint on disk is incomplete, corrupt or does not fit the model config."""
+
+
+class NonFiniteError(Flux2KleinError):
+    """A stage of the pipeline produced NaN or inf: nothing is written (exit code 1)."""

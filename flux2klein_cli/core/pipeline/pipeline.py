@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.checkpoint import LoadedModels, Snapshot, load_models
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import NonFiniteError, UserInputError
 from flux2klein_cli.core.mesh import check_divides
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import tokens
@@ -120,6 +120,16 @@ def check_seeds(first: int, count: int) -> None:
 def encode_tokens(vae: Any, pixels: jax.Array) -> jax.Array:
     """pixels (1, H, W, 3) -> the reference's packed latents (1, tokens, channels) of its LatentGeometry."""
     return tokens.pack_nhwc(vae.encode(pixels))
+
+
+def first_non_finite(stages: list[tuple[str, Any]], to_host: Callable[[Any], Any]) -> str | None:
+    """The name of the first stage whose output holds NaN or inf (None outputs are skipped).
+    Only looked at after the images went non-finite, to say where it began."""
+    for name, value in stages:
+        leaves = [] if value is None else jax.tree.leaves(value)
+        if any(not np.isfinite(np.asarray(to_host(leaf), np.float32)).all() for leaf in leaves):
+            return name
+    return None
 
 
 def decode_latents(vae: Any, latents: jax.Array) -> jax.Array:
@@ -399,4 +409,12 @@ class KleinPipeline:
         )
         latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, request.steps, per_call, on_step))
         images = _timed(seconds, "decode", lambda: self._call("vae_decode", self._decode, self.vae_state, latents))
-        return Result(self._to_host(images).astype(np.float32), seeds, height, width, cfg, seconds, kv_source)
+        pixels = self._to_host(images).astype(np.float32)
+        if not np.isfinite(pixels).all():
+            stages = [("the text encoder", text), ("the text encoder (negative prompt)", negative),
+                      ("the reference encoding", refs), ("the reference KV pass", kv),
+                      ("the denoising loop", latents)]
+            raise NonFiniteError(f"{first_non_finite(stages, self._to_host) or 'the VAE decode'} produced "
+                                 f"non-finite values (NaN or inf); no image was written. Check the weights "
+                                 f"(flux2klein inspect MODEL) and --guidance")
+        return Result(pixels, seeds, height, width, cfg, seconds, kv_source)
