@@ -18,7 +18,8 @@ from tests.fixtures.checkpoint import build_checkpoint  # noqa: E402
 from tests.fixtures.reference import REFERENCE_FIXTURE_NAMES, needs_reference  # noqa: E402
 
 # Fixtures built by diffusers and transformers (torch): every test using one is `reference`.
-REFERENCE_FIXTURES = ("tiny_checkpoint", "tiny_kv_checkpoint", "tiny_base_checkpoint", "tiny_shallow_checkpoint")
+REFERENCE_FIXTURES = ("tiny_checkpoint", "tiny_kv_checkpoint", "tiny_base_checkpoint", "tiny_shallow_checkpoint",
+                      "tiny_small_decoder_checkpoint")
 REFERENCE_FIXTURE_NAMES.update(REFERENCE_FIXTURES)  # also when named in request.getfixturevalue
 
 
@@ -55,3 +56,12 @@ def tiny_shallow_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     per token (klein: 16 and 128); the transformer's in_channels is 32."""
     return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "flux2-klein-tiny-shallow", seed=3, vae_levels=3,
                             latent_channels=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_small_decoder_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with a narrower VAE decoder (like FLUX.2-small-decoder); the encoder is the tiny one."""
+    from tests.fixtures.tiny_configs import NARROW_DECODER
+
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "flux2-klein-tiny-small-decoder", seed=4,
+                            decoder_block_out_channels=NARROW_DECODER)

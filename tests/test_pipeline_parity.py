@@ -69,3 +69,11 @@ def test_base_model_with_guidance_and_negative_prompt(tiny_base_checkpoint: Path
                       height=64, width=64, seed=1)
     assert base.uses_guidance(request.guidance)
     check(base, request)
+
+
+def test_narrow_decoder_model(tiny_small_decoder_checkpoint: Path) -> None:
+    """A VAE whose decoder is narrower than its encoder (like FLUX.2-small-decoder), text to image and edit."""
+    small = KleinPipeline.load(tiny_small_decoder_checkpoint, dtype=jnp.float32)
+    assert small.models.vae.config.decoder_block_out_channels != small.models.vae.config.block_out_channels
+    check(small, Request(prompts=["a red fox in snow"], steps=3, guidance=1.0, height=64, width=48, seed=2),
+          [synthetic_image(64, 64, 4)])

@@ -160,3 +160,21 @@ def test_real_and_medium_geometries_without_writing() -> None:
     medium = PRESETS["medium"]
     total = sum(s.nbytes for s in transformer_specs(medium) + text_encoder_specs(medium, 645) + vae_specs(medium))
     assert 250e6 < total < 290e6  # docs/benchmarks-method: about 268 MB in fp32
+
+
+def test_small_decoder_vae(tmp_path: Path) -> None:
+    """A narrower decoder: the config says so, our loader reads every tensor, the encoder is the plain one's."""
+    from flux2klein_cli.core.models.vae import load_vae
+    from flux2klein_cli.core.random_checkpoint import SMALL_DECODER_REAL, preset, vae_config_json, with_small_decoder
+
+    assert vae_config_json(with_small_decoder(preset("4b")))["decoder_block_out_channels"] == SMALL_DECODER_REAL
+    small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))
+    plain = write_random_checkpoint(tmp_path / "plain", "tiny", components=("vae",))
+    vae = load_vae(small / "vae", dtype=jnp.float32)
+    assert vae.config.decoder_block_out_channels == (32, 32, 32, 64) != vae.config.block_out_channels
+    assert vae.decoder.conv_norm_out.weight.shape == (32,)
+    assert vae.decoder.mid_block.resnets[0].conv1.kernel.shape[-1] == 64
+    ours, theirs = _weights(small / "vae"), _weights(plain / "vae")
+    assert ours["encoder.conv_in.weight"].shape == theirs["encoder.conv_in.weight"].shape
+    key = "decoder.up_blocks.1.resnets.0.conv1.weight"
+    assert ours[key].shape != theirs[key].shape

@@ -17,7 +17,7 @@ from flax import nnx
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.vae import Flux2VAE, VAEConfig, load_vae, patchify, unpatchify, vae_key_plan
 from tests.fixtures.reference import lazy
-from tests.fixtures.tiny_configs import vae_config
+from tests.fixtures.tiny_configs import NARROW_DECODER, vae_config
 
 torch = lazy("torch")
 diffusers = lazy("diffusers")
@@ -329,3 +329,35 @@ def test_convs_as_matmuls_match_diffusers(fp32_model: Flux2VAE, image: np.ndarra
     with convs_as_matmuls():
         encoded, decoded = _run_both(fp32_model, image, latents)
     assert _rel_err(encoded, reference_outputs[0]) <= 1e-4 and _rel_err(decoded, reference_outputs[1]) <= 1e-4
+
+
+# Other shapes of the diffusers config: a narrower decoder (FLUX.2-small-decoder's kind), and every
+# other field that shapes the model moved off its default at once.
+OTHER_CONFIGS = {
+    "narrow-decoder": dict(decoder_block_out_channels=NARROW_DECODER),
+    "other-fields": dict(block_out_channels=(16, 32, 32), decoder_block_out_channels=(16, 16, 48),
+                         down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
+                         layers_per_block=1, latent_channels=8, norm_num_groups=8, use_quant_conv=False,
+                         use_post_quant_conv=False, mid_block_add_attention=False, batch_norm_eps=1e-3,
+                         in_channels=4, out_channels=2),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_CONFIGS))
+def test_other_configs_match_diffusers_fp32(name: str, tmp_path: Path) -> None:
+    config = {**vae_config(), **OTHER_CONFIGS[name]}
+    torch.manual_seed(5)
+    vae = diffusers.AutoencoderKLFlux2(**config).eval()
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean))
+        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) + 0.5)
+    vae.save_pretrained(tmp_path, safe_serialization=True)
+    model = load_vae(tmp_path, dtype=jnp.float32)
+    assert model.config.decoder_block_out_channels == tuple(config["decoder_block_out_channels"])
+    rng = np.random.default_rng(3)
+    f = model.config.spatial_factor
+    image = rng.uniform(-1, 1, (1, config["in_channels"], 2 * f, 3 * f)).astype(np.float32)
+    latents = rng.standard_normal((1, 2, 3, model.config.patched_channels)).astype(np.float32)
+    encoded, decoded = _run_both(model, image, latents)
+    assert _rel_err(decoded, _reference_decode(vae, latents)) <= 1e-4
+    assert _rel_err(encoded, _reference_encode(vae, image)) <= 1e-4

@@ -12,6 +12,7 @@ zero, from a seed per tensor: the same bytes on every machine.
 
     python -m flux2klein_cli.core.random_checkpoint /tmp/medium --preset medium
     python -m flux2klein_cli.core.random_checkpoint /tmp/t4b --preset 4b --components transformer
+    python -m flux2klein_cli.core.random_checkpoint /tmp/small-vae --preset 4b --components vae --small-decoder
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ _TRANSFORMER_SHARED = dict(
     rope_theta=2000, eps=1e-6, guidance_embeds=False,
 )
 _VAE_REAL = dict(block_out_channels=[128, 256, 512, 512], layers_per_block=2, latent_channels=32, norm_num_groups=32)
+# FLUX.2-small-decoder's decoder widths; a narrower decoder for the tiny and medium geometries
+# (their widths must stay multiples of the 32 norm groups).
+SMALL_DECODERS: dict[str, list[int]] = {"tiny": [32, 32, 32, 64], "medium": [32, 32, 64, 96]}
+SMALL_DECODER_REAL = [96, 192, 384, 384]
 
 
 def _qwen3(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, *, layers: int = 28,
@@ -160,7 +165,7 @@ def vae_config_json(geometry: Geometry) -> dict[str, Any]:
         "batch_norm_eps": 1e-4,
         "batch_norm_momentum": 0.1,
         "block_out_channels": blocks,
-        "decoder_block_out_channels": None,
+        "decoder_block_out_channels": geometry.vae.get("decoder_block_out_channels"),
         "down_block_types": ["DownEncoderBlock2D"] * len(blocks),
         "in_channels": 3,
         "latent_channels": geometry.vae["latent_channels"],
@@ -537,6 +542,14 @@ def with_dtype(geometry: Geometry, dtype: str) -> Geometry:
     return replace(geometry, dtype=dtype)
 
 
+def with_small_decoder(geometry: Geometry) -> Geometry:
+    """The same geometry with a narrower VAE decoder: FLUX.2-small-decoder's widths for the real
+    VAE, a narrower one of the same kind for the small geometries. The encoder is unchanged."""
+    widths = SMALL_DECODERS.get(geometry.name, SMALL_DECODER_REAL)
+    vae = dict(geometry.vae, decoder_block_out_channels=list(widths))
+    return replace(geometry, name=f"{geometry.name}-small-decoder", vae=vae)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     import argparse
 
@@ -547,6 +560,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--components", default=",".join(COMPONENTS), help="Comma-separated subset to write.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv", action="store_true", help="Write a Flux2KleinKVPipeline model_index.json.")
+    parser.add_argument("--small-decoder", action="store_true",
+                        help="A narrower VAE decoder (FLUX.2-small-decoder's widths for the real VAE).")
     parser.add_argument("--workers", type=int, default=1,
                         help="Processes drawing tensors (the same bytes); e.g. the host's cores for the 9B geometry.")
     args = parser.parse_args(argv)
@@ -555,6 +570,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     geometry = PRESETS[args.preset]
     if args.dtype:
         geometry = with_dtype(geometry, args.dtype)
+    if args.small_decoder:
+        geometry = with_small_decoder(geometry)
     print(write_random_checkpoint(args.out, geometry, seed=args.seed, components=args.components.split(","),
                                   kv=args.kv, workers=max(1, args.workers)))
 
