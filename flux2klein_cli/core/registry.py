@@ -55,6 +55,12 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+# Hub repos that hold one component, usable as `--vae ALIAS` (and `fetch ALIAS`): alias -> (component, repo).
+COMPONENT_REPOS: dict[str, tuple[str, str]] = {
+    "small-decoder": ("vae", "black-forest-labs/FLUX.2-small-decoder"),
+}
+
+
 def spec_for(alias: str) -> ModelSpec:
     try:
         return MODELS[alias.lower()]

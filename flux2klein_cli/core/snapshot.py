@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
-from flux2klein_cli.core.registry import MODELS
+from flux2klein_cli.core.registry import COMPONENT_REPOS, MODELS
 from flux2klein_cli.core.temporaries import temporary_dir
 
 # Everything the pipeline reads; nothing at the repo root but the index.
@@ -119,12 +119,19 @@ def resolve(
         if revision:
             raise UserInputError(f"--revision does not apply to {name} (a checkpoint written locally)")
         return Resolved(ensure_tiny(progress, kv=name == TINY_KV_ALIAS), "generated")
+    if name in COMPONENT_REPOS:
+        # A one-component repo (`fetch small-decoder`); `--vae small-decoder` reads it (core/components.py).
+        from flux2klein_cli.core.components import COMPONENT_PATTERNS, component_problems
+
+        return _from_hub(model, COMPONENT_REPOS[name][1], revision, offline=hub_offline() or bool(offline),
+                         download=download, tqdm_class=tqdm_class, patterns=COMPONENT_PATTERNS,
+                         problems=component_problems)
     if name in MODELS:
         repo_id = MODELS[name].repo_id
     elif _REPO_ID.match(model):
         repo_id = model
     else:
-        aliases = ", ".join([*MODELS, *GENERATED])
+        aliases = ", ".join([*MODELS, *GENERATED, *COMPONENT_REPOS])
         raise UserInputError(
             f"{model}: no such directory, and not a model alias ({aliases}) or a hub repo id (org/name)"
         )
@@ -133,17 +140,19 @@ def resolve(
 
 
 def _from_hub(model: str, repo_id: str, revision: str | None, *, offline: bool, download: bool,
-              tqdm_class: Any = None) -> Resolved:
+              tqdm_class: Any = None, patterns: list[str] = ALLOW_PATTERNS,
+              problems: Callable[[Path], list[str]] | None = None) -> Resolved:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
+    problems = problems or snapshot_problems
     fetch = fetch_command(model, revision)
     where = f"{repo_id}" + (f" at revision {revision}" if revision else "")
     problem = f"{where} is not in the Hugging Face cache ({hub_cache_dir()})"
     try:
-        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS,
+        path = Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
                                       local_files_only=True))
-        missing = snapshot_problems(path)
+        missing = problems(path)
         if not missing:
             return Resolved(path, "hub-cache", repo_id, _commit_of(path))
         problem = f"the cached snapshot of {where} at {path} is incomplete: {'; '.join(missing)}"
@@ -157,14 +166,15 @@ def _from_hub(model: str, repo_id: str, revision: str | None, *, offline: bool, 
                               f"with network access, run: {fetch}")
     if not download:
         raise CheckpointError(f"{problem}; download it with: {fetch}")
-    path = _download(repo_id, revision, tqdm_class)
-    missing = snapshot_problems(path)
+    path = _download(repo_id, revision, tqdm_class, patterns)
+    missing = problems(path)
     if missing:
         raise CheckpointError(f"{repo_id}: the downloaded snapshot at {path} is incomplete: {'; '.join(missing)}")
     return Resolved(path, "hub", repo_id, _commit_of(path))
 
 
-def _download(repo_id: str, revision: str | None, tqdm_class: Any = None) -> Path:
+def _download(repo_id: str, revision: str | None, tqdm_class: Any = None, patterns: list[str] = ALLOW_PATTERNS
+              ) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -175,7 +185,7 @@ def _download(repo_id: str, revision: str | None, tqdm_class: Any = None) -> Pat
     )
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS,
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
                                       tqdm_class=tqdm_class))
     except GatedRepoError:
         raise UserInputError(

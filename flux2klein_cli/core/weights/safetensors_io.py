@@ -44,6 +44,11 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int  # absolute byte offset in the file
     end: int
+    # Set for a tensor read under another layout's key (core/weights/bfl_layout.py): the stored key,
+    # the row range of it this tensor is (None: all rows), and whether its two row halves are swapped.
+    stored_key: str | None = None
+    rows: tuple[int, int] | None = None
+    swap_halves: bool = False
 
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
@@ -85,7 +90,9 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
 
 
 class SafetensorsCheckpoint:
-    """All tensors of one component directory, memory-mapped lazily, file by file."""
+    """All tensors of one component directory (or one .safetensors file), memory-mapped lazily,
+    file by file, under diffusers' keys: a file in BFL's transformer layout is read through
+    `bfl_layout` (its parameters are byte ranges of the stored tensors, nothing is converted)."""
 
     def __init__(self, directory: Path, tensors: dict[str, TensorInfo]):
         self.directory = directory
@@ -95,6 +102,8 @@ class SafetensorsCheckpoint:
     @classmethod
     def open(cls, directory: str | Path) -> SafetensorsCheckpoint:
         directory = Path(directory)
+        if directory.is_file():
+            return cls._from_tensors(directory, read_header(directory))
         files = _weight_files(directory)
         tensors: dict[str, TensorInfo] = {}
         for file in files:
@@ -107,14 +116,33 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(
                     f"{directory}: index lists keys not found in their shards: {_first(wrong)}"
                 )
-        return cls(directory, tensors)
+        # A composed model's component (core/components.py) links to weights elsewhere: name those.
+        if all(f.is_symlink() for f in files):
+            targets = [f.resolve() for f in files]
+            directory = targets[0] if len(targets) == 1 else targets[0].parent
+        return cls._from_tensors(directory, tensors)
+
+    @classmethod
+    def _from_tensors(cls, where: Path, tensors: dict[str, TensorInfo]) -> SafetensorsCheckpoint:
+        from flux2klein_cli.core.weights import bfl_layout
+
+        return cls(where, bfl_layout.as_diffusers(tensors) if bfl_layout.is_bfl(tensors) else tensors)
+
+    @property
+    def layout(self) -> str:
+        """"bfl" when the keys were mapped from BFL's layout, else "diffusers"."""
+        return "bfl" if any(t.stored_key for t in self.tensors.values()) else "diffusers"
 
     def keys(self) -> set[str]:
         return set(self.tensors)
 
     def describe(self, key: str) -> str:
-        """The file that holds a key, for error messages."""
-        return self.tensors[key].file.name
+        """The file that holds a key (and the stored key it comes from), for error messages."""
+        info = self.tensors[key]
+        if info.stored_key is None:
+            return info.file.name
+        rows = f" rows {info.rows[0]}:{info.rows[1]}" if info.rows else ""
+        return f"{info.file.name} (as {info.stored_key}{rows})"
 
     def release(self, key: str) -> None:
         """Unmap the pages of a tensor that has been copied: the bytes stay in the page cache, but
@@ -138,7 +166,12 @@ class SafetensorsCheckpoint:
                 buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._maps[info.file] = buf
         count = int(np.prod(info.shape, dtype=np.int64))
-        return np.frombuffer(buf, dtype=info.dtype, count=count, offset=info.start).reshape(info.shape)
+        array = np.frombuffer(buf, dtype=info.dtype, count=count, offset=info.start).reshape(info.shape)
+        if info.swap_halves:
+            # The only copy of the BFL read path: norm_out's modulation (D x 2D, a small tensor).
+            half = info.shape[0] // 2
+            return np.concatenate((array[half:], array[:half]))
+        return array
 
 
 def _first(names: list[str] | set[str], n: int = 10) -> str:

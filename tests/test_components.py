@@ -1,0 +1,106 @@
+"""`--transformer` / `--vae`: component folders, single files in diffusers keys and in BFL's layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from flux2klein_cli.core.checkpoint import Snapshot
+from flux2klein_cli.core.components import compose, composed_sources, resolve_overrides
+from flux2klein_cli.core.errors import CheckpointError, UserInputError
+from flux2klein_cli.core.models.transformer import load_transformer
+from flux2klein_cli.core.random_checkpoint import preset, with_small_decoder, write_random_checkpoint
+from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
+from tests.fixtures.bfl import write_bfl_transformer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny")
+
+
+@pytest.fixture(scope="module")
+def bfl_file(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_bfl_transformer(tiny, tmp_path_factory.mktemp("bfl") / "flux-2-klein-tiny.safetensors")
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path / "cache"))
+
+
+def flat(module: nnx.Module) -> dict[str, np.ndarray]:
+    return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(module))}
+
+
+def assert_same_parameters(a: nnx.Module, b: nnx.Module) -> None:
+    fa, fb = flat(a), flat(b)
+    assert fa.keys() == fb.keys()
+    for key in fa:
+        assert fa[key].dtype == fb[key].dtype and np.array_equal(fa[key], fb[key]), key
+
+
+def test_bfl_file_reads_as_diffusers_keys_by_byte_ranges(tiny: Path, bfl_file: Path) -> None:
+    ours = SafetensorsCheckpoint.open(bfl_file)
+    theirs = SafetensorsCheckpoint.open(tiny / "transformer")
+    assert ours.layout == "bfl" and theirs.layout == "diffusers"
+    assert ours.keys() == theirs.keys()
+    for key in theirs.keys():
+        assert np.array_equal(ours.view(key), theirs.view(key)), key
+    # q, k and v are views into the fused tensor's bytes, not copies.
+    q = ours.view("transformer_blocks.0.attn.to_q.weight")
+    assert not q.flags.owndata and "rows 0:" in ours.describe("transformer_blocks.0.attn.to_q.weight")
+
+
+@pytest.mark.parametrize("form", ["bfl-file", "diffusers-file", "folder"])
+def test_transformer_override_loads_bit_identical_parameters(tiny: Path, bfl_file: Path, tmp_path: Path,
+                                                             form: str) -> None:
+    if form == "bfl-file":
+        given = bfl_file
+    elif form == "diffusers-file":
+        tensors: dict[str, np.ndarray] = {}
+        for path in (tiny / "transformer").glob("*.safetensors"):
+            tensors.update(load_file(path))
+        given = tmp_path / "transformer.safetensors"
+        save_file(tensors, given)
+    else:
+        given = tiny / "transformer"
+    composed = compose(tiny, resolve_overrides(transformer=str(given)))
+    assert composed != tiny and Snapshot.open(composed).component("vae").resolve() == (tiny / "vae").resolve()
+    assert composed_sources(composed)["transformer"]["source"] == str(given)
+    assert compose(tiny, resolve_overrides(transformer=str(given))) == composed  # the same sources, the same dir
+    got = load_transformer(composed / "transformer", dtype=jnp.float32)
+    assert_same_parameters(got, load_transformer(tiny / "transformer", dtype=jnp.float32))
+
+
+def test_shapes_that_disagree_with_the_model_config_name_the_key(tiny: Path, bfl_file: Path, tmp_path: Path) -> None:
+    other = write_random_checkpoint(tmp_path / "medium", "medium", components=("transformer",))
+    wrong = write_bfl_transformer(other, tmp_path / "medium.safetensors")
+    composed = compose(tiny, resolve_overrides(transformer=str(wrong)))
+    message = r"medium.safetensors: checkpoint does not match the model config; unexpected keys: single_transformer_"
+    with pytest.raises(CheckpointError, match=message):
+        load_transformer(composed / "transformer", dtype=jnp.float32)
+
+
+def test_vae_override_with_a_small_decoder_folder(tiny: Path, tmp_path: Path) -> None:
+    small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))
+    composed = compose(tiny, resolve_overrides(vae=str(small / "vae")))
+    config = json.loads((composed / "vae" / "config.json").read_text())
+    assert config["decoder_block_out_channels"] == [32, 32, 32, 64]
+    assert (composed / "transformer").resolve() == (tiny / "transformer").resolve()
+
+
+def test_bad_overrides_are_one_line_errors(tiny: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserInputError, match="no such file or folder"):
+        resolve_overrides(transformer=str(tmp_path / "missing.safetensors"))
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(UserInputError, match="expected a .safetensors file"):
+        resolve_overrides(vae=str(tmp_path / "notes.txt"))
+    with pytest.raises(UserInputError, match="is a vae, not a transformer"):
+        resolve_overrides(transformer="small-decoder")
