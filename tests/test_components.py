@@ -104,3 +104,63 @@ def test_bad_overrides_are_one_line_errors(tiny: Path, tmp_path: Path) -> None:
         resolve_overrides(vae=str(tmp_path / "notes.txt"))
     with pytest.raises(UserInputError, match="is a vae, not a transformer"):
         resolve_overrides(transformer="small-decoder")
+
+
+# ----------------------------------------------------------------------------- through the CLI
+
+
+def cli(*args: object):
+    from typer.testing import CliRunner
+
+    from flux2klein_cli.cli.app import app
+
+    return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_generate_with_overrides_names_them_and_draws_the_folder_image(tiny: Path, bfl_file: Path,
+                                                                         tmp_path: Path) -> None:
+    from PIL import Image
+
+    from flux2klein_cli.core.output import read_png_metadata
+
+    small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))
+    common = ("--height", 32, "--width", 32, "--steps", 2, "--dtype", "fp32", "--no-save")
+    plain = cli("generate", "a fox", "--model", tiny, "-o", tmp_path / "plain.png", *common)
+    assert plain.exit_code == 0, plain.stderr
+    bfl = cli("generate", "a fox", "--model", tiny, "--transformer", bfl_file, "-o", tmp_path / "bfl.png", *common,
+              "--json")
+    assert bfl.exit_code == 0, bfl.stderr
+    assert json.loads(bfl.stdout)["transformer"] == str(bfl_file)
+    assert read_png_metadata(tmp_path / "bfl.png")["transformer"] == str(bfl_file)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "bfl.png")), np.asarray(Image.open(tmp_path / "plain.png")))
+    vae = cli("generate", "a fox", "--model", tiny, "--vae", small / "vae", "-o", tmp_path / "vae.png", *common)
+    assert vae.exit_code == 0, vae.stderr
+    assert read_png_metadata(tmp_path / "vae.png")["vae"] == str(small / "vae")
+
+
+def test_inspect_and_convert_the_overridden_model(tiny: Path, bfl_file: Path, tmp_path: Path) -> None:
+    small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))
+    report = cli("inspect", tiny, "--transformer", bfl_file, "--vae", small / "vae", "--json")
+    assert report.exit_code == 0, report.stderr
+    data = json.loads(report.stdout)
+    assert data["sources"]["transformer"]["source"] == str(bfl_file) and data["sources"]["vae"]["kind"] == "folder"
+    plain = json.loads(cli("inspect", tiny, "--json").stdout)
+    assert data["components"]["vae"]["parameters"] < plain["components"]["vae"]["parameters"]
+    out = tmp_path / "converted"
+    converted = cli("convert", tiny, "--transformer", bfl_file, "--vae", small / "vae", "--out", out, "--json")
+    assert converted.exit_code == 0, converted.stderr
+    again = json.loads(cli("inspect", out, "--json").stdout)
+    assert again["components"] == {**data["components"], **{n: {**data["components"][n], "load_seconds":
+                                   again["components"][n]["load_seconds"]} for n in data["components"]}}
+    manifest = json.loads((out / "flux2klein-manifest.json").read_text())
+    assert manifest["source"]["components"]["transformer"]["source"] == str(bfl_file)
+
+
+def test_mismatched_file_is_exit_2_with_one_line(tiny: Path, tmp_path: Path) -> None:
+    other = write_random_checkpoint(tmp_path / "medium", "medium", components=("transformer",))
+    wrong = write_bfl_transformer(other, tmp_path / "medium.safetensors")
+    result = cli("inspect", tiny, "--transformer", wrong)
+    assert result.exit_code == 2 and "medium.safetensors: checkpoint does not match" in result.stderr
+    assert "Traceback" not in result.stderr
+    missing = cli("inspect", tiny, "--vae", "small-decoder")  # not cached, and the test never downloads
+    assert missing.exit_code == 2 and "flux2klein fetch small-decoder" in missing.stderr

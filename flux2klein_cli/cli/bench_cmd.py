@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from flux2klein_cli.cli import component_options as c
 from flux2klein_cli.cli import image_options as o
 from flux2klein_cli.cli import output
 from flux2klein_cli.cli.output import Table, emit_json, note, show_table, status, user_errors
@@ -42,6 +43,8 @@ def bench(
     no_store: bool = typer.Option(False, "--no-store", help="pipeline: no executable store; jit-compile every "
                                   "program on the first call (what compile measured before the store). Default: "
                                   "load stored executables, compile and store the missing ones, as generate does."),
+    transformer: str = c.TRANSFORMER,
+    vae: str = c.VAE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Time the phases of a run: load, compile, text encoding, denoising, decoding.
@@ -113,24 +116,25 @@ def bench(
             raise UserInputError(f"{' and '.join(store_flags)}: only with --phase pipeline")
         if no_store and len(store_flags) > 1:
             raise UserInputError(f"--no-store uses no executable store: drop {' and '.join(store_flags[:-1])}")
+        from flux2klein_cli.core.components import resolve_composed
+
         if phase == "transformer-compile":
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
         elif phase == "load":
             from flux2klein_cli.core.bench_load import bench_load, load_kinds
-            from flux2klein_cli.core.snapshot import resolve_model
 
-            result = bench_load(resolve_model(model), convert=True, dtype=dtype, reps=reps,
+            result = bench_load(resolve_composed(model, transformer, vae), convert=True, dtype=dtype, reps=reps,
                                 kinds=load_kinds(note),
                                 log=None if as_json else note)
             result = dict(phase=phase, **result)
         elif phase == "steps":  # what a progress bar costs the denoising loop
             from flux2klein_cli.core.bench_steps import bench_steps
             from flux2klein_cli.core.runtime import configure_jax
-            from flux2klein_cli.core.snapshot import resolve_model
 
             configure_jax()
             with status(f"timing the denoising loop of {model}") if not as_json else nullcontext():
-                result = bench_steps(resolve_model(model), height=height, width=width, steps=steps or 8, reps=reps,
+                result = bench_steps(resolve_composed(model, transformer, vae), height=height, width=width,
+                                     steps=steps or 8, reps=reps,
                                      dtype=target, per_call=(1, 2), compile_cache=compile_cache)
             result = dict(model=model, phase=phase, dtype=dtype, **result)
             if not as_json:
@@ -140,9 +144,8 @@ def bench(
                 return
         elif phase == "ttfi":
             from flux2klein_cli.core.bench import bench_ttfi
-            from flux2klein_cli.core.snapshot import resolve_model
 
-            path = resolve_model(model)
+            path = resolve_composed(model, transformer, vae)
             with status(f"timing first images of {model}") if not as_json else nullcontext():
                 result = bench_ttfi(path, height=height, width=width, steps=steps or 4, guidance=1.0, reps=reps,
                                     dtype=dtype, diffusers=diffusers)
@@ -150,13 +153,12 @@ def bench(
         else:
             from flux2klein_cli.core.bench import bench_pipeline
             from flux2klein_cli.core.runtime import configure_jax
-            from flux2klein_cli.core.snapshot import resolve_model
 
             configure_jax()
             from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, run_mesh
 
             run_on = run_mesh(DeviceOptions(mesh=mesh, tpu=tpu))
-            path = resolve_model(model)
+            path = resolve_composed(model, transformer, vae)
             check_run_fits(run_on, path, bs)
             if kv:
                 from flux2klein_cli.core.checkpoint import Snapshot

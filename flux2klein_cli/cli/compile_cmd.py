@@ -8,6 +8,7 @@ from typing import Any
 
 import typer
 
+from flux2klein_cli.cli import component_options as c
 from flux2klein_cli.cli.output import Table, emit_json, note, result, show_table, user_errors, warn
 from flux2klein_cli.cli.params import float_option
 
@@ -35,6 +36,8 @@ def compile_programs(
                                "(far quicker to compile, possibly slower to run; keyed apart in the store)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32."),
     max_sequence_length: int = typer.Option(512, "--max-sequence-length", help="Prompt token budget."),
+    transformer: str = c.TRANSFORMER,
+    vae: str = c.VAE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Compile every program a run needs and store the executables for later runs.
@@ -61,7 +64,7 @@ def compile_programs(
         opts = CompileOptions(model=model, height=height, width=width, batch=bs, prompts=prompts, steps=steps,
                               guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu, cache_dir=cache_dir,
                               sequential=sequential, dtype=dtype, max_sequence_length=max_sequence_length,
-                              save=not no_save, effort=effort)
+                              save=not no_save, effort=effort, transformer=transformer, vae=vae)
         from flux2klein_cli.cli.progress import StepBar, wanted
 
         bar = StepBar("programs", unit="program") if wanted(as_json) else None

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 from rich.progress import TaskID
 
+from flux2klein_cli.cli import component_options as c
 from flux2klein_cli.cli.output import emit_json, note, stderr, user_errors
 from flux2klein_cli.cli.progress import wanted
 
@@ -32,6 +33,8 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
     revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
     offline: bool = typer.Option(False, "--offline", help="Use the local Hugging Face cache only."),
+    transformer: str = c.TRANSFORMER,
+    vae: str = c.VAE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Write MODEL's transformer, text encoder and VAE in DTYPE and JAX layout, plus a manifest.
@@ -64,6 +67,13 @@ def convert(
             rule = parameter_rule(run_on) if run_on is not None else None
         resolved = resolve(model, revision=revision, offline=offline, download=True,
                            progress=note)
+        if transformer or vae:
+            from dataclasses import replace
+
+            from flux2klein_cli.core.components import compose, resolve_overrides
+
+            sources = resolve_overrides(transformer, vae, offline=offline, download=True)
+            resolved = replace(resolved, path=compose(resolved.path, sources))
         slug = _slug(model, resolved.repo_id, resolved.revision)
         target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{dtype}"
         start = time.perf_counter()

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from flux2klein_cli.cli import component_options as c
 from flux2klein_cli.cli import image_options as o
 from flux2klein_cli.core.distributed import DeviceOptions
 
@@ -40,6 +41,8 @@ def edit(
     compile_cache: Path = o.COMPILE_CACHE,
     no_save: bool = o.NO_SAVE,
     effort: str = o.EFFORT,
+    transformer: str = c.TRANSFORMER,
+    vae: str = c.VAE,
     as_json: bool = o.JSON,
 ) -> None:
     """Edit or combine reference images following a prompt.
@@ -63,5 +66,5 @@ def edit(
         latents=latents, force=force,
         max_sequence_length=max_sequence_length, kv=kv, kv_cache_dir=kv_cache_dir,
         devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
-        save_executables=not no_save, effort=effort,
+        save_executables=not no_save, effort=effort, transformer=transformer, vae=vae,
     ), as_json)

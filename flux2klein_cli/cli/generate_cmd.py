@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from flux2klein_cli.cli import component_options as c
 from flux2klein_cli.cli import image_options as o
 from flux2klein_cli.core.distributed import DeviceOptions
 
@@ -34,6 +35,8 @@ def generate(
     compile_cache: Path = o.COMPILE_CACHE,
     no_save: bool = o.NO_SAVE,
     effort: str = o.EFFORT,
+    transformer: str = c.TRANSFORMER,
+    vae: str = c.VAE,
     as_json: bool = o.JSON,
 ) -> None:
     """Generate images from a text prompt.
@@ -51,5 +54,5 @@ def generate(
         negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype, latents=latents, force=force,
         max_sequence_length=max_sequence_length,
         devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
-        save_executables=not no_save, effort=effort,
+        save_executables=not no_save, effort=effort, transformer=transformer, vae=vae,
     ), as_json)

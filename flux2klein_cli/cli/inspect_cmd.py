@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import typer
 
+from flux2klein_cli.cli import component_options as c
 from flux2klein_cli.cli.output import Table, emit_json, error, note, show_table, user_errors
 
 
 def inspect(
     model: str = typer.Argument(..., help="Alias (4b, tiny, ...), hub repo id, snapshot or converted directory."),
     dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype to load into: bf16 or fp32."),
+    transformer: str = c.TRANSFORMER,
+    vae: str = c.VAE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Load transformer, text encoder and VAE of a checkpoint, checking every key and shape.
@@ -29,10 +32,10 @@ def inspect(
             parameter_stats,
             parse_dtype,
         )
-        from flux2klein_cli.core.snapshot import resolve_model
+        from flux2klein_cli.core.components import composed_sources, resolve_composed
 
         target = parse_dtype(dtype)
-        snapshot = Snapshot.open(resolve_model(model))
+        snapshot = Snapshot.open(resolve_composed(model, transformer, vae))
         log = (lambda name, s: None) if as_json else (lambda name, s: note(f"loaded {name} in {s:.2f} s"))
         from flux2klein_cli.core.pipeline.pipeline import load_tokenizer_and_scheduler
 
@@ -52,6 +55,7 @@ def inspect(
         kv=snapshot.kv,
         dtype=dtype,
         components=components,
+        sources=composed_sources(snapshot.root),
     )
     if as_json:
         emit_json(result)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from flux2klein_cli.cli import component_options as c
 from flux2klein_cli.cli.output import Table, emit_json, note, plain, show_table, user_errors
 from flux2klein_cli.cli.params import float_option
 
@@ -23,6 +24,8 @@ def parity(
     threshold: float = float_option(0.99, "--threshold", help="Exit 1 when SSIM is below this."),
     out_dir: Path = typer.Option(Path("parity"), "--out-dir", help="Where ours.png, diffusers.png, diff.png go."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out-dir."),
+    transformer: str = c.TRANSFORMER,
+    vae: str = c.VAE,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Compare with diffusers' pipeline: SSIM, PSNR and max pixel difference.
@@ -32,14 +35,17 @@ def parity(
 
     Example: flux2klein parity --model 4b --steps 4 --height 512 --width 512 --json
     """
+    from functools import partial
+
+    from flux2klein_cli.core.components import resolve_composed
     from flux2klein_cli.core.parity import parity_check
     from flux2klein_cli.core.runtime import configure_jax
-    from flux2klein_cli.core.snapshot import resolve_model
 
     configure_jax()
     with user_errors():
         report = parity_check(
-            model=model, resolve=resolve_model, prompt=prompt, references=list(image), height=height, width=width,
+            model=model, resolve=partial(resolve_composed, transformer=transformer, vae=vae),
+            prompt=prompt, references=list(image), height=height, width=width,
             steps=steps, guidance=guidance, seed=seed, dtype=dtype, out_dir=out_dir, force=force,
         )
     passed = report["ssim"] >= threshold

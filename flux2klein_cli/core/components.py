@@ -100,6 +100,16 @@ def resolve_overrides(transformer: str | None = None, vae: str | None = None, *,
             for name, value in given.items() if value}
 
 
+def resolve_composed(model: str, transformer: str | None = None, vae: str | None = None, **resolve_options: Any
+                     ) -> Path:
+    """`snapshot.resolve_model(model)`, composed with the overrides: what a model command opens."""
+    from flux2klein_cli.core.snapshot import resolve_model
+
+    sources = resolve_overrides(transformer, vae, offline=resolve_options.get("offline"),
+                                download=resolve_options.get("download", False))
+    return compose(resolve_model(model, **resolve_options), sources)
+
+
 def _identity(model_dir: Path, sources: dict[str, ComponentSource]) -> str:
     """The composed directory's name: the model and each source, with sizes and times, so a
     file replaced in place gives a new directory."""
@@ -143,8 +153,10 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
                 weights = [f for f in sorted(source.weights.iterdir()) if ".safetensors" in f.name]
             else:
                 weights = [source.weights]
-            for file in weights:
-                # A single file keeps its name if it ends as diffusers' names do, as the loader reads any.
+            if len(weights) == 1:
+                # One file under diffusers' own name: diffusers (parity) reads a diffusers-key file too.
+                os.symlink(weights[0], folder / "diffusion_pytorch_model.safetensors")
+            for file in weights if len(weights) > 1 else ():
                 os.symlink(file, folder / file.name)
         manifest = {"model": str(model_dir), "components": {n: s.describe() for n, s in sources.items()}}
         (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1))

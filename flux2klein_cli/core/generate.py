@@ -54,6 +54,8 @@ class GenerateOptions:
     compile_cache: Path | None = None  # the executable store [default: FLUX2KLEIN_COMPILE_CACHE or the user cache]
     save_executables: bool = True  # --no-save: use stored executables, store nothing new
     effort: str = "default"  # XLA optimisation effort of compiled executables (store.EFFORTS)
+    transformer: str | None = None  # --transformer: the transformer from elsewhere (core/components.py)
+    vae: str | None = None  # --vae
 
 
 def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
@@ -151,6 +153,11 @@ def model_geometry(model: str) -> LatentGeometry | None:
     return configs.geometry
 
 
+def _component_sources(opts: GenerateOptions) -> dict[str, str]:
+    """The overridden components' sources, as given, for PNG metadata and --json."""
+    return {name: value for name, value in (("transformer", opts.transformer), ("vae", opts.vae)) if value}
+
+
 def run_generate(
     opts: GenerateOptions,
     resolve: Callable[[str], Path],
@@ -168,7 +175,14 @@ def run_generate(
     parse_effort(opts.effort)
     # Sizes, references and --latents depend on the model's geometry: checked before any
     # download when the configs are here, else right after resolving, before the weights load.
-    geometry = model_geometry(opts.model)
+    if opts.transformer or opts.vae:
+        from flux2klein_cli.core.components import compose, resolve_overrides
+
+        sources, plain = resolve_overrides(opts.transformer, opts.vae), resolve
+
+        def resolve(model: str) -> Path:
+            return compose(plain(model), sources)
+    geometry = None if opts.vae else model_geometry(opts.model)
     model_dir = None
     if geometry is None:
         on_phase("loading model")
@@ -243,7 +257,8 @@ def run_generate(
                 negative_prompt=opts.negative_prompt if result.guidance_used else "",
                 seed=result.seeds[i] if noise is None else f"latents:{opts.latents}",
                 steps=steps, guidance=guidance, size=f"{width}x{height}", model=opts.model,
-                references=[str(p) for p in opts.references], dtype=opts.dtype, version=__version__,
+                **_component_sources(opts), references=[str(p) for p in opts.references], dtype=opts.dtype,
+                version=__version__,
             ), force=opts.force)
             written.append(path)
     except Flux2KleinError as e:
@@ -253,7 +268,8 @@ def run_generate(
     return dict(
         outputs=[str(p) for p in outputs],
         seeds=result.seeds if noise is None else None,
-        model=opts.model, model_path=str(model_dir), height=height, width=width, steps=steps, guidance=guidance,
+        model=opts.model, model_path=str(model_dir), **_component_sources(opts),
+        height=height, width=width, steps=steps, guidance=guidance,
         cfg=result.guidance_used, references=[str(p) for p in opts.references], dtype=opts.dtype,
         kv=opts.kv, kv_cache=result.kv_cache, mesh=None if mesh is None else dict(mesh.shape), writer=writer,
         executables=pipeline.executables.report,

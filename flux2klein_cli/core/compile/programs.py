@@ -52,12 +52,18 @@ class ModelConfigs:
         return LatentGeometry.from_configs(self.vae, self.transformer)
 
 
-def model_configs(model: str) -> ModelConfigs:
+def model_configs(model: str, transformer: str | None = None, vae: str | None = None) -> ModelConfigs:
     """Configs of a `--model`: a local or converted directory, `tiny`, or a cached hub snapshot;
     an alias that is not cached (4b, 9b, ...) uses the registry's published geometry, so
-    compiling for the real models needs no download."""
+    compiling for the real models needs no download. `transformer` / `vae`: --transformer /
+    --vae (core/components.py); their configs come with them, so the model must be here."""
     from flux2klein_cli.core.registry import MODELS
     from flux2klein_cli.core.snapshot import resolve
+
+    if transformer or vae:
+        from flux2klein_cli.core.components import resolve_composed
+
+        return configs_from_snapshot(resolve_composed(model, transformer, vae, offline=True))
 
     try:
         return configs_from_snapshot(resolve(model, offline=True).path)

@@ -32,6 +32,8 @@ class CompileOptions:
     max_sequence_length: int = 512
     save: bool = True
     effort: str = "default"  # XLA optimisation effort, a key of store.EFFORTS
+    transformer: str | None = None  # --transformer / --vae (core/components.py)
+    vae: str | None = None
 
 
 def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
@@ -101,7 +103,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     if preset is not None:
         quiet_libtpu_without_tpu(preset.name)  # before jax first touches its backends
     start = time.perf_counter()
-    configs = P.model_configs(opts.model)
+    configs = P.model_configs(opts.model, opts.transformer, opts.vae)
     if opts.kv and not configs.kv:
         raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
     size = default_size(opts.model)

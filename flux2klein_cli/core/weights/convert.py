@@ -117,7 +117,11 @@ def convert_snapshot_to(
     """`convert` of a resolved `--model`, its provenance (name, repo id, commit) in the manifest."""
     if resolved.kind == "converted":
         raise UserInputError(f"{resolved.path} is already a converted directory; convert its source snapshot")
+    from flux2klein_cli.core.components import composed_sources
+
     provenance = {"model": model, "kind": resolved.kind, "repo_id": resolved.repo_id, "revision": resolved.revision}
+    if composed_sources(resolved.path):  # --transformer / --vae: where those components came from
+        provenance["components"] = composed_sources(resolved.path)
     return convert(resolved.path, out, dtype=dtype, layout=layout, mesh=mesh, sharding_rule=sharding_rule,
                    force=force, provenance=provenance, progress=progress)
 
