@@ -164,3 +164,37 @@ def test_mismatched_file_is_exit_2_with_one_line(tiny: Path, tmp_path: Path) -> 
     assert "Traceback" not in result.stderr
     missing = cli("inspect", tiny, "--vae", "small-decoder")  # not cached, and the test never downloads
     assert missing.exit_code == 2 and "flux2klein fetch small-decoder" in missing.stderr
+
+
+def test_bfl_file_equals_diffusers_from_single_file_and_the_folder(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """Our read of a BFL single file against diffusers' own `from_single_file`: bit-identical
+    parameters; and the image through --transformer equals the folder's."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    from PIL import Image
+
+    # No key prefix: diffusers' converter (0.42) reads the reference repo's names, not ComfyUI's prefixed ones.
+    bfl = write_bfl_transformer(tiny_checkpoint, tmp_path / "klein-tiny-bfl.safetensors", prefix="")
+    theirs = Flux2Transformer2DModel.from_single_file(str(bfl), config=str(tiny_checkpoint), subfolder="transformer",
+                                                      torch_dtype=torch.float32, local_files_only=True)
+    composed = compose(tiny_checkpoint, resolve_overrides(transformer=str(bfl)))
+    ours = load_transformer(composed / "transformer", dtype=jnp.float32)
+    folder = load_transformer(tiny_checkpoint / "transformer", dtype=jnp.float32)
+    assert_same_parameters(ours, folder)
+    state = {k: v.numpy() for k, v in theirs.state_dict().items()}
+    from flux2klein_cli.core.models.transformer import transformer_key_plan
+
+    plan = transformer_key_plan(ours)
+    for path, variable in nnx.to_flat_state(nnx.state(ours)):
+        source, value = plan.sources[path], np.asarray(variable.get_value())
+        for i, key in enumerate(source.keys):
+            got = value[i] if source.stacked else value
+            assert np.array_equal(got.T if source.layout == "linear" else got, state.pop(key)), key
+    assert not state  # every diffusers parameter compared
+
+    common = ("--height", 32, "--width", 48, "--steps", 2, "--dtype", "fp32", "--no-save")
+    for name, extra in (("folder", ()), ("bfl", ("--transformer", bfl))):
+        result = cli("generate", "a red fox", "--model", tiny_checkpoint, "-o", tmp_path / f"{name}.png", *extra,
+                     *common)
+        assert result.exit_code == 0, result.stderr
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "bfl.png")), np.asarray(Image.open(tmp_path / "folder.png")))
