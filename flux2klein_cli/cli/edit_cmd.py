@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from flux2klein_cli.cli import image_options as o
-from flux2klein_cli.core.distributed import DeviceOptions
 
 
 def edit(
@@ -56,6 +55,8 @@ def edit(
 
       flux2klein edit "put both cats on the sofa" -i a.png -i b.png --kv --kv-cache-dir ~/.cache/f2k-kv
     """
+    from flux2klein_cli.core.distributed import DeviceOptions
+
     o.run(prompt, prompt_file, dict(
         model=model or ("9b-kv" if kv else "4b"), output=output, references=list(image), height=height, width=width,
         steps=steps,

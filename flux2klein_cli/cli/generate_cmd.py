@@ -7,7 +7,6 @@ from pathlib import Path
 import typer
 
 from flux2klein_cli.cli import image_options as o
-from flux2klein_cli.core.distributed import DeviceOptions
 
 
 def generate(
@@ -46,6 +45,8 @@ def generate(
 
       flux2klein generate "a red fox in snow" --model tiny -o fox.png   (random weights: noise, for testing)
     """
+    from flux2klein_cli.core.distributed import DeviceOptions
+
     o.run(prompt, prompt_file, dict(
         model=model, output=output, height=height, width=width, steps=steps, guidance=guidance,
         negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype, latents=latents, force=force,

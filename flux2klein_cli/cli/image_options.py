@@ -11,9 +11,7 @@ import typer
 from flux2klein_cli.cli.output import emit_json, note, plain, result, status, user_errors, warn
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.cli.progress import StepBar, wanted
-from flux2klein_cli.core.distributed import native_stdout_to_stderr
 from flux2klein_cli.core.errors import Flux2KleinError
-from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
 
 PROMPT_FILE = typer.Option(None, "--prompt-file", help="One prompt per line; each gets --num-images images.")
 MODEL = typer.Option("4b", "--model", "-m", help="Alias (4b, 9b, 9b-kv, base-4b, base-9b), repo id or dir; "
@@ -64,6 +62,8 @@ def _written_on_failure(as_json: bool) -> Iterator[None]:
 
 def run(prompt: str | None, prompt_file: Path | None, options: dict, as_json: bool) -> None:
     """Build the options, run, and report: paths on stdout, or one JSON object (process 0 only)."""
+    from flux2klein_cli.core.distributed import native_stdout_to_stderr
+    from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
     from flux2klein_cli.core.runtime import configure_jax
     from flux2klein_cli.core.snapshot import resolve_model
 
