@@ -25,15 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
-from flux2klein_cli.core.registry import MODELS
+from flux2klein_cli.core.registry import MODELS, TINY_ALIAS, TINY_KV_ALIAS
 from flux2klein_cli.core.temporaries import temporary_dir
 
 # Everything the pipeline reads; nothing at the repo root but the index.
 ALLOW_PATTERNS = ["model_index.json", "transformer/*", "text_encoder/*", "tokenizer/*", "scheduler/*", "vae/*"]
 WEIGHT_COMPONENTS = ("transformer", "text_encoder", "vae")
-TINY_ALIAS = "tiny"
 TINY_DIR_NAME = "tiny-v1"  # bump when the writer's output changes, so old caches are not reused
-TINY_KV_ALIAS = "tiny-kv"  # the same geometry as a Flux2KleinKVPipeline (like 9b-kv), weights of its own
 TINY_KV_DIR_NAME = "tiny-kv-v1"
 # Generated aliases: cache folder, KV pipeline, seed.
 GENERATED = {TINY_ALIAS: (TINY_DIR_NAME, False, 0), TINY_KV_ALIAS: (TINY_KV_DIR_NAME, True, 1)}

@@ -26,7 +26,7 @@ class CompileOptions:
     kv: bool = False
     mesh: str | None = None  # "fsdp=4" or "data=2,fsdp=2" over this host's devices
     tpu: str | None = None  # a preset, e.g. v6e-4
-    cache_dir: Path | None = None
+    compile_cache: Path | None = None  # the executable store [default: store.default_root()]
     sequential: bool = False
     dtype: str = "bf16"
     max_sequence_length: int = 512
@@ -125,7 +125,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     target = dataclasses.replace(target, effort=opts.effort)
     progress(f"building abstract programs for {configs.source}")
     specs = P.pipeline_programs(configs, run, target)
-    store = ExecutableStore(opts.cache_dir, on_warning=warn)
+    store = ExecutableStore(opts.compile_cache, on_warning=warn)
     parallel = not opts.sequential and not compiles_serially(specs)
     results = compile_all(specs, store, parallel=parallel, save=opts.save, progress=progress, on_done=on_done)
     wall = time.perf_counter() - start
