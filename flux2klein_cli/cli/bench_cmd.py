@@ -92,9 +92,12 @@ def bench(
         from flux2klein_cli.core.extras import require_parity
         from flux2klein_cli.core.images import validate_size
 
+        _check_phase_flags(phase, {
+            "--diffusers": diffusers, "--mesh": bool(mesh), "--tpu": bool(tpu),
+            "--compile-cache": compile_cache is not None, "--no-save": no_save,
+            "--effort": effort != o.Effort.default, "--no-store": no_store,
+        })
         if diffusers:
-            if phase != "ttfi":
-                raise UserInputError("--diffusers: only with --phase ttfi")
             require_parity("bench --diffusers")
         validate_size(height, width, multiple_of=1)  # positive here; the model's pixels per token once known
         if bs < 1 or reps < 1 or (steps is not None and steps < 1):
@@ -102,17 +105,13 @@ def bench(
         target = jax_dtype(dtype)
         if refs < 0 or refs > 4:
             raise UserInputError(f"--refs must be between 0 and 4, got {refs}")
-        if (mesh or tpu) and phase != "pipeline":
-            raise UserInputError("--mesh and --tpu: only with --phase pipeline")
         if kv and (phase != "pipeline" or refs < 1):
             raise UserInputError("--kv times edits: use it with --phase pipeline and --refs 1..4")
         store_flags = [flag for flag, given in (("--compile-cache", compile_cache is not None),
-                                                ("--no-save", no_save), ("--effort", effort != "default"),
-                                                ("--no-store", no_store)) if given]
-        if store_flags and phase != "pipeline":
-            raise UserInputError(f"{' and '.join(store_flags)}: only with --phase pipeline")
-        if no_store and len(store_flags) > 1:
-            raise UserInputError(f"--no-store uses no executable store: drop {' and '.join(store_flags[:-1])}")
+                                                ("--no-save", no_save), ("--effort", effort != o.Effort.default))
+                       if given]
+        if no_store and store_flags:
+            raise UserInputError(f"--no-store uses no executable store: drop {' and '.join(store_flags)}")
         if phase == "transformer-compile":
             result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
         elif phase == "load":
@@ -140,12 +139,14 @@ def bench(
                 return
         elif phase == "ttfi":
             from flux2klein_cli.core.bench import bench_ttfi
+            from flux2klein_cli.core.registry import sampling
             from flux2klein_cli.core.snapshot import resolve_model
 
             path = resolve_model(model)
             with status(f"timing first images of {model}") if not as_json else nullcontext():
-                result = bench_ttfi(path, height=height, width=width, steps=steps or 4, guidance=1.0, reps=reps,
-                                    dtype=dtype, diffusers=diffusers)
+                ttfi = sampling(distilled=True, steps=steps)  # timed as the distilled models run
+                result = bench_ttfi(path, height=height, width=width, steps=ttfi.steps, guidance=ttfi.guidance,
+                                    reps=reps, dtype=dtype, diffusers=diffusers)
             result = dict(model=model, phase=phase, **result)
         else:
             from flux2klein_cli.core.bench import bench_pipeline
@@ -179,6 +180,22 @@ def bench(
         _load_table(result)
     else:
         _pipeline_table(result)
+
+
+# Flags only some phases use, by phase; given with another phase they are exit 2.
+PHASE_FLAGS: dict[str, tuple[str, ...]] = {
+    "ttfi": ("--diffusers",),
+    "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store"),
+}
+
+
+def _check_phase_flags(phase: str, given: dict[str, bool]) -> None:
+    from flux2klein_cli.core.errors import UserInputError
+
+    for only, flags in PHASE_FLAGS.items():
+        wrong = [flag for flag in flags if given[flag]] if phase != only else []
+        if wrong:
+            raise UserInputError(f"{' and '.join(wrong)}: only with --phase {only}")
 
 
 def _transformer_compile(model: str, height: int, width: int, bs: int, reps: int, unrolled: bool,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flux2klein_cli.core.cache_paths import cache_root
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.registry import MODELS, TINY_ALIAS, TINY_KV_ALIAS
 from flux2klein_cli.core.temporaries import temporary_dir
@@ -58,8 +59,7 @@ def flux2klein_cache_dir() -> Path:
     """This package's own cache (the generated `tiny` checkpoint)."""
     if os.environ.get("FLUX2KLEIN_CACHE"):
         return Path(os.environ["FLUX2KLEIN_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "flux2klein"
+    return cache_root()
 
 
 def hub_offline() -> bool:

@@ -80,24 +80,23 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
                 on_done: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Resolve, build every program of the run, load or compile each, and report;
     `on_done(programs done, programs)` as each is ready."""
-    from flux2klein_cli.core.checkpoint import parse_dtype
+    from flux2klein_cli.core.choices import check_effort, jax_dtype
     from flux2klein_cli.core.compile import programs as P
     from flux2klein_cli.core.compile.store import (
         ExecutableStore,
         Target,
         compile_all,
         compiles_serially,
-        parse_effort,
     )
     from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
-    from flux2klein_cli.core.registry import default_size
+    from flux2klein_cli.core.registry import default_size, sampling
 
-    parse_effort(opts.effort)
+    check_effort(opts.effort)
     if opts.mesh and opts.tpu:
         raise UserInputError("give --mesh or --tpu, not both (a TPU preset sets its own mesh)")
     preset = parse_preset(opts.tpu) if opts.tpu else None
     refs = parse_sizes(opts.refs)
-    dtype = parse_dtype(opts.dtype)
+    dtype = jax_dtype(opts.dtype)
     if preset is not None:
         quiet_libtpu_without_tpu(preset.name)  # before jax first touches its backends
     start = time.perf_counter()
@@ -105,12 +104,12 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     if opts.kv and not configs.kv:
         raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
     size = default_size(opts.model)
-    guidance = opts.guidance if opts.guidance is not None else (1.0 if configs.distilled else 4.0)
+    chosen = sampling(configs.distilled, opts.steps, opts.guidance)
     run = P.RunShape(
         height=opts.height or size, width=opts.width or size, geometry=configs.geometry, batch=opts.batch,
         prompts=opts.prompts,
-        steps=opts.steps or (4 if configs.distilled else 50), references=refs,
-        cfg=not configs.distilled and guidance > 1.0, max_sequence_length=opts.max_sequence_length, dtype=dtype,
+        steps=chosen.steps, references=refs,
+        cfg=not configs.distilled and chosen.guidance > 1.0, max_sequence_length=opts.max_sequence_length, dtype=dtype,
         kv=opts.kv,
     )
     if preset is not None:
