@@ -43,7 +43,7 @@ def bench(
     effort: o.EffortOpt = o.Effort.default,
     no_save: o.NoSaveOpt = False,
     no_store: Annotated[bool, typer.Option("--no-store", help="pipeline: no executable store; jit-compile every "
-                                           "program on the first call (what compile measured before the store). "
+                                           "program on the first call. "
                                            "Default: load stored executables, compile and store the missing ones, "
                                            "as generate does.")] = False,
     as_json: o.JsonOpt = False,

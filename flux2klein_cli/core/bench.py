@@ -110,7 +110,7 @@ def bench_pipeline(
     the executable store at `compile_cache` (None: the default store): loaded when stored,
     compiled (and stored, unless not `save`) when not, in the first call's `executables`
     phase; each run reports what the store did per program. Without it every program is
-    jit-compiled on first use, which is what `compile_s` measured before there was a store.
+    jit-compiled on first use.
 
     `compile_s` is the first call's extra time over the steady-state median of each phase:
     with a store, the executables phase plus whatever still traces or compiles on the first
