@@ -76,7 +76,10 @@ def test_no_store_jit_compiles_and_touches_no_store(tiny_checkpoint: Path, tmp_p
     (["--no-store", "--no-save"], "--no-store uses no executable store: drop --no-save"),
     (["--phase", "ttfi", "--no-save"], "--no-save: only with --phase pipeline"),
     (["--phase", "transformer-compile", "--no-store"], "--no-store: only with --phase pipeline"),
-    (["--phase", "load", "--tpu", "v6-4"], "--mesh and --tpu: only with --phase pipeline"),
+    (["--phase", "load", "--tpu", "v6-4"], "--tpu: only with --phase pipeline"),
+    (["--phase", "load", "--mesh", "fsdp=1", "--tpu", "v6-4"], "--mesh and --tpu: only with --phase pipeline"),
+    (["--phase", "load", "--diffusers"], "--diffusers: only with --phase ttfi"),
+    (["--phase", "steps", "--effort", "fast", "--no-store"], "--effort and --no-store: only with --phase pipeline"),
     (["--effort", "max"], "--effort must be one of default, fast, got 'max'"),
     (["--tpu", "v6-4", "--bs", "8"], "--tpu v6e-4 runs on that TPU slice; this run has 1 cpu device(s). To compile "
                                      "for it from here: flux2klein compile --tpu v6-4"),

@@ -22,7 +22,8 @@ from flux2klein_cli.cli import (
     inspect_cmd,
     parity_cmd,
 )
-from flux2klein_cli.cli.output import click_exceptions, usage_error
+from flux2klein_cli.cli.output import click_exceptions, error, usage_error
+from flux2klein_cli.core.errors import Flux2KleinError
 
 # add_completion=False skips this registration; the scripts in completions/ call back into the app.
 completion_init()
@@ -46,6 +47,9 @@ class OneLineErrors(TyperGroup):
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click_exceptions.ClickException as e:
             sys.exit(usage_error(e))
+        except Flux2KleinError as e:  # an option's value failed its core check while parsing (cli/options.py)
+            error(e)
+            sys.exit(e.exit_code)
         except typer.Abort:
             typer.echo("Aborted!", err=True)
             sys.exit(1)

@@ -3,49 +3,52 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from flux2klein_cli.cli import component_options as c
-from flux2klein_cli.cli import image_options as o
+from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli import output
-from flux2klein_cli.cli.output import Table, emit_json, note, show_table, status, user_errors
-
-PHASES = ("pipeline", "ttfi", "load", "transformer-compile", "steps")
+from flux2klein_cli.cli.output import Table, emit_json, note, show_table, status, user_errors, warn
+from flux2klein_cli.core import choices
 
 
 def bench(
-    model: str = typer.Option("4b", "--model", "-m", help="Alias, repo id or local dir (geometry only for "
-                              "transformer-compile)."),
-    phase: str = typer.Option("pipeline", "--phase", help=f"What to time: {', '.join(PHASES)}."),
-    height: int = typer.Option(1024, "--height", help="Image height in pixels (a multiple of the model's "
-                               "pixels per token: 16 for klein)."),
-    width: int = typer.Option(1024, "--width", help="Image width in pixels (as --height)."),
-    bs: int = typer.Option(1, "--bs", help="Batch size (images per run)."),
-    steps: int = typer.Option(None, "--steps", help="Denoising steps [default: the model's]."),
-    reps: int = typer.Option(3, "--reps", help="Timed repetitions after the first call; min and median."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32."),
-    refs: int = typer.Option(0, "--refs", help="pipeline: an edit with this many reference images (each at the "
-                             "output size) instead of text-to-image."),
-    kv: bool = typer.Option(False, "--kv", help="pipeline, with --refs on a KV model: time the edit plain and with "
-                            "the reference KV cache; report the speed-up beside its token-count bound."),
-    mesh: str = typer.Option(None, "--mesh", help="pipeline: device mesh axis sizes, e.g. fsdp=4 (see generate)."),
-    tpu: str = typer.Option(None, "--tpu", help="pipeline, on a TPU slice host: the preset's mesh (FSDP over its "
-                            "chips), e.g. v6-4. From another host, `flux2klein compile --tpu` gives compile figures."),
-    unrolled: bool = typer.Option(False, "--unrolled", help="transformer-compile: unroll the blocks instead of scan."),
-    diffusers: bool = typer.Option(False, "--diffusers",
-                                   help="ttfi: also time diffusers' pipeline (needs \\[parity])."),
-    compile_cache: Path = o.COMPILE_CACHE,
-    effort: str = o.EFFORT,
-    no_save: bool = o.NO_SAVE,
-    no_store: bool = typer.Option(False, "--no-store", help="pipeline: no executable store; jit-compile every "
-                                  "program on the first call (what compile measured before the store). Default: "
-                                  "load stored executables, compile and store the missing ones, as generate does."),
-    transformer: str = c.TRANSFORMER,
-    vae: str = c.VAE,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    model: Annotated[str, typer.Option("--model", "-m", help=o.model_help(" (geometry only for "
+                                                                          "transformer-compile)"))] = "4b",
+    phase: Annotated[o.Phase, o.choice_option(o.Phase, choices.check_phase, "--phase", help="What to time.")
+                     ] = o.Phase.pipeline,
+    height: Annotated[int, typer.Option("--height", help="Image height in pixels (a multiple of the model's "
+                                        "pixels per token: 16 for klein).")] = 1024,
+    width: Annotated[int, typer.Option("--width", help="Image width in pixels (as --height).")] = 1024,
+    bs: Annotated[int, typer.Option("--bs", help="Batch size (images per run).")] = 1,
+    steps: o.StepsOpt = None,
+    reps: Annotated[int, typer.Option("--reps", help="Timed repetitions after the first call; min and median.")] = 3,
+    dtype: o.DtypeOpt = o.Dtype.bf16,
+    refs: Annotated[int, typer.Option("--refs", help="pipeline: an edit with this many reference images (each at "
+                                      "the output size) instead of text-to-image.")] = 0,
+    kv: Annotated[bool, typer.Option("--kv", help="pipeline, with --refs on a KV model: time the edit plain and "
+                                     "with the reference KV cache; report the speed-up beside its token-count "
+                                     "bound.")] = False,
+    mesh: Annotated[str | None, typer.Option("--mesh", help="pipeline: device mesh axis sizes, e.g. fsdp=4 (see "
+                                             "generate).")] = None,
+    tpu: Annotated[str | None, typer.Option("--tpu", help="pipeline, on a TPU slice host: the preset's mesh (FSDP "
+                                            "over its chips), e.g. v6-4. From another host, `flux2klein compile "
+                                            "--tpu` gives compile figures.")] = None,
+    unrolled: Annotated[bool, typer.Option("--unrolled", help="transformer-compile: unroll the blocks instead of "
+                                           "scan.")] = False,
+    diffusers: Annotated[bool, typer.Option("--diffusers", help="ttfi: also time diffusers' pipeline (needs "
+                                            "\\[parity]).")] = False,
+    compile_cache: o.CompileCacheOpt = None,
+    effort: o.EffortOpt = o.Effort.default,
+    no_save: o.NoSaveOpt = False,
+    no_store: Annotated[bool, typer.Option("--no-store", help="pipeline: no executable store; jit-compile every "
+                                           "program on the first call. "
+                                           "Default: load stored executables, compile and store the missing ones, "
+                                           "as generate does.")] = False,
+    transformer: o.TransformerOpt = None,
+    vae: o.VaeOpt = None,
+    as_json: o.JsonOpt = False,
 ) -> None:
     """Time the phases of a run: load, compile, text encoding, denoising, decoding.
 
@@ -86,36 +89,31 @@ def bench(
       flux2klein bench --model 4b --no-store
     """
     with user_errors():
-        from flux2klein_cli.core.checkpoint import parse_dtype
-        from flux2klein_cli.core.compile.store import parse_effort
+        from flux2klein_cli.core.choices import jax_dtype
         from flux2klein_cli.core.errors import UserInputError
         from flux2klein_cli.core.extras import require_parity
         from flux2klein_cli.core.images import validate_size
 
-        if phase not in PHASES:
-            raise UserInputError(f"unknown phase {phase!r}: use one of {', '.join(PHASES)}")
+        _check_phase_flags(phase, {
+            "--diffusers": diffusers, "--mesh": bool(mesh), "--tpu": bool(tpu),
+            "--compile-cache": compile_cache is not None, "--no-save": no_save,
+            "--effort": effort != o.Effort.default, "--no-store": no_store,
+        })
         if diffusers:
-            if phase != "ttfi":
-                raise UserInputError("--diffusers: only with --phase ttfi")
             require_parity("bench --diffusers")
         validate_size(height, width, multiple_of=1)  # positive here; the model's pixels per token once known
         if bs < 1 or reps < 1 or (steps is not None and steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
-        target = parse_dtype(dtype)
-        parse_effort(effort)
+        target = jax_dtype(dtype)
         if refs < 0 or refs > 4:
             raise UserInputError(f"--refs must be between 0 and 4, got {refs}")
-        if (mesh or tpu) and phase != "pipeline":
-            raise UserInputError("--mesh and --tpu: only with --phase pipeline")
         if kv and (phase != "pipeline" or refs < 1):
             raise UserInputError("--kv times edits: use it with --phase pipeline and --refs 1..4")
         store_flags = [flag for flag, given in (("--compile-cache", compile_cache is not None),
-                                                ("--no-save", no_save), ("--effort", effort != "default"),
-                                                ("--no-store", no_store)) if given]
-        if store_flags and phase != "pipeline":
-            raise UserInputError(f"{' and '.join(store_flags)}: only with --phase pipeline")
-        if no_store and len(store_flags) > 1:
-            raise UserInputError(f"--no-store uses no executable store: drop {' and '.join(store_flags[:-1])}")
+                                                ("--no-save", no_save), ("--effort", effort != o.Effort.default))
+                       if given]
+        if no_store and store_flags:
+            raise UserInputError(f"--no-store uses no executable store: drop {' and '.join(store_flags)}")
         from flux2klein_cli.core.components import resolve_composed
 
         if phase == "transformer-compile":
@@ -144,11 +142,13 @@ def bench(
                 return
         elif phase == "ttfi":
             from flux2klein_cli.core.bench import bench_ttfi
+            from flux2klein_cli.core.registry import sampling
 
             path = resolve_composed(model, transformer, vae)
             with status(f"timing first images of {model}") if not as_json else nullcontext():
-                result = bench_ttfi(path, height=height, width=width, steps=steps or 4, guidance=1.0, reps=reps,
-                                    dtype=dtype, diffusers=diffusers)
+                ttfi = sampling(distilled=True, steps=steps)  # timed as the distilled models run
+                result = bench_ttfi(path, height=height, width=width, steps=ttfi.steps, guidance=ttfi.guidance,
+                                    reps=reps, dtype=dtype, diffusers=diffusers)
             result = dict(model=model, phase=phase, **result)
         else:
             from flux2klein_cli.core.bench import bench_pipeline
@@ -168,8 +168,8 @@ def bench(
             with status(f"benchmarking {model}") if not as_json else nullcontext():
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
                                         dtype=target, references=refs, kv=kv, mesh=run_on, store=not no_store,
-                                        compile_cache=compile_cache, save=not no_save, effort=effort,
-                                        warn=o.warn)
+                                        compile_cache=compile_cache, save=not no_save, effort=effort.value,
+                                        warn=warn)
             result = dict(model=model, phase=phase, dtype=dtype, **result)
     if as_json:
         emit_json(result)
@@ -181,6 +181,22 @@ def bench(
         _load_table(result)
     else:
         _pipeline_table(result)
+
+
+# Flags only some phases use, by phase; given with another phase they are exit 2.
+PHASE_FLAGS: dict[str, tuple[str, ...]] = {
+    "ttfi": ("--diffusers",),
+    "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store"),
+}
+
+
+def _check_phase_flags(phase: str, given: dict[str, bool]) -> None:
+    from flux2klein_cli.core.errors import UserInputError
+
+    for only, flags in PHASE_FLAGS.items():
+        wrong = [flag for flag in flags if given[flag]] if phase != only else []
+        if wrong:
+            raise UserInputError(f"{' and '.join(wrong)}: only with --phase {only}")
 
 
 def _transformer_compile(model: str, height: int, width: int, bs: int, reps: int, unrolled: bool,

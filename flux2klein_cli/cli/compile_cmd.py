@@ -3,42 +3,47 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 
-from flux2klein_cli.cli import component_options as c
+from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, note, result, show_table, user_errors, warn
 from flux2klein_cli.cli.params import float_option
 
 
 def compile_programs(
-    model: str = typer.Option("tiny", "--model", "-m", help="Alias, repo id or local dir; an alias needs no "
-                              "download (only configs are read)."),
-    height: int = typer.Option(None, "--height", help="Image height in pixels [default: the model's]."),
-    width: int = typer.Option(None, "--width", help="Image width in pixels [default: the model's]."),
-    bs: int = typer.Option(1, "--bs", help="Images per run (the denoise and decode batch)."),
-    prompts: int = typer.Option(1, "--prompts", help="Distinct prompts per run (the text encoder's batch)."),
-    steps: int = typer.Option(None, "--steps", help="Denoising steps [default: the model's]."),
-    guidance: float = float_option(None, "--guidance", help="Guidance; above 1 on a base model compiles CFG."),
-    refs: str = typer.Option(None, "--refs", help="Reference sizes for edits, HxW comma-separated: 512x512,768x1024."),
-    kv: bool = typer.Option(False, "--kv", help="KV edit: the references-only pass and denoising "
-                            "against its cache (9b-kv)."),
-    mesh: str = typer.Option(None, "--mesh", help="Mesh over this host's devices, e.g. fsdp=4 or data=2,fsdp=2."),
-    tpu: str = typer.Option(None, "--tpu", help="TPU preset (v6e-4, v6-4, v5litepod-8, v5p-8, v4-8, v7-2, "
-                            "v6e:2x2 ...): without that TPU here, compile for its topology."),
-    cache_dir: Path = typer.Option(None, "--cache-dir", help="Executable store [default: $FLUX2KLEIN_COMPILE_CACHE "
-                                   "or ~/.cache/flux2klein/executables]."),
-    sequential: bool = typer.Option(False, "--sequential", help="Compile one program at a time."),
-    no_save: bool = typer.Option(False, "--no-save", help="Compile without storing the executables."),
-    effort: str = typer.Option("default", "--effort", help="XLA optimisation effort: default, or fast "
-                               "(far quicker to compile, possibly slower to run; keyed apart in the store)."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype: bf16 or fp32."),
-    max_sequence_length: int = typer.Option(512, "--max-sequence-length", help="Prompt token budget."),
-    transformer: str = c.TRANSFORMER,
-    vae: str = c.VAE,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    model: Annotated[str, typer.Option("--model", "-m", help=o.model_help("; an alias needs no download (only "
+                                                                          "configs are read)"))] = "tiny",
+    height: Annotated[int | None, typer.Option("--height", help="Image height in pixels \\[default: the "
+                                               "model's].")] = None,
+    width: Annotated[int | None, typer.Option("--width", help="Image width in pixels \\[default: the "
+                                              "model's].")] = None,
+    bs: Annotated[int, typer.Option("--bs", help="Images per run (the denoise and decode batch).")] = 1,
+    prompts: Annotated[int, typer.Option("--prompts", help="Distinct prompts per run (the text encoder's "
+                                         "batch).")] = 1,
+    steps: o.StepsOpt = None,
+    guidance: Annotated[float | None, float_option("--guidance", help="Guidance; above 1 on a base model compiles "
+                                                   "CFG.")] = None,
+    refs: Annotated[str | None, typer.Option("--refs", help="Reference sizes for edits, HxW comma-separated: "
+                                             "512x512,768x1024.")] = None,
+    kv: Annotated[bool, typer.Option("--kv", help="KV edit: the references-only pass and denoising against its "
+                                     "cache (9b-kv).")] = False,
+    mesh: Annotated[str | None, typer.Option("--mesh", help="Mesh over this host's devices, e.g. fsdp=4 or "
+                                             "data=2,fsdp=2.")] = None,
+    tpu: Annotated[str | None, typer.Option("--tpu", help="TPU preset (v6e-4, v6-4, v5litepod-8, v5p-8, v4-8, "
+                                            "v7-2, v6e:2x2 ...): without that TPU here, compile for its "
+                                            "topology.")] = None,
+    compile_cache: o.CompileCacheOpt = None,
+    cache_dir: o.OldCacheDirOpt = None,
+    sequential: Annotated[bool, typer.Option("--sequential", help="Compile one program at a time.")] = False,
+    no_save: Annotated[bool, typer.Option("--no-save", help="Compile without storing the executables.")] = False,
+    effort: o.EffortOpt = o.Effort.default,
+    dtype: o.DtypeOpt = o.Dtype.bf16,
+    max_sequence_length: o.MaxSequenceOpt = 512,
+    transformer: o.TransformerOpt = None,
+    vae: o.VaeOpt = None,
+    as_json: o.JsonOpt = False,
 ) -> None:
     """Compile every program a run needs and store the executables for later runs.
 
@@ -56,15 +61,16 @@ def compile_programs(
 
       flux2klein compile --model 9b --height 1024 --width 1024 --bs 8 --tpu v6-4 --effort fast
 
-      flux2klein compile --model 4b --refs 1024x1024,768x1024 --cache-dir /shared/executables
+      flux2klein compile --model 4b --refs 1024x1024,768x1024 --compile-cache /shared/executables
     """
     with user_errors():
         from flux2klein_cli.core.compile.run import CompileOptions, run_compile
 
         opts = CompileOptions(model=model, height=height, width=width, batch=bs, prompts=prompts, steps=steps,
-                              guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu, cache_dir=cache_dir,
-                              sequential=sequential, dtype=dtype, max_sequence_length=max_sequence_length,
-                              save=not no_save, effort=effort, transformer=transformer, vae=vae)
+                              guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu,
+                              compile_cache=o.compile_cache(compile_cache, cache_dir), sequential=sequential,
+                              dtype=dtype.value, max_sequence_length=max_sequence_length, save=not no_save,
+                              effort=effort.value, transformer=transformer, vae=vae)
         from flux2klein_cli.cli.progress import StepBar, wanted
 
         bar = StepBar("programs", unit="program") if wanted(as_json) else None

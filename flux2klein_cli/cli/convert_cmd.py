@@ -6,36 +6,37 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.progress import TaskID
 
-from flux2klein_cli.cli import component_options as c
+from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import emit_json, note, stderr, user_errors
 from flux2klein_cli.cli.progress import wanted
+from flux2klein_cli.core import choices
 
 
 def convert(
-    model: str = typer.Argument(..., help="Alias, hub repo id or snapshot directory to convert."),
-    out: Path = typer.Option(
-        None, "--out", "-o",
-        help="Directory to write (default: <flux2klein cache>/converted/<model>-<dtype>).",
-    ),
-    dtype: str = typer.Option("bf16", "--dtype", help="Stored parameter dtype: bf16 or fp32."),
-    layout: str = typer.Option(
-        "flat", "--layout",
-        help="flat: one memory-mapped file per model, written in small pieces (the least memory to "
-             "convert); orbax: an Orbax checkpoint of plain zarr arrays, for tools built around Orbax. "
-             "Both load without copying on a CPU host.",
-    ),
-    mesh: str = typer.Option(None, "--mesh", help="orbax: one chunk file per shard of this mesh's parameter "
-                             "shardings, e.g. fsdp=4 (flat files hold whole arrays; each device reads its slice)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
-    revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
-    offline: bool = typer.Option(False, "--offline", help="Use the local Hugging Face cache only."),
-    transformer: str = c.TRANSFORMER,
-    vae: str = c.VAE,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    model: Annotated[str, typer.Argument(help="Alias, hub repo id or snapshot directory to convert.")],
+    out: Annotated[Path | None, typer.Option("--out", "-o", help="Directory to write (default: <flux2klein "
+                                             "cache>/converted/<model>-<dtype>).")] = None,
+    dtype: Annotated[o.Dtype, o.choice_option(o.Dtype, choices.check_dtype, "--dtype", help="Stored parameter "
+                                              "dtype.")] = o.Dtype.bf16,
+    layout: Annotated[o.Layout, o.choice_option(
+        o.Layout, choices.check_layout, "--layout",
+        help="flat: one memory-mapped file per model, written in small pieces (the least memory to convert); "
+             "orbax: an Orbax checkpoint of plain zarr arrays, for tools built around Orbax. Both load without "
+             "copying on a CPU host.")] = o.Layout(choices.DEFAULT_LAYOUT),
+    mesh: Annotated[str | None, typer.Option(
+        "--mesh", help="orbax: one chunk file per shard of this mesh's parameter shardings, e.g. fsdp=4 (flat "
+        "files hold whole arrays; each device reads its slice).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
+    revision: o.RevisionOpt = None,
+    offline: Annotated[bool, typer.Option("--offline", help="Use the local Hugging Face cache only.")] = False,
+    transformer: o.TransformerOpt = None,
+    vae: o.VaeOpt = None,
+    as_json: o.JsonOpt = False,
 ) -> None:
     """Write MODEL's transformer, text encoder and VAE in DTYPE and JAX layout, plus a manifest.
 
@@ -49,15 +50,9 @@ def convert(
     Example: flux2klein convert 4b --out ~/models/klein-4b-bf16
     """
     with user_errors():
-        from flux2klein_cli.core.errors import UserInputError
         from flux2klein_cli.core.snapshot import flux2klein_cache_dir, resolve
         from flux2klein_cli.core.weights.convert import convert_snapshot_to
-        from flux2klein_cli.core.weights.converted import DTYPE_NAMES, LAYOUTS
 
-        if dtype not in DTYPE_NAMES:
-            raise UserInputError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
-        if layout not in LAYOUTS:
-            raise UserInputError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
         run_on, rule = None, None
         if mesh:
             from flux2klein_cli.core.distributed import DeviceOptions, run_mesh
@@ -75,19 +70,19 @@ def convert(
             sources = resolve_overrides(transformer, vae, offline=offline, download=True)
             resolved = replace(resolved, path=compose(resolved.path, sources))
         slug = _slug(model, resolved.repo_id, resolved.revision)
-        target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{dtype}"
+        target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{dtype.value}"
         start = time.perf_counter()
         with _progress_bar(enabled=wanted(as_json)) as update:
-            manifest = convert_snapshot_to(resolved, target, dtype=dtype, layout=layout, force=force, model=model,
-                                           progress=update, mesh=run_on,
+            manifest = convert_snapshot_to(resolved, target, dtype=dtype.value, layout=layout.value, force=force,
+                                           model=model, progress=update, mesh=run_on,
                                            **({"sharding_rule": rule} if rule is not None else {}))
         seconds = time.perf_counter() - start
     if as_json:
         emit_json({
             "path": str(Path(target).expanduser().absolute()),
             "source": {k: v for k, v in manifest["source"].items() if k != "files"},
-            "dtype": dtype,
-            "layout": layout,
+            "dtype": dtype.value,
+            "layout": layout.value,
             "components": {n: {k: c[k] for k in ("parameters", "bytes")} for n, c in manifest["components"].items()},
             "seconds": round(seconds, 3),
         })

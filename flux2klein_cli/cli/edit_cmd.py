@@ -3,47 +3,48 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from flux2klein_cli.cli import component_options as c
-from flux2klein_cli.cli import image_options as o
-from flux2klein_cli.core.distributed import DeviceOptions
+from flux2klein_cli.cli import image_options
+from flux2klein_cli.cli import options as o
 
 
 def edit(
-    prompt: str = typer.Argument(None, help="The edit to make. Or use --prompt-file."),
-    image: list[Path] = typer.Option(..., "--image", "-i", help="Reference image; repeat for several (up to 4)."),
-    prompt_file: Path = o.PROMPT_FILE,
-    model: str = typer.Option(None, "--model", "-m", help="Alias (4b, 9b, 9b-kv, base-4b, base-9b), repo id or "
-                              "dir [default: 4b; 9b-kv with --kv]"),
-    output: Path = o.OUTPUT,
-    height: int = o.HEIGHT,
-    width: int = o.WIDTH,
-    steps: int = o.STEPS,
-    guidance: float = o.GUIDANCE,
-    negative_prompt: str = o.NEGATIVE,
-    seed: int = o.SEED,
-    num_images: int = o.NUM_IMAGES,
-    dtype: str = o.DTYPE,
-    latents: Path = o.LATENTS,
-    force: bool = o.FORCE,
-    max_sequence_length: int = o.MAX_SEQUENCE,
-    kv: bool = typer.Option(False, "--kv", help="Reference KV cache (KV-trained models: 9b-kv): the references "
-                            "run through the model once, every step reuses their keys and values."),
-    kv_cache_dir: Path = typer.Option(None, "--kv-cache-dir", help="With --kv: keep the references' KV cache "
-                                      "here and reuse it in later runs with the same model and images."),
-    mesh: str = o.MESH,
-    tpu: str = o.TPU,
-    coordinator: str = o.COORDINATOR,
-    num_processes: int = o.NUM_PROCESSES,
-    process_id: int = o.PROCESS_ID,
-    compile_cache: Path = o.COMPILE_CACHE,
-    no_save: bool = o.NO_SAVE,
-    effort: str = o.EFFORT,
-    transformer: str = c.TRANSFORMER,
-    vae: str = c.VAE,
-    as_json: bool = o.JSON,
+    image: Annotated[list[Path], typer.Option("--image", "-i", help="Reference image; repeat for several (up to 4).")],
+    prompt: Annotated[str | None, typer.Argument(help="The edit to make. Or use --prompt-file.")] = None,
+    prompt_file: o.PromptFileOpt = None,
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help=f"{o.model_help()} \\[default: 4b; 9b-kv with --kv]")] = None,
+    output: o.OutputOpt = Path("out.png"),
+    height: o.HeightOpt = None,
+    width: o.WidthOpt = None,
+    steps: o.StepsOpt = None,
+    guidance: o.GuidanceOpt = None,
+    negative_prompt: o.NegativeOpt = "",
+    seed: o.SeedOpt = 0,
+    num_images: o.NumImagesOpt = 1,
+    dtype: o.DtypeOpt = o.Dtype.bf16,
+    latents: o.LatentsOpt = None,
+    force: o.ForceOpt = False,
+    max_sequence_length: o.MaxSequenceOpt = 512,
+    kv: Annotated[bool, typer.Option("--kv", help="Reference KV cache (KV-trained models: 9b-kv): the references "
+                                     "run through the model once, every step reuses their keys and values.")] = False,
+    kv_cache_dir: Annotated[Path | None, typer.Option(
+        "--kv-cache-dir", help="With --kv: keep the references' KV cache here and reuse it in later runs with the "
+        "same model and images.")] = None,
+    mesh: o.MeshOpt = None,
+    tpu: o.TpuOpt = None,
+    coordinator: o.CoordinatorOpt = None,
+    num_processes: o.NumProcessesOpt = None,
+    process_id: o.ProcessIdOpt = None,
+    compile_cache: o.CompileCacheOpt = None,
+    no_save: o.NoSaveOpt = False,
+    effort: o.EffortOpt = o.Effort.default,
+    transformer: o.TransformerOpt = None,
+    vae: o.VaeOpt = None,
+    as_json: o.JsonOpt = False,
 ) -> None:
     """Edit or combine reference images following a prompt.
 
@@ -59,12 +60,12 @@ def edit(
 
       flux2klein edit "put both cats on the sofa" -i a.png -i b.png --kv --kv-cache-dir ~/.cache/f2k-kv
     """
-    o.run(prompt, prompt_file, dict(
+    image_options.run(
+        prompt=prompt, prompt_file=prompt_file, as_json=as_json,
+        devices=dict(mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes, process_id=process_id),
         model=model or ("9b-kv" if kv else "4b"), output=output, references=list(image), height=height, width=width,
-        steps=steps,
-        guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype,
-        latents=latents, force=force,
-        max_sequence_length=max_sequence_length, kv=kv, kv_cache_dir=kv_cache_dir,
-        devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
-        save_executables=not no_save, effort=effort, transformer=transformer, vae=vae,
-    ), as_json)
+        steps=steps, guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images,
+        dtype=dtype.value, latents=latents, force=force, max_sequence_length=max_sequence_length, kv=kv,
+        kv_cache_dir=kv_cache_dir, compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,
+        transformer=transformer, vae=vae,
+    )

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import emit_json, note, user_errors
 from flux2klein_cli.cli.progress import wanted
 
 
 def fetch(
-    model: str = typer.Argument(..., help="Alias (4b, 9b, 9b-kv, base-4b, base-9b, tiny, tiny-kv), hub repo id "
-                                "or directory."),
-    revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
-    offline: bool = typer.Option(
-        False, "--offline", help="Use the local cache only (as HF_HUB_OFFLINE=1 does); never touch the network."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: path, revision, files, bytes."),
+    model: Annotated[str, typer.Argument(help=o.model_help())],
+    revision: o.RevisionOpt = None,
+    offline: o.OfflineOpt = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: path, revision, files, "
+                                          "bytes.")] = False,
 ) -> None:
     """Find MODEL in the Hugging Face cache, else download it; print the snapshot path on stdout.
 

@@ -3,41 +3,41 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from flux2klein_cli.cli import component_options as c
-from flux2klein_cli.cli import image_options as o
-from flux2klein_cli.core.distributed import DeviceOptions
+from flux2klein_cli.cli import image_options
+from flux2klein_cli.cli import options as o
 
 
 def generate(
-    prompt: str = typer.Argument(None, help="What to draw. Or use --prompt-file."),
-    prompt_file: Path = o.PROMPT_FILE,
-    model: str = o.MODEL,
-    output: Path = o.OUTPUT,
-    height: int = o.HEIGHT,
-    width: int = o.WIDTH,
-    steps: int = o.STEPS,
-    guidance: float = o.GUIDANCE,
-    negative_prompt: str = o.NEGATIVE,
-    seed: int = o.SEED,
-    num_images: int = o.NUM_IMAGES,
-    dtype: str = o.DTYPE,
-    latents: Path = o.LATENTS,
-    force: bool = o.FORCE,
-    max_sequence_length: int = o.MAX_SEQUENCE,
-    mesh: str = o.MESH,
-    tpu: str = o.TPU,
-    coordinator: str = o.COORDINATOR,
-    num_processes: int = o.NUM_PROCESSES,
-    process_id: int = o.PROCESS_ID,
-    compile_cache: Path = o.COMPILE_CACHE,
-    no_save: bool = o.NO_SAVE,
-    effort: str = o.EFFORT,
-    transformer: str = c.TRANSFORMER,
-    vae: str = c.VAE,
-    as_json: bool = o.JSON,
+    prompt: Annotated[str | None, typer.Argument(help="What to draw. Or use --prompt-file.")] = None,
+    prompt_file: o.PromptFileOpt = None,
+    model: Annotated[str, typer.Option("--model", "-m", help=o.MODEL_HELP_IMAGES)] = "4b",
+    output: o.OutputOpt = Path("out.png"),
+    height: o.HeightOpt = None,
+    width: o.WidthOpt = None,
+    steps: o.StepsOpt = None,
+    guidance: o.GuidanceOpt = None,
+    negative_prompt: o.NegativeOpt = "",
+    seed: o.SeedOpt = 0,
+    num_images: o.NumImagesOpt = 1,
+    dtype: o.DtypeOpt = o.Dtype.bf16,
+    latents: o.LatentsOpt = None,
+    force: o.ForceOpt = False,
+    max_sequence_length: o.MaxSequenceOpt = 512,
+    mesh: o.MeshOpt = None,
+    tpu: o.TpuOpt = None,
+    coordinator: o.CoordinatorOpt = None,
+    num_processes: o.NumProcessesOpt = None,
+    process_id: o.ProcessIdOpt = None,
+    compile_cache: o.CompileCacheOpt = None,
+    no_save: o.NoSaveOpt = False,
+    effort: o.EffortOpt = o.Effort.default,
+    transformer: o.TransformerOpt = None,
+    vae: o.VaeOpt = None,
+    as_json: o.JsonOpt = False,
 ) -> None:
     """Generate images from a text prompt.
 
@@ -49,10 +49,12 @@ def generate(
 
       flux2klein generate "a red fox in snow" --model tiny -o fox.png   (random weights: noise, for testing)
     """
-    o.run(prompt, prompt_file, dict(
+    image_options.run(
+        prompt=prompt, prompt_file=prompt_file, as_json=as_json,
+        devices=dict(mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes, process_id=process_id),
         model=model, output=output, height=height, width=width, steps=steps, guidance=guidance,
-        negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype, latents=latents, force=force,
-        max_sequence_length=max_sequence_length,
-        devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
-        save_executables=not no_save, effort=effort, transformer=transformer, vae=vae,
-    ), as_json)
+        negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype.value, latents=latents,
+        force=force, max_sequence_length=max_sequence_length, compile_cache=compile_cache,
+        save_executables=not no_save, effort=effort.value,
+        transformer=transformer, vae=vae,
+    )

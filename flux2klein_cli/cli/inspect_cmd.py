@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
-from flux2klein_cli.cli import component_options as c
+from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, error, note, show_table, user_errors
+from flux2klein_cli.core.registry import aliases
 
 
 def inspect(
-    model: str = typer.Argument(..., help="Alias (4b, tiny, ...), hub repo id, snapshot or converted directory."),
-    dtype: str = typer.Option("bf16", "--dtype", help="Parameter dtype to load into: bf16 or fp32."),
-    transformer: str = c.TRANSFORMER,
-    vae: str = c.VAE,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    model: Annotated[str, typer.Argument(help=f"Alias ({aliases()}), hub repo id, snapshot or converted "
+                                         "directory.")],
+    dtype: o.DtypeOpt = o.Dtype.bf16,
+    transformer: o.TransformerOpt = None,
+    vae: o.VaeOpt = None,
+    as_json: o.JsonOpt = False,
 ) -> None:
     """Load transformer, text encoder and VAE of a checkpoint, checking every key and shape.
 
@@ -30,11 +34,11 @@ def inspect(
             load_models,
             non_finite_parameters,
             parameter_stats,
-            parse_dtype,
         )
+        from flux2klein_cli.core.choices import jax_dtype
         from flux2klein_cli.core.components import composed_sources, resolve_composed
 
-        target = parse_dtype(dtype)
+        target = jax_dtype(dtype)
         snapshot = Snapshot.open(resolve_composed(model, transformer, vae))
         log = (lambda name, s: None) if as_json else (lambda name, s: note(f"loaded {name} in {s:.2f} s"))
         from flux2klein_cli.core.pipeline.pipeline import load_tokenizer_and_scheduler
@@ -53,7 +57,7 @@ def inspect(
         pipeline=snapshot.pipeline_class,
         is_distilled=snapshot.is_distilled,
         kv=snapshot.kv,
-        dtype=dtype,
+        dtype=dtype.value,
         components=components,
         sources=composed_sources(snapshot.root),
     )

@@ -22,6 +22,6 @@ def finite_float(value: str | float) -> float:
     return number
 
 
-def float_option(default: float | None, *names: str, help: str) -> Any:
-    """A typer.Option for a float that must be finite."""
-    return typer.Option(default, *names, help=help, parser=finite_float, metavar="FLOAT")
+def float_option(*names: str, help: str) -> Any:
+    """A typer.Option for a float that must be finite (the default goes in the signature: `Annotated`)."""
+    return typer.Option(*names, help=help, parser=finite_float, metavar="FLOAT")

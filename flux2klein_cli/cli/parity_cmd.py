@@ -3,30 +3,37 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from flux2klein_cli.cli import component_options as c
+from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, note, plain, show_table, user_errors
 from flux2klein_cli.cli.params import float_option
+from flux2klein_cli.core import choices
 
 
 def parity(
-    model: str = typer.Option("4b", "--model", "-m", help="Alias, repo id or local dir."),
-    prompt: str = typer.Option("a red fox in snow, golden hour", "--prompt", help="The prompt both pipelines get."),
-    image: list[Path] = typer.Option([], "--image", "-i", help="Reference image(s): compares an edit."),
-    height: int = typer.Option(None, "--height", help="Output height [default: 1024 or the first reference's]."),
-    width: int = typer.Option(None, "--width", help="Output width [default: as height]."),
-    steps: int = typer.Option(None, "--steps", help="Steps [default: the model's]."),
-    guidance: float = float_option(None, "--guidance", help="Guidance [default: the model's]."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the shared initial noise."),
-    dtype: str = typer.Option("fp32", "--dtype", help="Both pipelines' dtype: fp32 or bf16."),
-    threshold: float = float_option(0.99, "--threshold", help="Exit 1 when SSIM is below this."),
-    out_dir: Path = typer.Option(Path("parity"), "--out-dir", help="Where ours.png, diffusers.png, diff.png go."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out-dir."),
-    transformer: str = c.TRANSFORMER,
-    vae: str = c.VAE,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    model: Annotated[str, typer.Option("--model", "-m", help=o.model_help())] = "4b",
+    prompt: Annotated[str, typer.Option("--prompt", help="The prompt both pipelines get.")
+                      ] = "a red fox in snow, golden hour",
+    image: Annotated[list[Path], typer.Option("--image", "-i", help="Reference image(s): compares an edit.")
+                     ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
+    height: Annotated[int | None, typer.Option("--height", help="Output height \\[default: 1024 or the first "
+                                               "reference's].")] = None,
+    width: Annotated[int | None, typer.Option("--width", help="Output width \\[default: as height].")] = None,
+    steps: o.StepsOpt = None,
+    guidance: o.GuidanceOpt = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the shared initial noise.")] = 0,
+    dtype: Annotated[o.Dtype, o.choice_option(o.Dtype, choices.check_dtype, "--dtype", help="Both pipelines' "
+                                              "dtype.")] = o.Dtype.fp32,
+    threshold: Annotated[float, float_option("--threshold", help="Exit 1 when SSIM is below this.")] = 0.99,
+    out_dir: Annotated[Path, typer.Option("--out-dir", help="Where ours.png, diffusers.png, diff.png go.")
+                       ] = Path("parity"),
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing files in --out-dir.")] = False,
+    transformer: o.TransformerOpt = None,
+    vae: o.VaeOpt = None,
+    as_json: o.JsonOpt = False,
 ) -> None:
     """Compare with diffusers' pipeline: SSIM, PSNR and max pixel difference.
 
@@ -46,7 +53,7 @@ def parity(
         report = parity_check(
             model=model, resolve=partial(resolve_composed, transformer=transformer, vae=vae),
             prompt=prompt, references=list(image), height=height, width=width,
-            steps=steps, guidance=guidance, seed=seed, dtype=dtype, out_dir=out_dir, force=force,
+            steps=steps, guidance=guidance, seed=seed, dtype=dtype.value, out_dir=out_dir, force=force,
         )
     passed = report["ssim"] >= threshold
     report["threshold"], report["passed"] = threshold, passed

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flux2klein_cli.core.choices import DTYPES
 from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
 
 
@@ -109,7 +110,7 @@ def bench_pipeline(
     the executable store at `compile_cache` (None: the default store): loaded when stored,
     compiled (and stored, unless not `save`) when not, in the first call's `executables`
     phase; each run reports what the store did per program. Without it every program is
-    jit-compiled on first use, which is what `compile_s` measured before there was a store.
+    jit-compiled on first use.
 
     `compile_s` is the first call's extra time over the steady-state median of each phase:
     with a store, the executables phase plus whatever still traces or compiles on the first
@@ -135,11 +136,13 @@ def bench_pipeline(
         pipeline.executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save,
                                                  effort=effort)
         store_info = dict(root=str(executable_store.root), save=save, effort=effort)
-    distilled = pipeline.snapshot.is_distilled
+    from flux2klein_cli.core.registry import sampling
+
+    chosen = sampling(pipeline.snapshot.is_distilled, steps)
     rng = np.random.default_rng(0)
     refs = [rng.uniform(-1, 1, (height, width, 3)).astype(np.float32) for _ in range(references)]
-    request = Request(prompts=["a red fox in snow"] * batch, steps=steps or (4 if distilled else 50),
-                      guidance=1.0 if distilled else 4.0, height=height, width=width, references=refs)
+    request = Request(prompts=["a red fox in snow"] * batch, steps=chosen.steps, guidance=chosen.guidance,
+                      height=height, width=width, references=refs)
     result = dict(load_s=load_s, load_components_s=pipeline.models.seconds, steps=request.steps, batch=batch,
                   height=height, width=width, references=references, store=store_info,
                   **_time_request(pipeline, request, reps),
@@ -300,7 +303,7 @@ def bench_ttfi(
     result: dict[str, Any] = dict(ours_cold_s=summarize(cold), ours_warm_s=summarize(warm))
     if diffusers:
         code = _DIFFUSERS_TTFI.format(threads=2, cls=snapshot.pipeline_class, model=str(model_dir),
-                                      dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], prompt=prompt,
+                                      dtype=DTYPES[dtype], prompt=prompt,
                                       height=height, width=width, steps=steps, guidance=guidance, out=str(out))
         ref = [_timed_process([sys.executable, "-c", code], env, out) for _ in range(reps)]
         result["diffusers_s"] = summarize(ref)

@@ -44,9 +44,11 @@ from typing import Any
 
 import numpy as np
 
+from flux2klein_cli.core.choices import LAYOUTS, jax_dtype, torch_dtype
+
 COMPONENTS = ("transformer", "text_encoder", "vae")
 KINDS = ("safetensors", "flat", "orbax", "cat", "fill", "diffusers")
-LAYOUT_KINDS = ("flat", "orbax")
+LAYOUT_KINDS = LAYOUTS
 
 
 def load_kinds(note: Callable[[str], None] | None = None) -> tuple[str, ...]:
@@ -142,13 +144,12 @@ def _layout_of(directory: Path, name: str) -> str:
 
 
 def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype: str, layout: str) -> None:
-    import jax.numpy as jnp
 
     from flux2klein_cli.core.mesh import default_mesh
     from flux2klein_cli.core.sharding import replicated_rule
     from flux2klein_cli.core.weights.convert import convert_component
 
-    target = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
+    target = jax_dtype(dtype)
     for name in names:
         convert_component(name, model_dir / name, out / name, target, default_mesh(), replicated_rule, 256 << 20, None,
                           layout=layout)
@@ -290,12 +291,11 @@ def _mapped_ranges(part: str) -> list[tuple[int, int]]:
 
 def _load_ours(kind: str, directory: str, name: str, dtype: str) -> dict[str, Any]:
     import jax
-    import jax.numpy as jnp
     from flax import nnx
 
     from flux2klein_cli.core.checkpoint import parameter_stats
 
-    target = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
+    target = jax_dtype(dtype)
     if kind in LAYOUT_KINDS:
         from flux2klein_cli.core.weights.converted import load_component
 
@@ -346,7 +346,7 @@ def _load_diffusers(directory: str, dtype: str) -> dict[str, Any]:
     from diffusers import Flux2Transformer2DModel
 
     torch.set_num_threads(os.cpu_count() or 1)
-    target = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    target = torch_dtype(dtype)
     before = _peak_reset()
     start = time.perf_counter()
     model = Flux2Transformer2DModel.from_pretrained(directory, torch_dtype=target, low_cpu_mem_usage=True)

@@ -25,8 +25,10 @@ def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: i
 
     pipeline = KleinPipeline.load(model_dir, dtype=dtype)
     pipeline.executables = StoredExecutables(model_dir, ExecutableStore(compile_cache))
-    distilled = pipeline.snapshot.is_distilled
-    request = Request(prompts=["a red fox in snow"], steps=steps, guidance=1.0 if distilled else 4.0,
+    from flux2klein_cli.core.registry import sampling
+
+    request = Request(prompts=["a red fox in snow"], steps=steps,
+                      guidance=sampling(pipeline.snapshot.is_distilled).guidance,
                       height=height, width=width)
     forms: dict[str, int | None] = {"one call": None, **{f"{k} step(s) a call": k for k in per_call}}
 

@@ -19,14 +19,6 @@ from flux2klein_cli.core.weights.configs import read_json
 
 PIPELINE_CLASSES = ("Flux2KleinPipeline", "Flux2KleinKVPipeline")
 COMPONENTS = ("transformer", "text_encoder", "vae", "tokenizer", "scheduler")
-DTYPES: dict[str, Any] = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
-
-
-def parse_dtype(name: str) -> Any:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise UserInputError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}") from None
 
 
 @dataclass(frozen=True)

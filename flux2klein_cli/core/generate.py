@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli import __version__
-from flux2klein_cli.core.checkpoint import Snapshot, parse_dtype
+from flux2klein_cli.core.checkpoint import Snapshot
+from flux2klein_cli.core.choices import check_effort, jax_dtype
 from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.images import (
@@ -28,7 +29,7 @@ from flux2klein_cli.core.images import (
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
-from flux2klein_cli.core.registry import default_size
+from flux2klein_cli.core.registry import default_size, sampling
 
 
 @dataclass
@@ -169,10 +170,9 @@ def run_generate(
     steps)` after each denoising step (the loop then runs in several calls; without it, one)."""
     start = time.perf_counter()
     _check_options(opts)
-    dtype = parse_dtype(opts.dtype)
-    from flux2klein_cli.core.compile.store import parse_effort
+    dtype = jax_dtype(opts.dtype)
 
-    parse_effort(opts.effort)
+    check_effort(opts.effort)
     # Sizes, references and --latents depend on the model's geometry: checked before any
     # download when the configs are here, else right after resolving, before the weights load.
     if opts.transformer or opts.vae:
@@ -209,8 +209,8 @@ def run_generate(
         check_kv_model(snapshot, opts.model)
     mesh = run_mesh(opts.devices)
     check_run_fits(mesh, model_dir, batch)
-    steps = opts.steps or (4 if snapshot.is_distilled else 50)
-    guidance = opts.guidance if opts.guidance is not None else (1.0 if snapshot.is_distilled else 4.0)
+    chosen = sampling(snapshot.is_distilled, opts.steps, opts.guidance)
+    steps, guidance = chosen.steps, chosen.guidance
     _check_cost(snapshot, opts, dtype, height, width, references, steps, guidance, batch, mesh,
                 geometry.pixels_per_token, warn)
     load_start = time.perf_counter()

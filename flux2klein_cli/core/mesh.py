@@ -12,9 +12,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flux2klein_cli.core.choices import MESH_AXES
 from flux2klein_cli.core.errors import UserInputError
-
-MESH_AXES = ("data", "fsdp", "tensor", "context")
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def parity_check(
     """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk."""
     from pathlib import Path
 
-    from flux2klein_cli.core.checkpoint import parse_dtype
+    from flux2klein_cli.core.choices import jax_dtype
     from flux2klein_cli.core.images import load_reference, preprocess_reference
     from flux2klein_cli.core.output import plan_outputs, write_png
 
@@ -134,11 +134,12 @@ def parity_check(
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = {name: plan_outputs(out_dir / f"{name}.png", 1, force=force)[0] for name in ("ours", "diffusers", "diff")}
     pil = [load_reference(p) for p in references]
-    pipeline = KleinPipeline.load(resolve(model), dtype=parse_dtype(dtype))
+    pipeline = KleinPipeline.load(resolve(model), dtype=jax_dtype(dtype))
     processed = [preprocess_reference(image, multiple_of=pipeline.geometry.pixels_per_token) for image in pil]
-    distilled = pipeline.snapshot.is_distilled
-    request = Request(prompts=[prompt], steps=steps or (4 if distilled else 50),
-                      guidance=guidance if guidance is not None else (1.0 if distilled else 4.0),
+    from flux2klein_cli.core.registry import sampling
+
+    chosen = sampling(pipeline.snapshot.is_distilled, steps, guidance)
+    request = Request(prompts=[prompt], steps=chosen.steps, guidance=chosen.guidance,
                       height=height, width=width, seed=seed, references=processed)
     run = run_parity(pipeline, request, pil, dtype)
     meta = dict(prompt=prompt, seed=seed, steps=request.steps, guidance=request.guidance, model=model)

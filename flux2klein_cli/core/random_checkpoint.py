@@ -29,6 +29,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from flux2klein_cli.core import choices
+from flux2klein_cli.core.choices import numpy_dtype
 from flux2klein_cli.core.registry import QWEN3_4B, QWEN3_8B, TRANSFORMER_4B, TRANSFORMER_9B
 from flux2klein_cli.core.tokenizer_builder import build_tokenizer
 
@@ -38,7 +40,7 @@ TRANSFORMERS_VERSION = "5.24.0"
 COMPONENTS = ("transformer", "text_encoder", "vae", "tokenizer", "scheduler")
 _CHUNK_ELEMENTS = 1 << 22  # generate and write 4M values at a time (16 MiB of float32)
 _ST_DTYPES = {np.dtype(np.float32): "F32", np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.int64): "I64"}
-DTYPES = {"bf16": np.dtype(ml_dtypes.bfloat16), "fp32": np.dtype(np.float32)}
+DTYPES = {name: numpy_dtype(name) for name in choices.DTYPES}
 
 # The scheduler config the klein repos ship (dynamic, exponential time shift), as diffusers writes it.
 SCHEDULER_CONFIG: dict[str, Any] = {

@@ -36,11 +36,27 @@ class ModelSpec:
 
     @property
     def steps(self) -> int:
-        return 4 if self.distilled else 50
+        return sampling(self.distilled).steps
 
     @property
     def guidance(self) -> float:
-        return 1.0 if self.distilled else 4.0
+        return sampling(self.distilled).guidance
+
+
+@dataclass(frozen=True)
+class Sampling:
+    steps: int
+    guidance: float
+
+
+# Distilled models sample in 4 steps without CFG; base models take diffusers' 50 steps at guidance 4.
+_DISTILLED, _BASE = Sampling(4, 1.0), Sampling(50, 4.0)
+
+
+def sampling(distilled: bool, steps: int | None = None, guidance: float | None = None) -> Sampling:
+    """The steps and guidance of a run: those given, else the model's defaults."""
+    default = _DISTILLED if distilled else _BASE
+    return Sampling(steps or default.steps, default.guidance if guidance is None else guidance)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -68,9 +84,19 @@ def spec_for(alias: str) -> ModelSpec:
         raise UserInputError(f"unknown model {alias!r}: known models are {', '.join(MODELS)}") from None
 
 
+# Random-weight models written on first use, without network (core/snapshot.py): for trying the tool.
+TINY_ALIAS = "tiny"
+TINY_KV_ALIAS = "tiny-kv"  # the same geometry as a Flux2KleinKVPipeline (like 9b-kv)
+
+
+def aliases(*, tiny: bool = True) -> str:
+    """The aliases `--model` takes, for help texts."""
+    return ", ".join([*MODELS, *((TINY_ALIAS, TINY_KV_ALIAS) if tiny else ())])
+
+
 # Output side when none is given; the random-weight `tiny` model is for trying the tool in seconds.
 DEFAULT_SIZE = 1024
-_DEFAULT_SIZES = {"tiny": 256, "tiny-kv": 256}
+_DEFAULT_SIZES = {TINY_ALIAS: 256, TINY_KV_ALIAS: 256}
 
 
 def default_size(model: str) -> int:

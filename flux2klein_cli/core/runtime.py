@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from flux2klein_cli.core.cache_paths import cache_root
+
 CACHE_ENV = "FLUX2KLEIN_XLA_CACHE"
 
 
@@ -16,8 +18,7 @@ def xla_cache_dir() -> Path | None:
         return None
     if value:
         return Path(value).expanduser()
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "flux2klein" / "xla"
+    return cache_root() / "xla"
 
 
 def configure_jax(warn: Callable[[str], None] | None = None) -> None:

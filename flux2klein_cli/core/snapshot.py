@@ -24,16 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flux2klein_cli.core.cache_paths import cache_root
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
-from flux2klein_cli.core.registry import COMPONENT_REPOS, MODELS
+from flux2klein_cli.core.registry import COMPONENT_REPOS, MODELS, TINY_ALIAS, TINY_KV_ALIAS
 from flux2klein_cli.core.temporaries import temporary_dir
 
 # Everything the pipeline reads; nothing at the repo root but the index.
 ALLOW_PATTERNS = ["model_index.json", "transformer/*", "text_encoder/*", "tokenizer/*", "scheduler/*", "vae/*"]
 WEIGHT_COMPONENTS = ("transformer", "text_encoder", "vae")
-TINY_ALIAS = "tiny"
 TINY_DIR_NAME = "tiny-v1"  # bump when the writer's output changes, so old caches are not reused
-TINY_KV_ALIAS = "tiny-kv"  # the same geometry as a Flux2KleinKVPipeline (like 9b-kv), weights of its own
 TINY_KV_DIR_NAME = "tiny-kv-v1"
 # Generated aliases: cache folder, KV pipeline, seed.
 GENERATED = {TINY_ALIAS: (TINY_DIR_NAME, False, 0), TINY_KV_ALIAS: (TINY_KV_DIR_NAME, True, 1)}
@@ -60,8 +59,7 @@ def flux2klein_cache_dir() -> Path:
     """This package's own cache (the generated `tiny` checkpoint)."""
     if os.environ.get("FLUX2KLEIN_CACHE"):
         return Path(os.environ["FLUX2KLEIN_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "flux2klein"
+    return cache_root()
 
 
 def hub_offline() -> bool:

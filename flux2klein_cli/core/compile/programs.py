@@ -347,8 +347,7 @@ def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, 
 
 
 # Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
-# quicker (the 9B decode for v6e-4: 22-31 s -> 14-18 s). Elsewhere they cost: on an H200 the
-# decode compiled in 12.1 s instead of 2.6 s and ran 43% longer; on the host CPU, 30% and 60%.
+# quicker; elsewhere they cost compile and run time (docs/benchmarks.md, "Ahead-of-time compilation").
 MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
 
 

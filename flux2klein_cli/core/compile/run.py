@@ -26,7 +26,7 @@ class CompileOptions:
     kv: bool = False
     mesh: str | None = None  # "fsdp=4" or "data=2,fsdp=2" over this host's devices
     tpu: str | None = None  # a preset, e.g. v6e-4
-    cache_dir: Path | None = None
+    compile_cache: Path | None = None  # the executable store [default: store.default_root()]
     sequential: bool = False
     dtype: str = "bf16"
     max_sequence_length: int = 512
@@ -82,24 +82,23 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
                 on_done: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Resolve, build every program of the run, load or compile each, and report;
     `on_done(programs done, programs)` as each is ready."""
-    from flux2klein_cli.core.checkpoint import parse_dtype
+    from flux2klein_cli.core.choices import check_effort, jax_dtype
     from flux2klein_cli.core.compile import programs as P
     from flux2klein_cli.core.compile.store import (
         ExecutableStore,
         Target,
         compile_all,
         compiles_serially,
-        parse_effort,
     )
     from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
-    from flux2klein_cli.core.registry import default_size
+    from flux2klein_cli.core.registry import default_size, sampling
 
-    parse_effort(opts.effort)
+    check_effort(opts.effort)
     if opts.mesh and opts.tpu:
         raise UserInputError("give --mesh or --tpu, not both (a TPU preset sets its own mesh)")
     preset = parse_preset(opts.tpu) if opts.tpu else None
     refs = parse_sizes(opts.refs)
-    dtype = parse_dtype(opts.dtype)
+    dtype = jax_dtype(opts.dtype)
     if preset is not None:
         quiet_libtpu_without_tpu(preset.name)  # before jax first touches its backends
     start = time.perf_counter()
@@ -107,12 +106,12 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     if opts.kv and not configs.kv:
         raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
     size = default_size(opts.model)
-    guidance = opts.guidance if opts.guidance is not None else (1.0 if configs.distilled else 4.0)
+    chosen = sampling(configs.distilled, opts.steps, opts.guidance)
     run = P.RunShape(
         height=opts.height or size, width=opts.width or size, geometry=configs.geometry, batch=opts.batch,
         prompts=opts.prompts,
-        steps=opts.steps or (4 if configs.distilled else 50), references=refs,
-        cfg=not configs.distilled and guidance > 1.0, max_sequence_length=opts.max_sequence_length, dtype=dtype,
+        steps=chosen.steps, references=refs,
+        cfg=not configs.distilled and chosen.guidance > 1.0, max_sequence_length=opts.max_sequence_length, dtype=dtype,
         kv=opts.kv,
     )
     if preset is not None:
@@ -127,7 +126,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     target = dataclasses.replace(target, effort=opts.effort)
     progress(f"building abstract programs for {configs.source}")
     specs = P.pipeline_programs(configs, run, target)
-    store = ExecutableStore(opts.cache_dir, on_warning=warn)
+    store = ExecutableStore(opts.compile_cache, on_warning=warn)
     parallel = not opts.sequential and not compiles_serially(specs)
     results = compile_all(specs, store, parallel=parallel, save=opts.save, progress=progress, on_done=on_done)
     wall = time.perf_counter() - start

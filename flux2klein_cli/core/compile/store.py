@@ -41,7 +41,8 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding
 
-from flux2klein_cli.core import trust
+from flux2klein_cli.core import choices, trust
+from flux2klein_cli.core.cache_paths import cache_root
 from flux2klein_cli.core.compile import treedefs
 from flux2klein_cli.core.temporaries import partial_name, temporary_dir, temporary_file
 
@@ -65,33 +66,21 @@ def default_root() -> Path:
     value = os.environ.get(STORE_ENV)
     if value:
         return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "flux2klein" / "executables"
+    return cache_root() / "executables"
 
 
 # How hard XLA works on an executable's speed. "fast" trades run time for compile time
-# (libtpu: about 10x quicker for the VAE's convolutions, 5-10x for the transformer); XLA
-# reads -1.0 as its least effort. At "fast" for TPU targets the VAE's programs are also traced
-# with their 3x3 convolutions as matmuls (programs._vae_form). The value is part of the store key.
-EFFORTS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "fast": {"exec_time_optimization_effort": -1.0},
-}
+# (figures in docs/benchmarks.md); XLA reads -1.0 as its least effort. At "fast" for TPU targets
+# the VAE's programs are also traced with their 3x3 convolutions as matmuls (programs._vae_form).
+# The value is part of the store key.
+_EFFORT_OPTIONS: dict[str, dict[str, Any]] = {"fast": {"exec_time_optimization_effort": -1.0}}
+EFFORTS: dict[str, dict[str, Any]] = {name: _EFFORT_OPTIONS.get(name, {}) for name in choices.EFFORTS}
 # More per platform. libtpu's multi-output fusion pass runs alone on one core, superlinear in the
-# program's size: 3.3-3.7 s of the 9B VAE decode's 4-5 s of HLO passes for v6e-4. Without it the
-# decode compiles in 11.8-12.1 s instead of 15.9-17.2 s and the denoise loop in 6.7-7.4 s instead
-# of 8.3-8.7 s, for 4% and 0.8% more run time by XLA's cost model.
+# program's size, and dominates the HLO passes of large programs; skipping it costs little run time
+# by XLA's cost model (docs/benchmarks.md).
 PLATFORM_EFFORTS: dict[tuple[str, str], dict[str, Any]] = {
     ("tpu", "fast"): {"xla_disable_hlo_passes": "tpu_multi_output_fusion"},
 }
-
-
-def parse_effort(name: str) -> str:
-    if name not in EFFORTS:
-        from flux2klein_cli.core.errors import UserInputError
-
-        raise UserInputError(f"--effort must be one of {', '.join(EFFORTS)}, got {name!r}")
-    return name
 
 
 @dataclass(frozen=True)

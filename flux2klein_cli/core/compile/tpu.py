@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flux2klein_cli.core.choices import MESH_AXES
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 
 GIB = 1024**3
-MESH_AXES = ("data", "fsdp", "tensor", "context")  # as core/mesh.py
 
 
 @dataclass(frozen=True)

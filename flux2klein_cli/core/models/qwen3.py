@@ -148,8 +148,7 @@ def _rope_tables(length: int, head_dim: int, theta: float, dtype: Any) -> tuple[
     """cos and sin of shape (L, head_dim), both halves repeating the same frequencies (rotate-half RoPE).
 
     Positions are 0..L-1 whatever the prompt, so the tables are computed here, in float32 numpy,
-    and enter the program as constants: libtpu no longer compiles the cos and sin fusions
-    (the Qwen3-8B encoder for v6e-4: 3.2-3.9 s instead of 3.6-4.3 s)."""
+    and enter the program as constants: libtpu does not compile cos and sin fusions for them."""
     inv_freq = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
                                                          / np.float32(head_dim)))
     angles = np.arange(length, dtype=np.float32)[:, None] * inv_freq[None, :]
@@ -168,7 +167,7 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale:
     """Grouped-query attention. q: (B, L, H, D); k, v: (B, L, Hkv, D); mask: (B, Lq, Lk) bool.
     Query head h uses KV head h // (H / Hkv), as transformers' repeat_kv does.
 
-    XLA's fused attention (7x faster on CPU than an einsum-and-softmax spelled out). A query row
+    XLA's fused attention, not an einsum-and-softmax spelled out (docs/benchmarks.md). A query row
     with no allowed key (only with left padding) gets a zero output, as torch's SDPA gives it."""
     out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
     return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(v.dtype)

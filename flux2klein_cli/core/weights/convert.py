@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from flux2klein_cli.core.choices import DEFAULT_LAYOUT, check_dtype, check_layout, jax_dtype
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
 from flux2klein_cli.core.mesh import default_mesh
 from flux2klein_cli.core.sharding import replicated_rule
@@ -32,11 +33,8 @@ from flux2klein_cli.core.temporaries import temporary_dir
 from flux2klein_cli.core.weights.configs import read_config, read_json
 from flux2klein_cli.core.weights.converted import (
     COPIED_COMPONENTS,
-    DEFAULT_LAYOUT,
-    DTYPE_NAMES,
     FORMAT,
     FORMAT_VERSION,
-    LAYOUTS,
     MODEL_COMPONENTS,
     abstract_component,
     components,
@@ -67,10 +65,8 @@ def convert(
     the arrays out for the target sharding (each array's chunks follow its shards); a flat file
     serves any sharding. `provenance` (repo id, revision, the name the user gave) goes into the
     manifest. `progress(component, bytes_done, bytes_total)` is called as parameters are written."""
-    if dtype not in DTYPE_NAMES:
-        raise UserInputError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
-    if layout not in LAYOUTS:
-        raise UserInputError(f"unknown layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    check_dtype(dtype)
+    check_layout(layout)
     source, out = Path(source).resolve(), Path(out).expanduser().absolute()
     if (source / CONVERTED_MANIFEST).is_file():
         raise UserInputError(f"{source} is already a converted directory; convert its source snapshot instead")
@@ -89,7 +85,7 @@ def convert(
         written: dict[str, Any] = {}
         for name in MODEL_COMPONENTS:
             written[name] = convert_component(
-                name, source / name, tmp / name, DTYPE_NAMES[dtype], mesh, sharding_rule, group_bytes, progress,
+                name, source / name, tmp / name, jax_dtype(dtype), mesh, sharding_rule, group_bytes, progress,
                 layout=layout,
             )
         for name in COPIED_COMPONENTS:

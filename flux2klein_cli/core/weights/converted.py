@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
+from flux2klein_cli.core.choices import LAYOUTS
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.mesh import default_mesh
 from flux2klein_cli.core.sharding import replicated_rule
@@ -56,11 +57,8 @@ FORMAT = "flux2klein-converted"
 FORMAT_VERSION = 2
 # Version 1 (before the flat layout): Orbax only, no "layout" field. Still read.
 _LEGACY = ("flux2klein-orbax", 1)
-LAYOUTS = ("flat", "orbax")
-DEFAULT_LAYOUT = "flat"
 MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")
 COPIED_COMPONENTS = ("tokenizer", "scheduler")
-DTYPE_NAMES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,58 @@
+"""`--help` and argument errors answer without importing jax or flax: the commands import core lazily."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ("generate", "edit", "inspect", "parity", "bench", "fetch", "convert", "compile")
+HEAVY = ("jax", "flax", "numpy", "torch")
+
+# Runs the console entry in-process once per argv, then reports the exit codes and which heavy modules loaded.
+PROBE = """
+import json, sys
+from flux2klein_cli.cli.main import main
+codes = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv = ["flux2klein", *argv]
+    try:
+        main()
+    except SystemExit as e:
+        codes.append(e.code)
+print(json.dumps({"codes": codes, "heavy": [m for m in HEAVY if m in sys.modules]}), file=sys.__stderr__)
+"""
+
+
+def probe(argvs: list[list[str]]) -> dict:
+    code = f"HEAVY = {HEAVY!r}\n" + PROBE
+    env = dict(os.environ, PYTHONPATH=str(ROOT), COLUMNS="120")
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stderr.strip().splitlines()[-1])
+
+
+def test_help_of_every_command_imports_no_jax() -> None:
+    report = probe([["--help"], *([name, "--help"] for name in COMMANDS)])
+    assert report["codes"] == [0] * (len(COMMANDS) + 1)
+    assert report["heavy"] == []
+
+
+def test_usage_errors_import_no_jax() -> None:
+    argvs = [[name, "--no-such-flag"] for name in COMMANDS] + [
+        ["generate", "x", "--height", "64.5"],
+        ["parity", "--threshold", "nan"],
+    ]
+    report = probe(argvs)
+    assert report["codes"] == [2] * len(argvs)
+    assert report["heavy"] == []
+
+
+def test_the_probe_sees_a_heavy_import() -> None:
+    """The check can fail: a command that does import jax is reported."""
+    report = probe([["inspect", str(ROOT / "no-such-model")]])  # runs the body, which loads core
+    assert report["codes"] == [2] and "jax" in report["heavy"]
