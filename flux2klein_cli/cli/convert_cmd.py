@@ -69,7 +69,7 @@ def convert(
         start = time.perf_counter()
         with _progress_bar(enabled=wanted(as_json)) as update:
             manifest = convert_snapshot_to(resolved, target, dtype=dtype, layout=layout, force=force, model=model,
-                                           progress=update, mesh=run_on,
+                                           progress=update, mesh=run_on, user_out=out is not None,
                                            **({"sharding_rule": rule} if rule is not None else {}))
         seconds = time.perf_counter() - start
     if as_json:
