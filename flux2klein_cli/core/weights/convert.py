@@ -90,7 +90,7 @@ def convert(
     needed = needed_bytes(source, dtype)
     with write_errors(out, needed, user_out=user_out):
         out.parent.mkdir(parents=True, exist_ok=True)
-        check_free_space(out.parent, needed)
+        check_free_space(out, needed)
         with temporary_dir(out.parent, out.name) as tmp:
             mesh = mesh or default_mesh()
             written: dict[str, Any] = {}

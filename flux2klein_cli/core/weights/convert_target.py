@@ -78,7 +78,7 @@ def check_replaceable(target: Path, given: Path | None = None) -> None:
     foreign = _foreign(target, manifest)
     if foreign:
         more = f" (and {len(foreign) - 1} more)" if len(foreign) > 1 else ""
-        raise UserInputError(f"{shown} holds {target / foreign[0]}{more}, which convert did not write; {refuse}")
+        raise UserInputError(f"{shown} holds {target}/{foreign[0]}{more}, which convert did not write; {refuse}")
 
 
 def _foreign(target: Path, manifest: dict[str, Any]) -> list[str]:
@@ -145,6 +145,11 @@ def write_errors(target: Path, needed: int, *, user_out: bool) -> Iterator[None]
 def _sentence(target: Path, needed: int, e: BaseException, number: int | None, user_out: bool) -> Flux2KleinError:
     filename = getattr(e, "filename", None)
     reason = getattr(e, "strerror", None) or " ".join(str(e).split())
+    if number in (errno.EEXIST, errno.ENOTDIR) and filename:
+        # mkdir through a regular file: name the file that is in the way
+        blocking = next((p for p in (Path(filename), *Path(filename).parents) if p.exists()), None)
+        if blocking is not None and not blocking.is_dir():
+            filename, reason = None, f"{blocking} is not a directory"
     if filename and Path(filename) != target:
         reason = f"{filename}: {reason}"
     if number in _FULL:
