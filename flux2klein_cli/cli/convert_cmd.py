@@ -29,7 +29,8 @@ def convert(
     ),
     mesh: str = typer.Option(None, "--mesh", help="orbax: one chunk file per shard of this mesh's parameter "
                              "shardings, e.g. fsdp=4 (flat files hold whole arrays; each device reads its slice)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing output directory that convert wrote "
+                               "(one with its manifest and nothing else)."),
     revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
     offline: bool = typer.Option(False, "--offline", help="Use the local Hugging Face cache only."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
