@@ -4,6 +4,7 @@ converts, sharded restores, and damaged or tampered directories."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import json
 import os
@@ -25,7 +26,7 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.checkpoint import Snapshot, load_models
-from flux2klein_cli.core.errors import CheckpointError, UserInputError
+from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights import convert as convert_module
@@ -135,15 +136,22 @@ def test_refuses_to_overwrite_without_force(source: Path, converted: Path, tmp_p
     assert result.exit_code == 2 and "--force" in result.stderr and result.stdout == ""
     assert (out / "keep.txt").read_text() == "mine"
 
+    # --force replaces only what convert wrote (tests/test_convert_safety.py has the other cases).
+    result = cli("convert", str(source), "--out", str(out), "--force")
+    assert result.exit_code == 2 and "convert manifest" in result.stderr
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
+    out.rmdir()
+    assert cli("convert", str(source), "--out", str(out)).exit_code == 0
     result = cli("convert", str(source), "--out", str(out), "--force", "--json")
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["path"] == str(out) and report["dtype"] == "bf16" and report["components"]["vae"]["parameters"] > 0
     assert report["layout"] == "flat"
-    assert not (out / "keep.txt").exists() and check_converted(out)
+    assert check_converted(out)
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # nothing left beside it
 
-    for bad, message in ((converted, "already a converted"), (source, "outside the source")):
+    for bad, message in ((converted, "already a converted"), (source, "inside the source")):
         result = cli("convert", str(bad), "--out", str(source / "inside") if bad == source else str(tmp_path / "x"))
         assert result.exit_code == 2 and message in result.stderr
     assert cli("convert", str(source), "--dtype", "fp16").exit_code == 2
@@ -156,11 +164,11 @@ def test_a_failure_midway_leaves_nothing(source: Path, tmp_path: Path, monkeypat
 
     def fail_at_vae(name, *args, **kwargs):
         if name == "vae":
-            raise OSError("disk full")
+            raise OSError(errno.EIO, "Input/output error")
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(convert_module, "convert_component", fail_at_vae)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(Flux2KleinError, match="could not write .*out: Input/output error"):
         convert(source, tmp_path / "out")
     assert list(tmp_path.iterdir()) == []
 

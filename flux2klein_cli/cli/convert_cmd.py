@@ -31,7 +31,8 @@ def convert(
     mesh: Annotated[str | None, typer.Option(
         "--mesh", help="orbax: one chunk file per shard of this mesh's parameter shardings, e.g. fsdp=4 (flat "
         "files hold whole arrays; each device reads its slice).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing output directory that convert wrote "
+                                        "(one with its manifest and nothing else).")] = False,
     revision: o.RevisionOpt = None,
     offline: Annotated[bool, typer.Option("--offline", help="Use the local Hugging Face cache only.")] = False,
     transformer: o.TransformerOpt = None,
@@ -75,6 +76,7 @@ def convert(
         with _progress_bar(enabled=wanted(as_json)) as update:
             manifest = convert_snapshot_to(resolved, target, dtype=dtype.value, layout=layout.value, force=force,
                                            model=model, progress=update, mesh=run_on,
+                                           user_out=out is not None,
                                            **({"sharding_rule": rule} if rule is not None else {}))
         seconds = time.perf_counter() - start
     if as_json:

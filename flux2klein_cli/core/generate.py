@@ -27,6 +27,7 @@ from flux2klein_cli.core.images import (
     validate_size,
 )
 from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
+from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
 from flux2klein_cli.core.registry import default_size, sampling
@@ -76,7 +77,20 @@ def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
     return prompts
 
 
+def _check_paths(opts: GenerateOptions) -> None:
+    """Every path the run reads or writes fits the filesystem's limits (before any of them is used)."""
+    check_name_length(opts.model, "--model")
+    check_name_length(opts.output, "--output")
+    for path in opts.references:
+        check_name_length(path, "reference image")
+    for path, what in ((opts.latents, "--latents"), (opts.kv_cache_dir, "--kv-cache-dir"),
+                       (opts.compile_cache, "--compile-cache")):
+        if path is not None:
+            check_name_length(path, what)
+
+
 def _check_options(opts: GenerateOptions) -> None:
+    _check_paths(opts)
     if opts.steps is not None and opts.steps < 1:
         raise UserInputError(f"--steps must be at least 1, got {opts.steps}")
     if opts.num_images < 1:

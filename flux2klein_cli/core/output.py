@@ -18,6 +18,7 @@ import numpy as np
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.temporaries import temporary_file
 
 PNG_SUFFIX = ".png"
@@ -162,6 +163,7 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
+    check_name_length(output, "--output")
     output = Path(output).expanduser()
     if output.is_dir():
         raise UserInputError(f"output {output} is a directory; give a file name ending in {PNG_SUFFIX}")
@@ -182,6 +184,7 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
         paths = [parent / f"{output.stem}-{i:0{width}d}{output.suffix}" for i in range(count)]
 
     for p in paths:
+        check_name_length(p, "--output")  # NAME-0.png is longer than NAME.png
         if p.is_dir():
             raise UserInputError(f"output {p} is a directory")
     existing = [p for p in paths if os.path.lexists(p)]

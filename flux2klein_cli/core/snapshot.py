@@ -26,6 +26,7 @@ from typing import Any
 
 from flux2klein_cli.core.cache_paths import cache_root
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.registry import COMPONENT_REPOS, MODELS, TINY_ALIAS, TINY_KV_ALIAS
 from flux2klein_cli.core.temporaries import temporary_dir
 
@@ -104,6 +105,7 @@ def resolve(
     `tqdm_class` draws a download's byte progress (huggingface_hub's own bars when None)."""
     if not model or not model.strip():
         raise UserInputError("empty model name: give an alias (e.g. 4b), a hub repo id or a directory")
+    check_name_length(model, "--model")
     local = Path(model).expanduser()
     if local.is_dir():
         if revision:

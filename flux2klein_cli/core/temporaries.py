@@ -1,7 +1,9 @@
 """Temporary files and directories that become outputs by a rename: PNGs, the `tiny` checkpoint,
 converted directories, executable-store entries, KV caches.
 
-Each is named `.NAME.partial-HOST-PID-RANDOM` beside its final place. The writer removes it on any
+Each is named `.NAME.partial-HOST-PID-RANDOM` beside its final place (a NAME too long to fit in
+255 bytes with the rest is cut and ends in a hash of the whole name, `stem`, so a temporary fits
+whenever its final name does). The writer removes it on any
 failure or interrupt (`finally`); the interrupt watchdog removes the live ones before a forced exit
 (`remove_live`); and what a killed process left (SIGKILL, power loss) is removed by the next writer to
 the same directory, once its PID is gone on this host (`remove_stale`). Another host's, or a live
@@ -11,6 +13,7 @@ process's, temporaries are never touched: they may be a concurrent writer's on a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
@@ -21,6 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 MARK = ".partial-"
+NAME_MAX = 255
+# What a temporary adds to NAME, at most: ".", MARK, a 40-character host, a 10-digit PID, 8 hex digits
+# and the dashes. Fixed, not this process's, so every process derives the same stem for a name.
+_OVERHEAD = 1 + len(MARK) + 40 + 1 + 10 + 1 + 8
+_HASH = 16
 _live: set[Path] = set()
 _lock = threading.Lock()
 
@@ -30,9 +38,29 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40] or "host"
 
 
+def stem(name: str, overhead: int = _OVERHEAD) -> str:
+    """`name` as it appears in a temporary's name: itself when `overhead` more bytes still fit in
+    NAME_MAX, else its first bytes (whole characters) + "~" + a hash of all of it."""
+    raw = os.fsencode(name)
+    if len(raw) + overhead <= NAME_MAX:
+        return name
+    keep = raw[: NAME_MAX - overhead - 1 - _HASH]
+    # Whole characters only: drop the bytes of a character the cut went through.
+    head = keep.decode("utf-8", "ignore") if _utf8(raw) else os.fsdecode(keep)
+    return f"{head}~{hashlib.sha256(raw).hexdigest()[:_HASH]}"
+
+
+def _utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def partial_name(name: str) -> str:
-    """The temporary name for `name`: `.NAME.partial-HOST-PID-RANDOM`."""
-    return f".{name}{MARK}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    """The temporary name for `name`: `.NAME.partial-HOST-PID-RANDOM`, NAME shortened by `stem`."""
+    return f".{stem(name)}{MARK}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _owner(entry: str) -> tuple[str, int] | None:
@@ -66,7 +94,7 @@ def _remove(path: Path) -> None:
 def remove_stale(directory: Path, name: str | None = None) -> list[Path]:
     """Remove the temporaries in `directory` (those of `name` only, when given) left by processes
     of this host that no longer run. Returns what was removed; unreadable directories are skipped."""
-    prefix = f".{name}{MARK}" if name is not None else "."
+    prefix = f".{stem(name)}{MARK}" if name is not None else "."
     removed = []
     try:
         entries = list(Path(directory).iterdir())

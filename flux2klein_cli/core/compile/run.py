@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 
 
 @dataclass
@@ -127,9 +127,15 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     progress(f"building abstract programs for {configs.source}")
     specs = P.pipeline_programs(configs, run, target)
     store = ExecutableStore(opts.compile_cache, on_warning=warn)
+    if opts.save:
+        store.check_writable()  # before minutes of compiling that could not be kept
     parallel = not opts.sequential and not compiles_serially(specs)
     results = compile_all(specs, store, parallel=parallel, save=opts.save, progress=progress, on_done=on_done)
     wall = time.perf_counter() - start
+    unsaved = [info.name for _, info in results if opts.save and info.status != "hit" and not info.saved]
+    if unsaved:  # e.g. the disk filled up midway: the warnings said why
+        raise Flux2KleinError(f"{len(unsaved)} of {len(results)} programs could not be stored in {store.root}: "
+                              f"{', '.join(unsaved)}")
     report = _report(opts, configs, run, target, store, specs, [info for _, info in results], wall, parallel)
     if preset is not None:
         from flux2klein_cli.core.compile.tpu import verdict

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding
 from flux2klein_cli.core import choices, trust
 from flux2klein_cli.core.cache_paths import cache_root
 from flux2klein_cli.core.compile import treedefs
+from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.temporaries import partial_name, temporary_dir, temporary_file
 
 STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
@@ -346,6 +347,24 @@ class ExecutableStore:
             self._refused = e.strerror or str(e)
             self.warn(f"cannot use the executable store {self.root}: {self._refused}")
         return self._key
+
+    def check_writable(self) -> None:
+        """Flux2KleinError (exit 1) unless entries can be stored here: for `compile`, whose only
+        job is storing, an unusable store is a failure, not a warning."""
+        if self.root.exists() and not self.root.is_dir():
+            raise Flux2KleinError(f"executable store {self.root} is not a directory: nothing can be stored there")
+        previous, self._on_warning = self._on_warning, lambda message: None  # the error says it once
+        try:
+            key = self.trusted_key(create=True)
+        finally:
+            self._on_warning = previous
+        if key is None:
+            raise Flux2KleinError(f"cannot store executables in {self.root}: {self._refused}")
+        try:
+            with temporary_file(self.root, "write-check") as (fd, _):
+                os.close(fd)
+        except OSError as e:
+            raise Flux2KleinError(f"cannot store executables in {self.root}: {e.strerror or e}") from None
 
     # --- loading
 

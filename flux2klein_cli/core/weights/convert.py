@@ -29,8 +29,14 @@ from flux2klein_cli.core.errors import CheckpointError, UserInputError
 from flux2klein_cli.core.mesh import default_mesh
 from flux2klein_cli.core.sharding import replicated_rule
 from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
-from flux2klein_cli.core.temporaries import temporary_dir
+from flux2klein_cli.core.temporaries import stem, temporary_dir
 from flux2klein_cli.core.weights.configs import read_config, read_json
+from flux2klein_cli.core.weights.convert_target import (
+    check_free_space,
+    check_replaceable,
+    target_dir,
+    write_errors,
+)
 from flux2klein_cli.core.weights.converted import (
     COPIED_COMPONENTS,
     FORMAT,
@@ -58,43 +64,44 @@ def convert(
     provenance: dict[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     group_bytes: int = _GROUP_BYTES,
+    user_out: bool = True,
 ) -> dict[str, Any]:
     """Convert a diffusers-layout snapshot into a converted directory at `out`; return its manifest.
 
     `layout` is "flat" or "orbax" (see converted.py). For Orbax, `mesh` and `sharding_rule` lay
     the arrays out for the target sharding (each array's chunks follow its shards); a flat file
     serves any sharding. `provenance` (repo id, revision, the name the user gave) goes into the
-    manifest. `progress(component, bytes_done, bytes_total)` is called as parameters are written."""
+    manifest. `progress(component, bytes_done, bytes_total)` is called as parameters are written.
+    `user_out`: `out` was given by the user, so an unwritable one is bad input (exit 2), not a
+    failure of the default place (exit 1). A symlinked `out` is written where it points."""
     check_dtype(dtype)
     check_layout(layout)
-    source, out = Path(source).resolve(), Path(out).expanduser().absolute()
+    source = Path(source).resolve()
     if (source / CONVERTED_MANIFEST).is_file():
         raise UserInputError(f"{source} is already a converted directory; convert its source snapshot instead")
     problems = snapshot_problems(source)
     if problems:
         raise CheckpointError(f"{source}: incomplete snapshot: {'; '.join(problems)}")
-    if out == source or source in out.parents:
-        raise UserInputError(f"--out {out} must be outside the source snapshot {source}")
-    if out.exists() and not force:
-        raise UserInputError(f"{out} exists; pass --force to replace it")
-    if out.exists() and not out.is_dir():
-        raise UserInputError(f"{out} exists and is not a directory")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with temporary_dir(out.parent, out.name) as tmp:
-        mesh = mesh or default_mesh()
-        written: dict[str, Any] = {}
-        for name in MODEL_COMPONENTS:
-            written[name] = convert_component(
-                name, source / name, tmp / name, jax_dtype(dtype), mesh, sharding_rule, group_bytes, progress,
-                layout=layout,
-            )
-        for name in COPIED_COMPONENTS:
-            shutil.copytree(source / name, tmp / name)
-        manifest = _manifest(source, dtype, layout, mesh, written, provenance)
-        # Written last, in this order: a directory without both is not a converted model.
-        shutil.copyfile(source / "model_index.json", tmp / "model_index.json")
-        (tmp / CONVERTED_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _replace(tmp, out)
+    out = target_dir(source, out, force=force)
+    needed = needed_bytes(source, dtype)
+    with write_errors(out, needed, user_out=user_out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        check_free_space(out, needed)
+        with temporary_dir(out.parent, out.name) as tmp:
+            mesh = mesh or default_mesh()
+            written: dict[str, Any] = {}
+            for name in MODEL_COMPONENTS:
+                written[name] = convert_component(
+                    name, source / name, tmp / name, jax_dtype(dtype), mesh, sharding_rule, group_bytes, progress,
+                    layout=layout,
+                )
+            for name in COPIED_COMPONENTS:
+                shutil.copytree(source / name, tmp / name)
+            manifest = _manifest(source, dtype, layout, mesh, written, provenance)
+            # Written last, in this order: a directory without both is not a converted model.
+            shutil.copyfile(source / "model_index.json", tmp / "model_index.json")
+            (tmp / CONVERTED_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            _replace(tmp, out)
     return manifest
 
 
@@ -109,6 +116,7 @@ def convert_snapshot_to(
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = replicated_rule,
     progress: Callable[[str, int, int], None] | None = None,
+    user_out: bool = True,
 ) -> dict[str, Any]:
     """`convert` of a resolved `--model`, its provenance (name, repo id, commit) in the manifest."""
     if resolved.kind == "converted":
@@ -119,7 +127,7 @@ def convert_snapshot_to(
     if composed_sources(resolved.path):  # --transformer / --vae: where those components came from
         provenance["components"] = composed_sources(resolved.path)
     return convert(resolved.path, out, dtype=dtype, layout=layout, mesh=mesh, sharding_rule=sharding_rule,
-                   force=force, provenance=provenance, progress=progress)
+                   force=force, provenance=provenance, progress=progress, user_out=user_out)
 
 
 def convert_component(
@@ -203,13 +211,26 @@ def _manifest(source: Path, dtype: str, layout: str, mesh: Mesh, components: dic
     }
 
 
+def needed_bytes(source: Path, dtype: str) -> int:
+    """About what the converted directory takes: every parameter in `dtype`, plus the copied files."""
+    total = sum(size for rel, size in snapshot_files(source)
+                if rel.split("/")[0] in COPIED_COMPONENTS or rel == "model_index.json")
+    for name in MODEL_COMPONENTS:
+        model = abstract_component(name, read_config(source / name), jax_dtype(dtype))
+        _, state = nnx.split(model)
+        total += sum(int(np.prod(v.get_value().shape)) * np.dtype(v.get_value().dtype).itemsize
+                     for _, v in nnx.to_flat_state(state))
+    return total
+
+
 def _replace(tmp: Path, out: Path) -> None:
-    """Rename the finished directory into place; an existing one (--force) is moved aside first
-    and removed only once the new one is there."""
+    """Rename the finished directory into place; an existing one (--force, checked again now: it
+    must still be only what convert wrote) is moved aside first and removed once the new one is there."""
     if not out.exists():
         tmp.rename(out)
         return
-    old = out.parent / f".{out.name}.replaced-{uuid.uuid4().hex[:8]}"
+    check_replaceable(out)
+    old = out.parent / f".{stem(out.name)}.replaced-{uuid.uuid4().hex[:8]}"
     out.rename(old)
     try:
         tmp.rename(out)
