@@ -69,6 +69,18 @@ def make_private_dir(path: Path) -> None:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
 
 
+def open_store(root: Path, what: str, *, create: bool) -> bytes | None:
+    """The HMAC key of the private store directory `root` (created 0700 when `create`); None
+    when there is no such directory and `create` is False. Raises Untrusted, or OSError when
+    the directory cannot be made."""
+    if create:
+        make_private_dir(root)
+    elif not root.is_dir():
+        return None
+    check_private_dir(root, what)
+    return store_key(root)
+
+
 def store_key(root: Path) -> bytes:
     """The store's HMAC key, created (0600, exclusively) on first use. Refused when another
     user could read or write it."""

@@ -334,12 +334,7 @@ class ExecutableStore:
         if self._key is not None or self._refused is not None:
             return self._key
         try:
-            if create:
-                trust.make_private_dir(self.root)
-            elif not self.root.is_dir():
-                return None
-            trust.check_private_dir(self.root, "executable store")
-            self._key = trust.store_key(self.root)
+            self._key = trust.open_store(self.root, "executable store", create=create)
         except trust.Untrusted as e:
             self._refused = str(e)
             self.warn(f"{e}: its executables are not used or written (see docs/cli.md, 'Trusting a store')")

@@ -75,12 +75,7 @@ class ReferenceKVStore:
         if self._key is not None or self._refused:
             return self._key
         try:
-            if create:
-                trust.make_private_dir(self.root)
-            elif not self.root.is_dir():
-                return None
-            trust.check_private_dir(self.root, "KV cache directory")
-            self._key = trust.store_key(self.root)
+            self._key = trust.open_store(self.root, "KV cache directory", create=create)
         except trust.Untrusted as e:
             self._refused = True
             self.warn(f"{e}: reference KV caches there are not used or written")
