@@ -133,13 +133,13 @@ def remove_live() -> None:
 
 
 @contextlib.contextmanager
-def temporary_dir(parent: Path, name: str) -> Iterator[Path]:
-    """A new empty directory `parent/.NAME.partial-...`, removed on exit unless renamed away.
-    Stale ones of `name` are removed first."""
+def temporary_dir(parent: Path, name: str, mode: int = 0o777) -> Iterator[Path]:
+    """A new empty directory `parent/.NAME.partial-...` (`mode` & ~umask), removed on exit
+    unless renamed away. Stale ones of `name` are removed first."""
     parent = Path(parent)
     remove_stale(parent, name)
     path = parent / partial_name(name)
-    path.mkdir()
+    path.mkdir(mode)
     _register(path)
     try:
         yield path

@@ -481,7 +481,7 @@ class ExecutableStore:
         }
         meta = trust.sign(meta, store_key)
         try:
-            with temporary_dir(self.root, key) as tmp:
+            with temporary_dir(self.root, key, mode=0o700) as tmp:  # private whatever the umask
                 for name, data in ((EXECUTABLE, payload), (TREES, trees),
                                    (META, json.dumps(meta, indent=1, sort_keys=True).encode())):
                     _write_private(tmp / name, data)
