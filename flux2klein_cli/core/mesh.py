@@ -82,13 +82,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def check_divides(mesh: Mesh, *, batch: int, heads: int) -> None:
-    """A batch the batch axes do not divide, or heads the tensor axis does not, is an error
-    before any work (GSPMD would otherwise pad or replicate silently)."""
-    batch_axes = mesh.shape["data"] * mesh.shape["fsdp"]
-    if batch % batch_axes:
-        raise UserInputError(
-            f"batch {batch} does not divide over data x fsdp = {batch_axes} devices: use a batch that is a "
-            f"multiple of {batch_axes} (prompts x --num-images) or a smaller data/fsdp"
-        )
+    """Heads the tensor axis does not divide are an error before any work (GSPMD would
+    otherwise pad them silently). Any batch runs: what (data, fsdp) does not divide is
+    replicated there (core/sharding.py, `fitting_axes`)."""
     if heads % mesh.shape["tensor"]:
         raise UserInputError(f"{heads} attention heads do not divide over tensor = {mesh.shape['tensor']}")
