@@ -1,6 +1,7 @@
 """Runs one request through a pipeline attached to an executable store and prints, as JSON,
 the store's statuses and everything JAX compiled during the request itself (and, apart, the
-pipeline's own programs among them). `--edit` makes it an edit with two references."""
+pipeline's own programs among them). `--edit` makes it an edit with two references;
+`--mesh X` runs on the mesh `generate --mesh X` would use."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import numpy as np
 
 from flux2klein_cli.core.compile.attach import StoredExecutables
 from flux2klein_cli.core.compile.store import ExecutableStore
+from flux2klein_cli.core.distributed import DeviceOptions, run_mesh
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
 PROGRAMS = ("jit(call)", "jit(run)", "jit(draw)")  # the pipeline's programs (pipeline.py, denoise.py)
@@ -30,10 +32,11 @@ class CompileLog(logging.Handler):
             self.compiled.append(message.split(" with ")[0][:120])
 
 
-def main(model: str, store_dir: str, use_store: bool, edit: bool) -> None:
-    pipeline = KleinPipeline.load(model, dtype=jnp.float32)
+def main(model: str, store_dir: str, use_store: bool, edit: bool, mesh_text: str | None = None) -> None:
+    mesh = run_mesh(DeviceOptions(mesh=mesh_text)) if mesh_text else None  # as generate chooses it
+    pipeline = KleinPipeline.load(model, dtype=jnp.float32, mesh=mesh)
     if use_store:
-        pipeline.executables = StoredExecutables(model, ExecutableStore(store_dir))
+        pipeline.executables = StoredExecutables(model, ExecutableStore(store_dir), mesh=mesh)
     rng = np.random.default_rng(0)
     references = [rng.uniform(-1, 1, (h, w, 3)).astype(np.float32) for h, w in ((64, 64), (32, 48))] if edit else []
     request = Request(prompts=["a red fox"], steps=2, guidance=1.0, height=64, width=64, seed=1,
@@ -45,8 +48,11 @@ def main(model: str, store_dir: str, use_store: bool, edit: bool) -> None:
     pipeline(request)
     programs = [m for m in log.compiled if any(p in m for p in PROGRAMS)]
     print(json.dumps(dict(statuses={r["name"]: r["status"] for r in report}, program_compiles=programs,
-                          all_compiles=log.compiled)))
+                          all_compiles=log.compiled, mesh=None if mesh is None else dict(mesh.shape),
+                          devices=None if mesh is None else [int(d.id) for d in mesh.devices.flat])))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--no-store" not in sys.argv[3:], "--edit" in sys.argv[3:])
+    flags = sys.argv[3:]
+    main(sys.argv[1], sys.argv[2], "--no-store" not in flags, "--edit" in flags,
+         flags[flags.index("--mesh") + 1] if "--mesh" in flags else None)

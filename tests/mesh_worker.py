@@ -2,7 +2,10 @@
 requests on one device and on each mesh; prints one JSON line per (mesh, request).
 
 `CKPT KV_CKPT MESH...` runs text-to-image, a 2-reference edit and a KV edit;
-`--cfg BASE_CKPT MESH...` runs classifier-free guidance on an undistilled checkpoint."""
+`--cfg BASE_CKPT MESH...` runs classifier-free guidance on an undistilled checkpoint;
+`--any-batch CKPT BASE_CKPT KV_CKPT MESH...` runs batches that do not fill data x fsdp:
+text-to-image of 1 and 3 images, one guided image (a pair of 2 inside the program), and a
+one-image 2-reference edit and KV edit."""
 
 from __future__ import annotations
 
@@ -59,8 +62,35 @@ def main(runs: list[tuple[str, str]], meshes: list[str]) -> None:
                                       q_shards=len({str(s.index) for s in kernel.addressable_shards}))), flush=True)
 
 
+def any_batch(plain: str, base: str, kv: str, meshes: list[str]) -> None:
+    refs = [preprocess_reference(synthetic_image(w, h, i), multiple_of=16)
+            for i, (w, h) in enumerate([(64, 64), (96, 64)])]
+    common = dict(steps=1, guidance=1.0, height=32, width=32, seed=3, max_sequence_length=16)
+    cases = {
+        plain: {"text-to-image-1": Request(prompts=["a red fox"], **common),
+                "text-to-image-3": Request(prompts=["a red fox", "a lighthouse", "two cats"], **common),
+                "edit-2-refs-1": Request(prompts=["a red fox"], references=refs, **common)},
+        base: {"cfg-1": Request(prompts=["a red fox"], negative_prompt="blurry", **dict(common, guidance=4.0))},
+        kv: {"kv-edit-1": Request(prompts=["a red fox"], references=refs, kv=True, **common)},
+    }
+    for path, named in cases.items():
+        single = KleinPipeline.load(path, dtype=jnp.float32)
+        expected = {name: postprocess(single(r).images) for name, r in named.items()}
+        for text in meshes:
+            pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=make_mesh(MeshSpec.parse(text)))
+            kernel = pipeline.models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
+            for name, request in named.items():
+                images = postprocess(pipeline(request).images)
+                diff = int(np.abs(images.astype(int) - expected[name].astype(int)).max())
+                print(json.dumps(dict(mesh=text, request=name, max_diff=diff, std=float(images.std()),
+                                      images=len(images), q_spec=[str(a) for a in kernel.sharding.spec])),
+                      flush=True)
+
+
 if __name__ == "__main__":
-    if sys.argv[1] == "--cfg":
+    if sys.argv[1] == "--any-batch":
+        any_batch(*sys.argv[2:5], sys.argv[5:])
+    elif sys.argv[1] == "--cfg":
         main([(sys.argv[2], "cfg")], sys.argv[3:])
     else:
         main([(sys.argv[1], "plain"), (sys.argv[2], "kv")], sys.argv[3:])

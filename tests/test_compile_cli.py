@@ -173,7 +173,7 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
         (["--tpu", "v6e-3"], "unknown TPU preset 'v6e-3'"),
         (["--refs", "512by512"], "--refs: '512by512' is not HEIGHTxWIDTH"),
         (["--refs", "512x500"], "multiples of 16"),
-        (["--mesh", "model=2"], "--mesh: 'model=2' is not AXIS=SIZE"),
+        (["--mesh", "model=2"], "--mesh: unknown axis 'model'"),
         (["--mesh", "fsdp=2", "--tpu", "v6e-4"], "give --mesh or --tpu, not both"),
         (["--kv", "--refs", "32x32"], "--kv needs a KV-trained checkpoint"),
         (["--kv"], "--kv needs a KV-trained checkpoint"),

@@ -32,9 +32,10 @@ def bench(
                                      "bound.")] = False,
     mesh: Annotated[str | None, typer.Option("--mesh", help="pipeline: device mesh axis sizes, e.g. fsdp=4 (see "
                                              "generate).")] = None,
-    tpu: Annotated[str | None, typer.Option("--tpu", help="pipeline, on a TPU slice host: the preset's mesh (FSDP "
-                                            "over its chips), e.g. v6-4. From another host, `flux2klein compile "
-                                            "--tpu` gives compile figures.")] = None,
+    tpu: Annotated[str | None, typer.Option("--tpu", help="pipeline, e.g. v6-4: on that slice, the preset's mesh "
+                                            "(FSDP over its chips); on any other host, the run compiled for it: "
+                                            "compile seconds, memory per chip, fits verdict and XLA cost per program "
+                                            "(timed phases need the slice).")] = None,
     unrolled: Annotated[bool, typer.Option("--unrolled", help="transformer-compile: unroll the blocks instead of "
                                            "scan.")] = False,
     diffusers: Annotated[bool, typer.Option("--diffusers", help="ttfi: also time diffusers' pipeline (needs "
@@ -150,6 +151,14 @@ def bench(
                 result = bench_ttfi(path, height=height, width=width, steps=ttfi.steps, guidance=ttfi.guidance,
                                     reps=reps, dtype=dtype, diffusers=diffusers)
             result = dict(model=model, phase=phase, **result)
+        elif tpu and not _on_tpu_host(tpu):  # what can be known here: compile, memory, cost
+            from flux2klein_cli.core.bench_plan import bench_without_slice
+
+            with status(f"compiling {model} for {tpu}") if not as_json else nullcontext():
+                result = bench_without_slice(model, tpu=tpu, height=height, width=width, batch=bs, steps=steps,
+                                             references=refs, kv=kv, dtype=dtype, compile_cache=compile_cache,
+                                             save=not (no_save or no_store), effort=effort, warn=output.warn)
+            result = dict(model=model, phase=phase, dtype=dtype, **result)
         else:
             from flux2klein_cli.core.bench import bench_pipeline
             from flux2klein_cli.core.runtime import configure_jax
@@ -179,6 +188,8 @@ def bench(
         _ttfi_table(result)
     elif phase == "load":
         _load_table(result)
+    elif result.get("timed") is False:
+        _plan_table(result)
     else:
         _pipeline_table(result)
 
@@ -197,6 +208,39 @@ def _check_phase_flags(phase: str, given: dict[str, bool]) -> None:
         wrong = [flag for flag in flags if given[flag]] if phase != only else []
         if wrong:
             raise UserInputError(f"{' and '.join(wrong)}: only with --phase {only}")
+
+
+def _on_tpu_host(tpu: str) -> bool:
+    """A host with TPU chips runs the timed phases (run_mesh checks it is the named slice);
+    any other compiles for the slice and reports what it can."""
+    from flux2klein_cli.core.compile.tpu import parse_preset, tpu_chips_present
+
+    parse_preset(tpu)
+    return tpu_chips_present()
+
+
+def _gib(n: int | None) -> str:
+    return "" if n is None else f"{n / 2**30:.3f}"
+
+
+def _plan_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"{result['model']} for {result['slice']['preset']}: {result['height']}x{result['width']}, "
+                        f"batch {result['batch']}, {result['steps']} steps, {result['dtype']} (compiled, not run)")
+    for column in ("program", "store", "compile s", "peak GiB/chip", "GFLOP", "GB accessed", "est. ms"):
+        table.add_column(column, justify="left" if column in ("program", "store") else "right")
+    for p in result["programs"]:
+        cost = p["cost"]
+        table.add_row(p["name"], STORE_ACTIONS.get(p["status"], p["status"]), f"{p['compile_s']:.2f}",
+                      _gib(p["needed_bytes_per_device"]),
+                      f"{cost['flops'] / 1e9:.2f}" if "flops" in cost else "",
+                      f"{cost['bytes_accessed'] / 1e9:.3f}" if "bytes_accessed" in cost else "",
+                      f"{cost['optimal_seconds'] * 1e3:.3g}" if "optimal_seconds" in cost else "")
+    show_table(table)
+    output.result(result["verdict"]["text"])
+    estimate = result["estimate"]
+    if estimate is not None:
+        output.result(f"per image: {estimate['per_image_s'] * 1e3:.3g} ms, {estimate['kind']}")
+    output.result(result["note"])
 
 
 def _transformer_compile(model: str, height: int, width: int, bs: int, reps: int, unrolled: bool,

@@ -1,7 +1,8 @@
 """Device meshes. One mesh with axes (data, fsdp, tensor, context); one device by default.
 
-`--mesh data=2,fsdp=4` names the size of each axis (unnamed axes are 1); the product must
-be the number of devices of the run (every process's, on a multi-host slice).
+`--mesh data=2,fsdp=4` names the size of each axis (unnamed axes are 1); the mesh takes the
+first that many devices of the run (all of them, on several processes). `compile --mesh`,
+`generate`, `edit`, `bench` and `convert` all parse it and choose devices here.
 """
 
 from __future__ import annotations
@@ -53,13 +54,24 @@ class MeshSpec:
         return ",".join(f"{a}={n}" for a, n in zip(MESH_AXES, self.shape, strict=True) if n > 1) or "single device"
 
 
-def make_mesh(spec: MeshSpec, devices: list[jax.Device] | None = None) -> Mesh:
-    """The mesh of `spec` over all devices of the run (jax.devices(): every process's)."""
+def mesh_devices(spec: MeshSpec, devices: list[jax.Device] | None = None) -> list[jax.Device]:
+    """The one rule for which devices a mesh uses, for compiling and for running alike (so an
+    executable stored by `compile --mesh X` is the one `generate --mesh X` looks up): the
+    first `spec.size` devices of the run in JAX's order. Across several processes every
+    device takes part (a process without devices in the mesh could not run its part)."""
     devices = list(jax.devices()) if devices is None else devices
-    if spec.size != len(devices):
+    spread = len({d.process_index for d in devices}) > 1
+    if spec.size > len(devices) or (spread and spec.size != len(devices)):
         raise UserInputError(
             f"--mesh {spec} needs {spec.size} devices; this run has {len(devices)} ({devices[0].platform})"
+            + (" over several processes, which must all take part" if spread else "")
         )
+    return devices[: spec.size]
+
+
+def make_mesh(spec: MeshSpec, devices: list[jax.Device] | None = None) -> Mesh:
+    """The mesh of `spec` over the devices `mesh_devices` chooses."""
+    devices = mesh_devices(spec, devices)
     try:  # lays axes out along the physical topology (ICI rings on TPU)
         from jax.experimental import mesh_utils
 
@@ -81,13 +93,8 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def check_divides(mesh: Mesh, *, batch: int, heads: int) -> None:
-    """A batch the batch axes do not divide, or heads the tensor axis does not, is an error
-    before any work (GSPMD would otherwise pad or replicate silently)."""
-    batch_axes = mesh.shape["data"] * mesh.shape["fsdp"]
-    if batch % batch_axes:
-        raise UserInputError(
-            f"batch {batch} does not divide over data x fsdp = {batch_axes} devices: use a batch that is a "
-            f"multiple of {batch_axes} (prompts x --num-images) or a smaller data/fsdp"
-        )
+    """Heads the tensor axis does not divide are an error before any work (GSPMD would
+    otherwise pad them silently). Any batch runs: what (data, fsdp) does not divide is
+    replicated there (core/sharding.py, `fitting_axes`)."""
     if heads % mesh.shape["tensor"]:
         raise UserInputError(f"{heads} attention heads do not divide over tensor = {mesh.shape['tensor']}")

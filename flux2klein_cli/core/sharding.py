@@ -10,6 +10,10 @@ One mesh, axes (data, fsdp, tensor, context) (core/mesh.py). The rules:
   dimension a mesh axis does not divide stays whole.
 - activations: the batch over (data, fsdp), the image-token sequence over `context`,
   heads over `tensor`; keys and values are gathered over `context` for attention.
+  A batch (classifier-free guidance's pair counted) that (data, fsdp) does not divide is
+  split over the largest part of them that does, and the rest of those axes hold copies
+  of it (`fitting_axes`): batch 1 on fsdp=8 runs whole on every device, with the weights
+  still split as above. Any batch runs on any mesh.
 
 The same rules drive loading (each host reads only its devices' slices), conversion,
 ahead-of-time compilation and running. Under jit, GSPMD inserts the collectives; a
@@ -18,6 +22,7 @@ sharding only decides where work and bytes live, never the result.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import jax
@@ -42,9 +47,35 @@ def axis_size(mesh: Mesh, axes: str | tuple[str, ...] | None) -> int:
     return int(np.prod([mesh.shape.get(name, 1) for name in names]))
 
 
+Axes = str | tuple[str, ...] | None
+
+
+def fitting_axes(mesh: Mesh, dim: int, axes: Axes) -> Axes:
+    """The axes that split a dimension of size `dim`: `axes` when they divide it, else the
+    largest part of them that does (ties: the first in axis order), else None (whole).
+    Every sharding of a batch goes through here, so inputs, constraints, shard_maps and
+    stored executables agree on where each image lives."""
+    if axes is None or isinstance(axes, str):
+        return axes if axes is not None and dim % axis_size(mesh, axes) == 0 else None
+    best: tuple[str, ...] | None = None
+    for k in range(len(axes), 0, -1):
+        for subset in itertools.combinations(axes, k):
+            size = axis_size(mesh, subset)
+            if dim % size == 0 and size > axis_size(mesh, best):
+                best = subset
+    if best is None:
+        return None
+    return best[0] if len(best) == 1 else best
+
+
+def fitting_spec(mesh: Mesh, shape: tuple[int, ...], axes: tuple[Axes, ...] | list[Axes]) -> PartitionSpec:
+    """A PartitionSpec of `axes` per dimension, each cut to what divides its dimension."""
+    return PartitionSpec(*[fitting_axes(mesh, shape[i], a) for i, a in enumerate(axes)])
+
+
 def _fits(mesh: Mesh, spec: list[str | None], shape: tuple[int, ...]) -> PartitionSpec:
     """Drop any axis that does not divide its dimension."""
-    return PartitionSpec(*[a if a and shape[i] % axis_size(mesh, a) == 0 else None for i, a in enumerate(spec)])
+    return fitting_spec(mesh, shape, spec)
 
 
 def parameter_spec(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec:
@@ -83,9 +114,8 @@ def model_rule(mesh: Mesh | None) -> Rule:
 
 
 def batch_spec(mesh: Mesh, batch: int, rank: int) -> PartitionSpec:
-    """Leading batch dimension over (data, fsdp) when they divide it, the rest whole."""
-    axes = BATCH_AXES if batch % axis_size(mesh, BATCH_AXES) == 0 else None
-    return PartitionSpec(axes, *([None] * (rank - 1)))
+    """Leading batch dimension over what of (data, fsdp) divides it, the rest whole."""
+    return PartitionSpec(fitting_axes(mesh, batch, BATCH_AXES), *([None] * (rank - 1)))
 
 
 def batch_shards(batch: int) -> int:
@@ -94,15 +124,13 @@ def batch_shards(batch: int) -> int:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return 1
-    shards = axis_size(mesh, BATCH_AXES)
-    return shards if batch % shards == 0 else 1
+    return axis_size(mesh, fitting_axes(mesh, batch, BATCH_AXES))
 
 
-def constrain(x: jax.Array, *axes: str | tuple[str, ...] | None) -> jax.Array:
+def constrain(x: jax.Array, *axes: Axes) -> jax.Array:
     """with_sharding_constraint by axis names under the mesh set with `jax.set_mesh`; a no-op
-    without one (single device) and for axes that do not divide their dimension."""
+    without one (single device); axes cut to what divides their dimension (`fitting_axes`)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return x
-    spec = [a if a is not None and x.shape[i] % axis_size(mesh, a) == 0 else None for i, a in enumerate(axes)]
-    return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
+    return jax.lax.with_sharding_constraint(x, fitting_spec(mesh, x.shape, axes))

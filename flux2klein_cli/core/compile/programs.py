@@ -12,7 +12,7 @@ Shardings: on a one-device mesh the parameters carry NamedSharding(mesh, P()) as
 places them and the inputs none (the pipeline passes fresh host arrays). On a larger mesh
 (`--tpu`, `--mesh`) every 2D+ parameter is split over the fsdp axis along its largest
 divisible dimension (the layer axis of scanned stacks excepted), and every batch over
-(data, fsdp) when it divides; the rest is replicated.
+what of (data, fsdp) divides it (sharding.fitting_axes); the rest is replicated.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flux2klein_cli.core.compile.store import ProgramSpec, Target
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.sharding import BATCH_AXES, fitting_axes
 
 # ----------------------------------------------------------------------------- configs
 
@@ -195,15 +196,12 @@ def param_bytes_per_device(state: Any) -> int:
 
 
 def _input(shape: tuple[int, ...], dtype: Any, mesh: Mesh, *, batched: bool = True) -> jax.ShapeDtypeStruct:
-    """An input array: none on one device (a fresh host array), else the batch split over
-    (data, fsdp) when it divides and replicated otherwise."""
+    """An input array: none on one device (a fresh host array), else the batch split as the
+    pipeline splits it (sharding.batch_spec) and replicated otherwise."""
     if not _explicit(mesh):
         return jax.ShapeDtypeStruct(shape, dtype)
-    split = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
-    if batched and shape and shape[0] % split == 0:
-        spec = PartitionSpec(("data", "fsdp"))
-    else:
-        spec = PartitionSpec()
+    axes = fitting_axes(mesh, shape[0], BATCH_AXES) if batched and shape else None
+    spec = PartitionSpec() if axes is None else PartitionSpec(axes)
     return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,32 +48,12 @@ def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
     return tuple(sizes)
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """`fsdp=4` or `data=2,fsdp=2`: sizes of the named axes, the others 1."""
-    from flux2klein_cli.core.compile.tpu import MESH_AXES
-
-    axes = dict.fromkeys(MESH_AXES, 1)
-    for item in text.split(","):
-        name, _, size = item.strip().partition("=")
-        if name not in axes or not size.isdigit() or int(size) < 1:
-            raise UserInputError(f"--mesh: {item.strip()!r} is not AXIS=SIZE with AXIS one of {', '.join(MESH_AXES)}")
-        axes[name] = int(size)
-    return axes
-
-
-def local_mesh_target(text: str) -> Any:
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh
-
+def local_mesh_target(spec: Any) -> Any:
+    """The target of `--mesh`: the mesh a run with the same `--mesh` uses (core/mesh.py)."""
     from flux2klein_cli.core.compile.store import Target
+    from flux2klein_cli.core.mesh import make_mesh
 
-    axes = parse_mesh(text)
-    devices = jax.devices()
-    need = math.prod(axes.values())
-    if need > len(devices):
-        raise UserInputError(f"--mesh {text} needs {need} devices; this host has {len(devices)}")
-    return Target(Mesh(np.array(devices[:need]).reshape(tuple(axes.values())), tuple(axes)))
+    return Target(make_mesh(spec))
 
 
 def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m: None,
@@ -97,6 +76,9 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     if opts.mesh and opts.tpu:
         raise UserInputError("give --mesh or --tpu, not both (a TPU preset sets its own mesh)")
     preset = parse_preset(opts.tpu) if opts.tpu else None
+    from flux2klein_cli.core.mesh import MeshSpec
+
+    mesh_spec = MeshSpec.parse(opts.mesh) if opts.mesh else None  # the parser `generate` uses
     refs = parse_sizes(opts.refs)
     dtype = jax_dtype(opts.dtype)
     if preset is not None:
@@ -119,8 +101,8 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
 
         progress(f"target {preset.name} (topology {preset.topology_name})")
         target = preset_target(preset)
-    elif opts.mesh:
-        target = local_mesh_target(opts.mesh)
+    elif mesh_spec is not None:
+        target = local_mesh_target(mesh_spec)
     else:
         target = Target.local()
     target = dataclasses.replace(target, effort=opts.effort)

@@ -173,6 +173,7 @@ class LoadInfo:
     lower_s: float = 0.0
     compile_s: float = 0.0  # for a hit: the compile seconds recorded when it was stored
     memory: dict[str, int] = field(default_factory=dict)
+    cost: dict[str, float] = field(default_factory=dict)  # XLA's cost analysis (cost_figures)
     saved: bool = False
     warning: str | None = None
     path: str | None = None
@@ -308,6 +309,26 @@ def memory_figures(compiled: jax.stages.Compiled) -> dict[str, int]:
     return figures
 
 
+COST_NAMES = {"flops": "flops", "bytes accessed": "bytes_accessed", "transcendentals": "transcendentals",
+              "optimal_seconds": "optimal_seconds"}
+
+
+def cost_figures(compiled: jax.stages.Compiled) -> dict[str, float]:
+    """XLA's cost analysis of one program, per device: flops, bytes accessed, transcendentals
+    and, where the backend estimates it, `optimal_seconds`. Static counts: a loop body is
+    counted once, whatever its trip count. Empty where the backend gives none."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # some backends do not implement it
+        return {}
+    if isinstance(analysis, list | tuple):  # older jax: one dict per computation
+        analysis = analysis[0] if analysis else None
+    if not analysis:
+        return {}
+    return {ours: float(analysis[theirs]) for theirs, ours in COST_NAMES.items()
+            if isinstance(analysis.get(theirs), int | float) and analysis[theirs] >= 0}
+
+
 # ----------------------------------------------------------------------------- store
 
 
@@ -384,7 +405,7 @@ class ExecutableStore:
             self.warn(f"stored executable {spec.name} ({key[:12]}) is unusable: {e}; recompiling")
             return None
         info = LoadInfo(spec.name, key, "hit", time.perf_counter() - start, compile_s=meta.get("compile_s", 0.0),
-                        memory=meta.get("memory", {}), path=str(entry))
+                        memory=meta.get("memory", {}), cost=meta.get("cost", {}), path=str(entry))
         return compiled, info
 
     def _read_verified(self, entry: Path, parts: dict[str, Any], store_key: bytes
@@ -476,6 +497,7 @@ class ExecutableStore:
         meta = {
             "key": key, "name": spec.name, "key_parts": parts, "created": time.time(),
             "compile_s": compile_s, "lower_s": lower_s, "memory": memory_figures(compiled),
+            "cost": cost_figures(compiled),
             "files": {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
                       for name, data in ((EXECUTABLE, payload), (TREES, trees))},
         }
@@ -529,8 +551,8 @@ class ExecutableStore:
         path = self.save(spec, compiled, parts, compile_s=compile_s, lower_s=lower_s) if save else None
         status = "recompiled" if caught else "miss"
         return LoadInfo(spec.name, key, status, lower_s + compile_s, lower_s, compile_s,
-                        memory_figures(compiled), saved=path is not None, warning="; ".join(caught) or None,
-                        path=str(path) if path else None)
+                        memory_figures(compiled), cost_figures(compiled), saved=path is not None,
+                        warning="; ".join(caught) or None, path=str(path) if path else None)
 
     def stale_reason(self, name: str, parts: dict[str, Any]) -> str | None:
         """Why an entry for the same program (same name, arguments, shapes and target) does not

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.choices import MESH_AXES
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 
 GIB = 1024**3
@@ -170,10 +169,10 @@ def quiet_libtpu_without_tpu(accelerator: str | None = None) -> None:
 def mesh_for_devices(devices: list[Any]) -> Any:
     """All devices on the fsdp axis of the four named axes: parameters and the batch are
     split over chips, as maxdiffusion's FSDP runs of the 9B model on v6e-4 do."""
-    import numpy as np
-    from jax.sharding import Mesh
+    from flux2klein_cli.core.mesh import MeshSpec, make_mesh
 
-    return Mesh(np.array(devices).reshape(1, len(devices), 1, 1), MESH_AXES)
+    # As a run with `--tpu` lays them out (distributed.run_mesh), so its executables are found.
+    return make_mesh(MeshSpec(fsdp=len(devices)), devices)
 
 
 def preset_target(preset: TpuPreset) -> Any:

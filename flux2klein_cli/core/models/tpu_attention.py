@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from flux2klein_cli.core.sharding import BATCH_AXES, axis_size
+from flux2klein_cli.core.sharding import BATCH_AXES, fitting_spec
 
 LANES = 128  # the kernel's key blocks are multiples of the TPU lane width
 MAX_BLOCK = 512  # larger blocks amortise the per-step overhead; 512 x 512 f32 scores is 1 MiB of VMEM
@@ -86,9 +86,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def _fitting_spec(mesh: jax.sharding.AbstractMesh, shape: tuple[int, ...], axes: tuple[Axes, ...]) -> PartitionSpec:
-    """As `constrain`: an axis that does not divide its dimension leaves it whole."""
-    return PartitionSpec(*[a if a is not None and shape[i] % axis_size(mesh, a) == 0 else None
-                           for i, a in enumerate(axes)])
+    """As `constrain`: axes cut to what divides their dimension."""
+    return fitting_spec(mesh, shape, axes)
 
 
 def block_size(length: int) -> int:
