@@ -89,7 +89,9 @@ def test_a_signal_during_the_imports_stops_with_130(signum: int, tmp_path: Path)
     proc = _start(["generate", "a fox", "--model", "tiny", "-o", str(tmp_path / "fox.png")], _env(tmp_path))
     _wait_for(proc, lambda: _handlers_installed(proc.pid), "its signal handlers were installed")
     _assert_interrupted(*_interrupt(proc, signum))
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    # A loaded machine may get as far as the tiny write: its cache folder may stay, never a partial.
+    assert not (tmp_path / "fox.png").exists() and _partials(tmp_path) == []
+    assert {p.name for p in tmp_path.iterdir()} <= {"cache"}
 
 
 @pytest.mark.slow
@@ -107,7 +109,7 @@ def test_generate_interrupted_after_its_first_compile(signum: int, tiny_checkpoi
     _assert_interrupted(*_interrupt(proc, signum))
     assert list(out.iterdir()) == [] and _partials(store) == []
     for meta in _stored(store):  # every entry in place is whole
-        assert {p.name for p in meta.parent.iterdir()} == {"executable.bin", "trees.pkl", "meta.json"}
+        assert {p.name for p in meta.parent.iterdir()} == {"executable.bin", "trees.json", "meta.json"}
     again = subprocess.run([sys.executable, "-m", "flux2klein_cli", *args], env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in out.iterdir()) == ["fox-0.png", "fox-1.png"]

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli import progress
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.pipeline.denoise import steps_per_call
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 
 runner = CliRunner()
 SMALL = ["--height", "32", "--width", "32", "--max-sequence-length", "16", "--dtype", "fp32"]
@@ -78,7 +79,9 @@ def test_stored_executables_load_and_serve_the_stepped_loop(tiny_checkpoint: Pat
     second = second_pipeline(_request(2), on_step=lambda done, total: seen.append(done))
     statuses = {r["name"]: r["status"] for r in second_pipeline.executables.report}
     assert statuses["denoise_by_1"] == "hit", statuses
-    assert "denoise_by_1" in second_pipeline._compiled and not warnings
+    # XLA's CPU runtime may fail to find a fused kernel of another program deserialized in the
+    # process that compiled it (see test_compile_store); the loop's own executable must serve.
+    assert "denoise_by_1" in second_pipeline._compiled and not [w for w in warnings if "denoise" in w]
     assert seen == [1, 2, 1, 2]
     np.testing.assert_array_equal(second.images, first.images)
 
@@ -125,7 +128,7 @@ def test_compile_reports_each_program_once(tiny_checkpoint: Path, tmp_path: Path
     from flux2klein_cli.core.compile import programs as P
     from flux2klein_cli.core.compile.store import ExecutableStore, compile_all
 
-    run = P.RunShape(32, 32, steps=2, max_sequence_length=16, dtype=jnp.float32)
+    run = P.RunShape(32, 32, LatentGeometry(16, 128), steps=2, max_sequence_length=16, dtype=jnp.float32)
     specs = P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run)
     seen: list[tuple[int, int]] = []
     for _ in range(2):  # compiled, then loaded

@@ -66,6 +66,12 @@ class VAEConfig:
         act = d.get("act_fn", "silu")
         if act not in ("silu", "swish"):
             raise CheckpointError(f"vae config: act_fn {act!r} is not supported (FLUX.2 uses 'silu')")
+        if len(dec_blocks) != len(blocks):
+            # Both sides must scale by the same factor or decode(encode(x)) changes size.
+            raise CheckpointError(
+                f"vae config: decoder_block_out_channels {list(dec_blocks)} and block_out_channels "
+                f"{list(blocks)} must have the same length"
+            )
         # Block types decide the block count in diffusers; only the plain KL blocks exist here.
         for field, kind, count in (
             ("down_block_types", _DOWN_BLOCK, len(blocks)),
@@ -76,12 +82,6 @@ class VAEConfig:
                 raise CheckpointError(
                     f"vae config: {field} must be {count} x {kind!r} to match the block widths, got {types!r}"
                 )
-        if len(dec_blocks) != len(blocks):
-            # Both sides must scale by the same factor or decode(encode(x)) changes size.
-            raise CheckpointError(
-                f"vae config: decoder_block_out_channels {list(dec_blocks)} and block_out_channels "
-                f"{list(blocks)} must have the same length"
-            )
         patch = _ints(d.get("patch_size", defaults.patch_size), "patch_size")
         if patch != (2, 2):
             # The pipeline's patchify is hard-coded 2x2, whatever the config says.
