@@ -24,7 +24,7 @@ def bench_without_slice(model: str, *, tpu: str, height: int, width: int, batch:
 
     refs = ",".join([f"{height}x{width}"] * references) or None  # as bench's edits: references at the output size
     report = run_compile(CompileOptions(model=model, height=height, width=width, batch=batch, steps=steps, refs=refs,
-                                        kv=kv, tpu=tpu, cache_dir=compile_cache, dtype=dtype, save=save,
+                                        kv=kv, tpu=tpu, compile_cache=compile_cache, dtype=dtype, save=save,
                                         effort=effort), progress=progress, warn=warn)
     programs = [dict(name=p["name"], status=p["status"], compile_s=p["compile_s"], lower_s=p["lower_s"],
                      peak_bytes_per_device=p["memory"].get("peak"),
