@@ -164,7 +164,8 @@ def _from_hub(model: str, repo_id: str, revision: str | None, *, offline: bool, 
     return Resolved(path, "hub", repo_id, _commit_of(path))
 
 
-def _download(repo_id: str, revision: str | None, tqdm_class: Any = None) -> Path:
+def _download(repo_id: str, revision: str | None, tqdm_class: Any = None,
+              allow_patterns: list[str] | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -175,7 +176,7 @@ def _download(repo_id: str, revision: str | None, tqdm_class: Any = None) -> Pat
     )
 
     try:
-        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS,
+        return Path(snapshot_download(repo_id, revision=revision, allow_patterns=allow_patterns or ALLOW_PATTERNS,
                                       tqdm_class=tqdm_class))
     except GatedRepoError:
         raise UserInputError(
