@@ -42,6 +42,7 @@ def bench(
     no_store: bool = typer.Option(False, "--no-store", help="pipeline: no executable store; jit-compile every "
                                   "program on the first call (what compile measured before the store). Default: "
                                   "load stored executables, compile and store the missing ones, as generate does."),
+    lora: list[str] = o.LORA,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Time the phases of a run: load, compile, text encoding, denoising, decoding.
@@ -104,6 +105,8 @@ def bench(
             raise UserInputError(f"--refs must be between 0 and 4, got {refs}")
         if (mesh or tpu) and phase != "pipeline":
             raise UserInputError("--mesh and --tpu: only with --phase pipeline")
+        if lora and phase != "pipeline":
+            raise UserInputError("--lora: only with --phase pipeline")
         if kv and (phase != "pipeline" or refs < 1):
             raise UserInputError("--kv times edits: use it with --phase pipeline and --refs 1..4")
         store_flags = [flag for flag, given in (("--compile-cache", compile_cache is not None),
@@ -167,7 +170,7 @@ def bench(
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
                                         dtype=target, references=refs, kv=kv, mesh=run_on, store=not no_store,
                                         compile_cache=compile_cache, save=not no_save, effort=effort,
-                                        warn=o.warn)
+                                        warn=o.warn, lora=lora)
             result = dict(model=model, phase=phase, dtype=dtype, **result)
     if as_json:
         emit_json(result)

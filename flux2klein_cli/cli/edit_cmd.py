@@ -40,6 +40,7 @@ def edit(
     compile_cache: Path = o.COMPILE_CACHE,
     no_save: bool = o.NO_SAVE,
     effort: str = o.EFFORT,
+    lora: list[str] = o.LORA,
     as_json: bool = o.JSON,
 ) -> None:
     """Edit or combine reference images following a prompt.
@@ -63,5 +64,5 @@ def edit(
         latents=latents, force=force,
         max_sequence_length=max_sequence_length, kv=kv, kv_cache_dir=kv_cache_dir,
         devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
-        save_executables=not no_save, effort=effort,
+        save_executables=not no_save, effort=effort, lora=lora,
     ), as_json)

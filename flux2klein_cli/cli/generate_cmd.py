@@ -34,6 +34,7 @@ def generate(
     compile_cache: Path = o.COMPILE_CACHE,
     no_save: bool = o.NO_SAVE,
     effort: str = o.EFFORT,
+    lora: list[str] = o.LORA,
     as_json: bool = o.JSON,
 ) -> None:
     """Generate images from a text prompt.
@@ -51,5 +52,5 @@ def generate(
         negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype, latents=latents, force=force,
         max_sequence_length=max_sequence_length,
         devices=DeviceOptions(mesh, tpu, coordinator, num_processes, process_id), compile_cache=compile_cache,
-        save_executables=not no_save, effort=effort,
+        save_executables=not no_save, effort=effort, lora=lora,
     ), as_json)

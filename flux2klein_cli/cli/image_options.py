@@ -47,6 +47,10 @@ COMPILE_CACHE = typer.Option(None, "--compile-cache", help="Store of compiled ex
 EFFORT = typer.Option("default", "--effort", help="XLA optimisation effort of compiled executables: default, "
                       "or fast (quicker to compile, possibly slower to run).")
 NO_SAVE = typer.Option(False, "--no-save", help="Use stored executables but store no new ones.")
+LORA = typer.Option([], "--lora", metavar="PATH_OR_REPO[:SCALE]",
+                   help="A LoRA merged into the transformer at load (repeatable): a .safetensors file, a folder "
+                   "holding one, or a hub repo fetched with `flux2klein fetch --lora`; SCALE defaults to 1.0. "
+                   "Layouts: ai-toolkit / BFL, kohya / musubi, diffusers / PEFT, LoKr.")
 JSON = typer.Option(False, "--json", help="Print one JSON object (paths, seeds, timings) on stdout.")
 
 

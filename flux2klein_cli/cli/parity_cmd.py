@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from flux2klein_cli.cli.image_options import LORA
 from flux2klein_cli.cli.output import Table, emit_json, note, plain, show_table, user_errors
 from flux2klein_cli.cli.params import float_option
 
@@ -23,6 +24,7 @@ def parity(
     threshold: float = float_option(0.99, "--threshold", help="Exit 1 when SSIM is below this."),
     out_dir: Path = typer.Option(Path("parity"), "--out-dir", help="Where ours.png, diffusers.png, diff.png go."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files in --out-dir."),
+    lora: list[str] = LORA,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Compare with diffusers' pipeline: SSIM, PSNR and max pixel difference.
@@ -40,7 +42,7 @@ def parity(
     with user_errors():
         report = parity_check(
             model=model, resolve=resolve_model, prompt=prompt, references=list(image), height=height, width=width,
-            steps=steps, guidance=guidance, seed=seed, dtype=dtype, out_dir=out_dir, force=force,
+            steps=steps, guidance=guidance, seed=seed, dtype=dtype, out_dir=out_dir, force=force, lora=lora,
         )
     passed = report["ssim"] >= threshold
     report["threshold"], report["passed"] = threshold, passed
