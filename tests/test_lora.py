@@ -37,7 +37,8 @@ from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 
 MIN_SSIM, MAX_DIFF = 0.999, 2
 NORM_OUT = "final_layer.adaLN_modulation.1"
-# What diffusers' kohya converter reads (it warns about, and drops, any other module).
+# What diffusers' kohya converter reads (it warns about, and drops, any other module); its LyCORIS
+# converter reads block modules only. We read all of them (the tests above).
 KOHYA_DIFFUSERS = ("double_blocks.", "single_blocks.", "img_in", "txt_in", "time_in.", "final_layer.linear")
 
 
@@ -120,6 +121,24 @@ def test_a_wrong_lora_is_one_readable_error(transformer_dir: Path, tmp_path: Pat
     assert expected in message and ("ai-toolkit / BFL" in message or "kohya" in message)
 
 
+def test_convert_merges_the_lora_and_records_it(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from flux2klein_cli.core.weights.convert import convert
+    from flux2klein_cli.core.weights.converted import load_component
+
+    path = write_random_lora(tmp_path / "l.safetensors", tiny_checkpoint / "transformer", "peft", rank=2, seed=3)
+    spec = LoraSpec(str(path), 0.5)
+    manifest = convert(tiny_checkpoint, tmp_path / "conv", dtype="fp32", lora=LoraDeltas.read([spec]))
+    assert manifest["lora"][0]["scale"] == 0.5
+    converted = load_component("transformer", tmp_path / "conv", dtype=jnp.float32)
+    ours = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(converted))}
+    expected = merged(tiny_checkpoint / "transformer", spec)
+    assert not np.array_equal(expected["proj_out.kernel"], merged(tiny_checkpoint / "transformer")["proj_out.kernel"])
+    for key, value in expected.items():
+        np.testing.assert_array_equal(ours[key], value, err_msg=key)
+    with pytest.raises(UserInputError, match="converted"):
+        KleinPipeline.load(tmp_path / "conv", dtype=jnp.float32, lora=[spec])
+
+
 def test_spec_parsing() -> None:
     assert LoraSpec.parse("a/b.safetensors:0.5") == LoraSpec("a/b.safetensors", 0.5)
     assert LoraSpec.parse("org/repo") == LoraSpec("org/repo", 1.0)
@@ -157,8 +176,8 @@ def test_cli_exit_2_in_one_line_and_json_records_the_lora(tiny_checkpoint: Path,
 def parity_lora(pipeline_dir: Path, tmp_path: Path, layouts: list[tuple[str, float]], seed: int = 0) -> list[LoraSpec]:
     specs = []
     for i, (layout, scale) in enumerate(layouts):
-        include = (lambda m: m != NORM_OUT and m.startswith(KOHYA_DIFFUSERS)) if layout == "kohya" else (
-            lambda m: m != NORM_OUT)
+        prefixes = {"kohya": KOHYA_DIFFUSERS, "lokr-lycoris": ("double_blocks.", "single_blocks.")}.get(layout, ("",))
+        include = lambda m, p=prefixes: m != NORM_OUT and m.startswith(p)  # noqa: E731
         alpha = None if layout in ("bfl", "peft") else 2.0  # diffusers reads no alpha in those two
         path = write_random_lora(tmp_path / f"{layout}-{i}.safetensors", pipeline_dir / "transformer", layout,
                                  rank=4, seed=seed + i, alpha=alpha, include=include, std=0.2)

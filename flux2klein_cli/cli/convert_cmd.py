@@ -32,6 +32,8 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace an existing output directory."),
     revision: str = typer.Option(None, "--revision", help="Hub branch, tag or commit (default: main)."),
     offline: bool = typer.Option(False, "--offline", help="Use the local Hugging Face cache only."),
+    lora: list[str] = typer.Option([], "--lora", metavar="PATH_OR_REPO[:SCALE]",
+                                   help="Merge this LoRA into the transformer (repeatable; as generate --lora)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
     """Write MODEL's transformer, text encoder and VAE in DTYPE and JAX layout, plus a manifest.
@@ -44,6 +46,8 @@ def convert(
     that --model would accept. The path is printed on stdout.
 
     Example: flux2klein convert 4b --out ~/models/klein-4b-bf16
+
+    Example: flux2klein convert 4b --lora style.safetensors:0.8 --out ~/models/klein-4b-style
     """
     with user_errors():
         from flux2klein_cli.core.errors import UserInputError
@@ -62,6 +66,10 @@ def convert(
 
             run_on = run_mesh(DeviceOptions(mesh=mesh))
             rule = parameter_rule(run_on) if run_on is not None else None
+        from flux2klein_cli.core.lora.files import LoraSpec
+        from flux2klein_cli.core.lora.merge import LoraDeltas
+
+        deltas = LoraDeltas.read([LoraSpec.parse(text) for text in lora])  # a bad LoRA fails before any work
         resolved = resolve(model, revision=revision, offline=offline, download=True,
                            progress=note)
         slug = _slug(model, resolved.repo_id, resolved.revision)
@@ -69,7 +77,7 @@ def convert(
         start = time.perf_counter()
         with _progress_bar(enabled=wanted(as_json)) as update:
             manifest = convert_snapshot_to(resolved, target, dtype=dtype, layout=layout, force=force, model=model,
-                                           progress=update, mesh=run_on,
+                                           progress=update, mesh=run_on, lora=deltas,
                                            **({"sharding_rule": rule} if rule is not None else {}))
         seconds = time.perf_counter() - start
     if as_json:
@@ -80,6 +88,7 @@ def convert(
             "layout": layout,
             "components": {n: {k: c[k] for k in ("parameters", "bytes")} for n, c in manifest["components"].items()},
             "seconds": round(seconds, 3),
+            "lora": manifest.get("lora", []),
         })
         return
     note(f"converted in {seconds:.1f} s")

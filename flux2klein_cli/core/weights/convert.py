@@ -42,7 +42,7 @@ from flux2klein_cli.core.weights.converted import (
     components,
     param_key,
 )
-from flux2klein_cli.core.weights.loader import ShardingRule, check_plan, iter_arrays, read_into
+from flux2klein_cli.core.weights.loader import Deltas, ShardingRule, check_plan, iter_arrays, read_into, weight_shapes
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 
 _GROUP_BYTES = 256 << 20  # parameters handed to Orbax per partial save
@@ -60,13 +60,16 @@ def convert(
     provenance: dict[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     group_bytes: int = _GROUP_BYTES,
+    lora: Any = None,
 ) -> dict[str, Any]:
     """Convert a diffusers-layout snapshot into a converted directory at `out`; return its manifest.
 
     `layout` is "flat" or "orbax" (see converted.py). For Orbax, `mesh` and `sharding_rule` lay
     the arrays out for the target sharding (each array's chunks follow its shards); a flat file
     serves any sharding. `provenance` (repo id, revision, the name the user gave) goes into the
-    manifest. `progress(component, bytes_done, bytes_total)` is called as parameters are written."""
+    manifest. `progress(component, bytes_done, bytes_total)` is called as parameters are written.
+    `lora` (core/lora/merge.py LoraDeltas) is merged into the transformer's weights as they are
+    written, and recorded in the manifest."""
     if dtype not in DTYPE_NAMES:
         raise UserInputError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_NAMES)}")
     if layout not in LAYOUTS:
@@ -90,11 +93,13 @@ def convert(
         for name in MODEL_COMPONENTS:
             written[name] = convert_component(
                 name, source / name, tmp / name, DTYPE_NAMES[dtype], mesh, sharding_rule, group_bytes, progress,
-                layout=layout,
+                layout=layout, deltas=lora if name == "transformer" else None,
             )
         for name in COPIED_COMPONENTS:
             shutil.copytree(source / name, tmp / name)
         manifest = _manifest(source, dtype, layout, mesh, written, provenance)
+        if lora is not None:
+            manifest["lora"] = lora.records()
         # Written last, in this order: a directory without both is not a converted model.
         shutil.copyfile(source / "model_index.json", tmp / "model_index.json")
         (tmp / CONVERTED_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -113,13 +118,14 @@ def convert_snapshot_to(
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = replicated_rule,
     progress: Callable[[str, int, int], None] | None = None,
+    lora: Any = None,
 ) -> dict[str, Any]:
     """`convert` of a resolved `--model`, its provenance (name, repo id, commit) in the manifest."""
     if resolved.kind == "converted":
         raise UserInputError(f"{resolved.path} is already a converted directory; convert its source snapshot")
     provenance = {"model": model, "kind": resolved.kind, "repo_id": resolved.repo_id, "revision": resolved.revision}
     return convert(resolved.path, out, dtype=dtype, layout=layout, mesh=mesh, sharding_rule=sharding_rule,
-                   force=force, provenance=provenance, progress=progress)
+                   force=force, provenance=provenance, progress=progress, lora=lora)
 
 
 def convert_component(
@@ -133,6 +139,7 @@ def convert_component(
     progress: Callable[[str, int, int], None] | None,
     *,
     layout: str = DEFAULT_LAYOUT,
+    deltas: Deltas | None = None,
 ) -> dict[str, Any]:
     """One component folder of a snapshot -> `dst/config.json` (and its other JSON) plus `dst/<layout>`,
     every parameter in `dtype` and JAX layout; returns its manifest entry. Peak memory over the
@@ -154,15 +161,17 @@ def convert_component(
         from flux2klein_cli.core.weights.flat_store import FLAT_DIR, write_flat
 
         check_plan(checkpoint, plan, dict(flat))
+        if deltas is not None:
+            deltas.check(weight_shapes(checkpoint, plan))
         write_flat(dst / FLAT_DIR, [
             (param_key(path), tuple(spec.shape), np.dtype(spec.dtype),
-             lambda out, index, source=plan.sources[path]: read_into(out, checkpoint, source, index))
+             lambda out, index, source=plan.sources[path]: read_into(out, checkpoint, source, index, deltas))
             for path, spec in flat
         ], progress=report)
     else:
         from flux2klein_cli.core.weights.orbax_store import ORBAX_DIR, write_orbax
 
-        arrays = iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule)
+        arrays = iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule, deltas)
         write_orbax(dst / ORBAX_DIR, ((param_key(path), array) for path, array in arrays), group_bytes, report)
     return {
         "layout": layout,
