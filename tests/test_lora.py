@@ -236,14 +236,24 @@ def test_switching_loras_or_scales_compiles_nothing(tiny_checkpoint: Path, tmp_p
     transformer = tiny_checkpoint / "transformer"
     first = write_random_lora(tmp_path / "a.safetensors", transformer, "bfl", rank=2, seed=1)
     second = write_random_lora(tmp_path / "b.safetensors", transformer, "lokr-bfl", rank=4, seed=2, alpha=1.0)
+    from flux2klein_cli.core.compile.attach import StoredExecutables
+    from flux2klein_cli.core.compile.store import ExecutableStore
+
     request = Request(prompts=["a red fox"], steps=2, guidance=1.0, height=32, width=32, seed=1)
-    images = [KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32, lora=[LoraSpec(str(first))])(request).images]
+
+    def run(specs: list[LoraSpec]) -> np.ndarray:
+        # As generate runs: executables from the store, which takes the weights as arguments.
+        pipeline = KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32, lora=specs)
+        pipeline.executables = StoredExecutables(tiny_checkpoint, ExecutableStore(tmp_path / "store"))
+        return pipeline(request).images
+
+    images = [run([LoraSpec(str(first))])]  # compiles and stores the programs
     log = _CompileLog()
     logging.getLogger("jax").addHandler(log)
     jax.config.update("jax_log_compiles", True)
     try:
         for specs in ([LoraSpec(str(first), 0.3)], [LoraSpec(str(second)), LoraSpec(str(first), -1.0)]):
-            images.append(KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32, lora=specs)(request).images)
+            images.append(run(specs))
     finally:
         jax.config.update("jax_log_compiles", False)
         logging.getLogger("jax").removeHandler(log)
