@@ -47,6 +47,7 @@ def bench(
                                            "program on the first call. "
                                            "Default: load stored executables, compile and store the missing ones, "
                                            "as generate does.")] = False,
+    lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,
@@ -98,7 +99,7 @@ def bench(
         _check_phase_flags(phase, {
             "--diffusers": diffusers, "--mesh": bool(mesh), "--tpu": bool(tpu),
             "--compile-cache": compile_cache is not None, "--no-save": no_save,
-            "--effort": effort != o.Effort.default, "--no-store": no_store,
+            "--effort": effort != o.Effort.default, "--no-store": no_store, "--lora": bool(lora),
         })
         if diffusers:
             require_parity("bench --diffusers")
@@ -178,7 +179,7 @@ def bench(
                 result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
                                         dtype=target, references=refs, kv=kv, mesh=run_on, store=not no_store,
                                         compile_cache=compile_cache, save=not no_save, effort=effort.value,
-                                        warn=warn)
+                                        warn=warn, lora=lora)
             result = dict(model=model, phase=phase, dtype=dtype, **result)
     if as_json:
         emit_json(result)
@@ -197,7 +198,7 @@ def bench(
 # Flags only some phases use, by phase; given with another phase they are exit 2.
 PHASE_FLAGS: dict[str, tuple[str, ...]] = {
     "ttfi": ("--diffusers",),
-    "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store"),
+    "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store", "--lora"),
 }
 
 

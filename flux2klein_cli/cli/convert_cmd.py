@@ -35,6 +35,9 @@ def convert(
                                         "(one with its manifest and nothing else).")] = False,
     revision: o.RevisionOpt = None,
     offline: Annotated[bool, typer.Option("--offline", help="Use the local Hugging Face cache only.")] = False,
+    lora: Annotated[list[str], typer.Option(
+        "--lora", metavar="PATH_OR_REPO[:SCALE]", help="LoRAs merged into the converted transformer (repeatable), "
+        "for a model always run with the same ones.")] = [],  # noqa: B006 (never mutated)
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,
@@ -49,6 +52,8 @@ def convert(
     that --model would accept. The path is printed on stdout.
 
     Example: flux2klein convert 4b --out ~/models/klein-4b-bf16
+
+    Example: flux2klein convert 4b --lora style.safetensors:0.8 --out ~/models/klein-4b-style
     """
     with user_errors():
         from flux2klein_cli.core.snapshot import flux2klein_cache_dir, resolve
@@ -61,6 +66,10 @@ def convert(
 
             run_on = run_mesh(DeviceOptions(mesh=mesh))
             rule = parameter_rule(run_on) if run_on is not None else None
+        from flux2klein_cli.core.lora.files import LoraSpec
+        from flux2klein_cli.core.lora.merge import LoraDeltas
+
+        deltas = LoraDeltas.read([LoraSpec.parse(text) for text in lora])  # a bad LoRA fails before any work
         resolved = resolve(model, revision=revision, offline=offline, download=True,
                            progress=note)
         if transformer or vae:
@@ -76,7 +85,7 @@ def convert(
         with _progress_bar(enabled=wanted(as_json)) as update:
             manifest = convert_snapshot_to(resolved, target, dtype=dtype.value, layout=layout.value, force=force,
                                            model=model, progress=update, mesh=run_on,
-                                           user_out=out is not None,
+                                           user_out=out is not None, lora=deltas,
                                            **({"sharding_rule": rule} if rule is not None else {}))
         seconds = time.perf_counter() - start
     if as_json:
@@ -87,6 +96,7 @@ def convert(
             "layout": layout.value,
             "components": {n: {k: c[k] for k in ("parameters", "bytes")} for n, c in manifest["components"].items()},
             "seconds": round(seconds, 3),
+            "lora": manifest.get("lora", []),
         })
         return
     note(f"converted in {seconds:.1f} s")

@@ -42,6 +42,7 @@ def edit(
     compile_cache: o.CompileCacheOpt = None,
     no_save: o.NoSaveOpt = False,
     effort: o.EffortOpt = o.Effort.default,
+    lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,
@@ -67,5 +68,5 @@ def edit(
         steps=steps, guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images,
         dtype=dtype.value, latents=latents, force=force, max_sequence_length=max_sequence_length, kv=kv,
         kv_cache_dir=kv_cache_dir, compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,
-        transformer=transformer, vae=vae,
+        transformer=transformer, vae=vae, lora=lora,
     )

@@ -11,12 +11,20 @@ from flux2klein_cli.cli.output import emit_json, note, user_errors
 from flux2klein_cli.cli.progress import wanted
 
 
+def hub_tqdm_for(as_json: bool) -> object:
+    from flux2klein_cli.cli.progress import hub_tqdm
+
+    return hub_tqdm(enabled=wanted(as_json))
+
+
 def fetch(
     model: Annotated[str, typer.Argument(help=o.model_help())],
     revision: o.RevisionOpt = None,
     offline: o.OfflineOpt = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object: path, revision, files, "
                                           "bytes.")] = False,
+    lora: Annotated[bool, typer.Option("--lora", help="MODEL is a LoRA repo (its .safetensors, for --lora "
+                                       "REPO).")] = False,
 ) -> None:
     """Find MODEL in the Hugging Face cache, else download it; print the snapshot path on stdout.
 
@@ -27,7 +35,24 @@ def fetch(
     (default $XDG_CACHE_HOME/flux2klein, else ~/.cache/flux2klein).
 
     Example: path=$(flux2klein fetch 9b-kv)
+
+    Example: flux2klein fetch --lora some-org/klein-style-lora
     """
+    if lora:
+        with user_errors():
+            if revision:
+                from flux2klein_cli.core.errors import UserInputError
+
+                raise UserInputError("--revision is not supported with --lora (the repo's main branch is fetched)")
+            from flux2klein_cli.core.lora.files import LoraSpec, fetch_lora, resolve_lora
+
+            path = fetch_lora(model, offline=offline, download=True, tqdm_class=hub_tqdm_for(as_json))
+            file = resolve_lora(LoraSpec(str(path)))
+        if as_json:
+            emit_json(dict(repo_id=model, path=str(path), file=str(file)))
+        else:
+            typer.echo(str(file))
+        return
     with user_errors():
         from flux2klein_cli.cli.progress import hub_tqdm
         from flux2klein_cli.core.errors import CheckpointError

@@ -117,6 +117,13 @@ VaeOpt = Annotated[str | None, typer.Option(
     "small-decoder (black-forest-labs/FLUX.2-small-decoder; `flux2klein fetch small-decoder` downloads it).")]
 
 
+LoraOpt = Annotated[list[str], typer.Option(
+    "--lora", metavar="PATH_OR_REPO[:SCALE]",
+    help="A LoRA merged into the transformer at load (repeatable): a .safetensors file, a folder holding one, or a "
+    "hub repo fetched with `flux2klein fetch --lora`; SCALE defaults to 1.0. Layouts: ai-toolkit / BFL, kohya / "
+    "musubi, diffusers / PEFT, LoKr.")]
+
+
 def compile_cache(new: Path | None, old: Path | None) -> Path | None:
     """--compile-cache, or its old name --cache-dir."""
     if new is not None and old is not None and new != old:

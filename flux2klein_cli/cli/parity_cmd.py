@@ -31,6 +31,7 @@ def parity(
     out_dir: Annotated[Path, typer.Option("--out-dir", help="Where ours.png, diffusers.png, diff.png go.")
                        ] = Path("parity"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing files in --out-dir.")] = False,
+    lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,
@@ -53,7 +54,7 @@ def parity(
         report = parity_check(
             model=model, resolve=partial(resolve_composed, transformer=transformer, vae=vae),
             prompt=prompt, references=list(image), height=height, width=width,
-            steps=steps, guidance=guidance, seed=seed, dtype=dtype.value, out_dir=out_dir, force=force,
+            steps=steps, guidance=guidance, seed=seed, dtype=dtype.value, out_dir=out_dir, force=force, lora=lora,
         )
     passed = report["ssim"] >= threshold
     report["threshold"], report["passed"] = threshold, passed

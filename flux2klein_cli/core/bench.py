@@ -103,6 +103,7 @@ def bench_pipeline(
     save: bool = True,
     effort: str = "default",
     warn: Callable[[str], None] = _warn_stderr,
+    lora: list[str] | None = None,
 ) -> dict[str, Any]:
     """Load, first call and steady-state phases of a text-to-image (or edit) run.
 
@@ -124,7 +125,9 @@ def bench_pipeline(
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
     start = time.perf_counter()
-    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh)
+    from flux2klein_cli.core.lora.files import LoraSpec
+
+    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=[LoraSpec.parse(t) for t in lora or ()])
     load_s = time.perf_counter() - start
     store_info = None
     if store:
@@ -143,7 +146,8 @@ def bench_pipeline(
     refs = [rng.uniform(-1, 1, (height, width, 3)).astype(np.float32) for _ in range(references)]
     request = Request(prompts=["a red fox in snow"] * batch, steps=chosen.steps, guidance=chosen.guidance,
                       height=height, width=width, references=refs)
-    result = dict(load_s=load_s, load_components_s=pipeline.models.seconds, steps=request.steps, batch=batch,
+    result = dict(load_s=load_s, load_components_s=pipeline.models.seconds,
+                  lora=pipeline.lora.records() if pipeline.lora else [], steps=request.steps, batch=batch,
                   height=height, width=width, references=references, store=store_info,
                   **_time_request(pipeline, request, reps),
                   devices=device_memory(pipeline))

@@ -99,9 +99,11 @@ def load_models(
     dtype: Any = jnp.bfloat16,
     mesh: Mesh | None = None,
     on_loaded: Callable[[str, float], None] | None = None,
+    lora: Any = None,
 ) -> LoadedModels:
     """Load transformer, text encoder and VAE, each straight into `dtype` on the mesh: from the
-    safetensors of a diffusers snapshot, or from a converted directory (flat or Orbax layout)."""
+    safetensors of a diffusers snapshot, or from a converted directory (flat or Orbax layout).
+    `lora` (core/lora/merge.py LoraDeltas) is merged into the transformer's weights as they load."""
     from flux2klein_cli.core.models.qwen3 import load_qwen3
     from flux2klein_cli.core.models.transformer import load_transformer
     from flux2klein_cli.core.models.vae import load_vae
@@ -109,6 +111,13 @@ def load_models(
     loaders: dict[str, Callable[..., Any]] = {
         "transformer": load_transformer, "text_encoder": load_qwen3, "vae": load_vae
     }
+    if lora is not None:
+        if snapshot.converted:
+            raise UserInputError(f"{snapshot.root}: --lora needs a diffusers snapshot; a converted model's "
+                                 "weights are final (merge LoRAs when converting: flux2klein convert --lora)")
+        from functools import partial
+
+        loaders["transformer"] = partial(load_transformer, deltas=lora)
     if snapshot.converted:
         from functools import partial
 

@@ -58,6 +58,7 @@ class GenerateOptions:
     effort: str = "default"  # XLA optimisation effort of compiled executables (store.EFFORTS)
     transformer: str | None = None  # --transformer: the transformer from elsewhere (core/components.py)
     vae: str | None = None  # --vae
+    lora: list[str] = field(default_factory=list)  # --lora PATH_OR_REPO[:SCALE], merged at load
 
 
 def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
@@ -108,6 +109,10 @@ def _check_options(opts: GenerateOptions) -> None:
     if opts.kv_cache_dir is not None and not opts.kv:
         raise UserInputError("--kv-cache-dir needs --kv")
     opts.devices.check()
+    from flux2klein_cli.core.lora.files import LoraSpec, resolve_lora
+
+    for text in opts.lora:  # a missing LoRA fails before anything loads
+        resolve_lora(LoraSpec.parse(text))
 
 
 def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> Flux2KleinError:
@@ -228,9 +233,11 @@ def run_generate(
     _check_cost(snapshot, opts, dtype, height, width, references, steps, guidance, batch, mesh,
                 geometry.pixels_per_token, warn)
     load_start = time.perf_counter()
+    from flux2klein_cli.core.lora.files import LoraSpec
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
-    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh)
+    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=[LoraSpec.parse(t) for t in opts.lora])
+    loras = pipeline.lora.records() if pipeline.lora else []
     load_seconds = time.perf_counter() - load_start
     from flux2klein_cli.core.compile.attach import StoredExecutables
     from flux2klein_cli.core.compile.store import ExecutableStore
@@ -243,6 +250,8 @@ def run_generate(
         from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, weights_identity
 
         identity = weights_identity(snapshot.component("transformer"))
+        if pipeline.lora:  # merged LoRAs change the reference K / V
+            identity = f"{identity}+lora:{pipeline.lora.identity()}"
         pipeline.kv_store = ReferenceKVStore(opts.kv_cache_dir, identity, dtype, warn)
 
     on_phase(f"generating {batch} image(s), {steps} steps")
@@ -272,7 +281,7 @@ def run_generate(
                 seed=result.seeds[i] if noise is None else f"latents:{opts.latents}",
                 steps=steps, guidance=guidance, size=f"{width}x{height}", model=opts.model,
                 **_component_sources(opts), references=[str(p) for p in opts.references], dtype=opts.dtype,
-                version=__version__,
+                version=__version__, **({"lora": loras} if loras else {}),
             ), force=opts.force)
             written.append(path)
     except Flux2KleinError as e:
@@ -284,7 +293,7 @@ def run_generate(
         seeds=result.seeds if noise is None else None,
         model=opts.model, model_path=str(model_dir), **_component_sources(opts),
         height=height, width=width, steps=steps, guidance=guidance,
-        cfg=result.guidance_used, references=[str(p) for p in opts.references], dtype=opts.dtype,
+        cfg=result.guidance_used, references=[str(p) for p in opts.references], dtype=opts.dtype, lora=loras,
         kv=opts.kv, kv_cache=result.kv_cache, mesh=None if mesh is None else dict(mesh.shape), writer=writer,
         executables=pipeline.executables.report,
         seconds={k: round(v, 4) for k, v in seconds.items()},

@@ -55,7 +55,16 @@ def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
 
     cls = getattr(diffusers, pipeline.snapshot.pipeline_class)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[torch_dtype]
-    return cls.from_pretrained(pipeline.snapshot.root, dtype=dtype)
+    reference = cls.from_pretrained(pipeline.snapshot.root, dtype=dtype)
+    if pipeline.lora:  # the same files, through diffusers' own LoRA loading (PEFT)
+        from flux2klein_cli.core.extras import require_extra
+
+        require_extra("parity", ("peft",), "parity --lora")
+        names = [f"lora{i}" for i in range(len(pipeline.lora.files))]
+        for name, lora in zip(names, pipeline.lora.files, strict=True):
+            reference.load_lora_weights(str(lora.path), adapter_name=name)
+        reference.set_adapters(names, adapter_weights=[lora.spec.scale for lora in pipeline.lora.files])
+    return reference
 
 
 def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_references: list[Any]) -> np.ndarray:
@@ -121,6 +130,7 @@ def parity_check(
     dtype: str,
     out_dir: Any,
     force: bool,
+    lora: list[str] | None = None,
 ) -> dict[str, Any]:
     """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk."""
     from pathlib import Path
@@ -134,7 +144,10 @@ def parity_check(
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = {name: plan_outputs(out_dir / f"{name}.png", 1, force=force)[0] for name in ("ours", "diffusers", "diff")}
     pil = [load_reference(p) for p in references]
-    pipeline = KleinPipeline.load(resolve(model), dtype=jax_dtype(dtype))
+    from flux2klein_cli.core.lora.files import LoraSpec
+
+    specs = [LoraSpec.parse(text) for text in lora or ()]
+    pipeline = KleinPipeline.load(resolve(model), dtype=jax_dtype(dtype), lora=specs)
     processed = [preprocess_reference(image, multiple_of=pipeline.geometry.pixels_per_token) for image in pil]
     from flux2klein_cli.core.registry import sampling
 
@@ -152,4 +165,5 @@ def parity_check(
         seed=seed, dtype=dtype, references=[str(p) for p in references], ssim=run.metrics.ssim,
         psnr=psnr if math.isfinite(psnr) else None, max_diff=run.metrics.max_diff,
         files={name: str(path) for name, path in targets.items()},
+        lora=pipeline.lora.records() if pipeline.lora else [],
     )

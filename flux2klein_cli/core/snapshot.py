@@ -173,8 +173,8 @@ def _from_hub(model: str, repo_id: str, revision: str | None, *, offline: bool, 
     return Resolved(path, "hub", repo_id, _commit_of(path))
 
 
-def _download(repo_id: str, revision: str | None, tqdm_class: Any = None, patterns: list[str] = ALLOW_PATTERNS
-              ) -> Path:
+def _download(repo_id: str, revision: str | None, tqdm_class: Any = None,
+              patterns: list[str] = ALLOW_PATTERNS) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,

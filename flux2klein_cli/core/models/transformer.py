@@ -29,7 +29,7 @@ from flux2klein_cli.core.models.layers import (
 )
 from flux2klein_cli.core.sharding import BATCH_AXES, constrain, model_rule
 from flux2klein_cli.core.weights.configs import read_config
-from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
+from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
 
 Rope = tuple[jax.Array, jax.Array]  # cos, sin: (S, head_dim) float32
 
@@ -446,8 +446,10 @@ def transformer_key_plan(model: Flux2Transformer) -> KeyPlan:
 
 
 def load_transformer(
-    directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None, scan_layers: bool = True
+    directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None, scan_layers: bool = True,
+    deltas: Deltas | None = None,
 ) -> Flux2Transformer:
+    """Load a transformer/ folder straight into `dtype`, with `deltas` (LoRA) merged on the way."""
     cfg = TransformerConfig.from_dict(read_config(directory))
     return load_module(
         lambda: Flux2Transformer(cfg, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
@@ -455,4 +457,5 @@ def load_transformer(
         directory,
         mesh,
         sharding_rule=model_rule(mesh),
+        deltas=deltas,
     )

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,10 @@ from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 from flux2klein_cli.core.registry import DEFAULT_SIZE
 from flux2klein_cli.core.sharding import BATCH_AXES, batch_shards, batch_spec, constrain
 from flux2klein_cli.core.weights.configs import read_json
+
+if TYPE_CHECKING:
+    from flux2klein_cli.core.lora.files import LoraSpec
+    from flux2klein_cli.core.lora.merge import LoraDeltas
 
 
 def load_tokenizer_and_scheduler(snapshot: Snapshot) -> tuple[PromptTokenizer, SchedulerConfig]:
@@ -186,13 +190,22 @@ class KleinPipeline:
         self._prepared_run: Any = None
         self.warn: Callable[[str], None] = lambda message: None
         self.progress_calls = PROGRESS_CALLS
+        self.lora: LoraDeltas | None = None
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> KleinPipeline:
+    def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None,
+             lora: Sequence[LoraSpec] = ()) -> KleinPipeline:
+        """`lora`: LoRAs merged into the transformer's weights at load (executables take the
+        weights as arguments, so other LoRAs or scales compile nothing new)."""
+        from flux2klein_cli.core.lora.merge import LoraDeltas
+
         snapshot = Snapshot.open(model_dir)
         LatentGeometry.of_snapshot(snapshot.root)  # a geometry the pipeline cannot run fails before the weights load
-        models = load_models(snapshot, dtype=dtype, mesh=mesh)
-        return cls(snapshot, models, *load_tokenizer_and_scheduler(snapshot), mesh)
+        deltas = LoraDeltas.read(lora)
+        models = load_models(snapshot, dtype=dtype, mesh=mesh, lora=deltas)
+        pipeline = cls(snapshot, models, *load_tokenizer_and_scheduler(snapshot), mesh)
+        pipeline.lora = deltas
+        return pipeline
 
     # On a mesh every program input is a global array: batch inputs split over (data, fsdp)
     # by `_batched`, everything else replicated; GSPMD partitions the programs from there.

@@ -102,3 +102,17 @@ def diffusers_parameters(key: str) -> tuple[tuple[str, Part], ...] | None:
     if parts is None:
         return None
     return tuple((f"{part.module}.{_PARAMETERS[parameter]}", part) for part in parts)
+
+
+def bfl_modules() -> tuple[set[str], set[str], set[str]]:
+    """BFL module names: (global ones, those inside a double block, those inside a single block)."""
+    return ({*_GLOBAL_MODULES, "final_layer.adaLN_modulation.1"}, {*_DOUBLE_MODULES, *_DOUBLE_QKV},
+            set(_SINGLE_MODULES))
+
+
+def diffusers_modules() -> tuple[set[str], set[str], set[str]]:
+    """diffusers module names, as `bfl_modules`: (global, inside `transformer_blocks.N`, inside
+    `single_transformer_blocks.N`)."""
+    return ({*_GLOBAL_MODULES.values(), "norm_out.linear"},
+            {*_DOUBLE_MODULES.values(), *(name for names in _DOUBLE_QKV.values() for name in names)},
+            set(_SINGLE_MODULES.values()))

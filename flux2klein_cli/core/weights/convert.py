@@ -46,7 +46,7 @@ from flux2klein_cli.core.weights.converted import (
     components,
     param_key,
 )
-from flux2klein_cli.core.weights.loader import ShardingRule, check_plan, iter_arrays, read_into
+from flux2klein_cli.core.weights.loader import Deltas, ShardingRule, check_plan, iter_arrays, read_into, weight_shapes
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 
 _GROUP_BYTES = 256 << 20  # parameters handed to Orbax per partial save
@@ -65,6 +65,7 @@ def convert(
     progress: Callable[[str, int, int], None] | None = None,
     group_bytes: int = _GROUP_BYTES,
     user_out: bool = True,
+    lora: Any = None,
 ) -> dict[str, Any]:
     """Convert a diffusers-layout snapshot into a converted directory at `out`; return its manifest.
 
@@ -73,7 +74,9 @@ def convert(
     serves any sharding. `provenance` (repo id, revision, the name the user gave) goes into the
     manifest. `progress(component, bytes_done, bytes_total)` is called as parameters are written.
     `user_out`: `out` was given by the user, so an unwritable one is bad input (exit 2), not a
-    failure of the default place (exit 1). A symlinked `out` is written where it points."""
+    failure of the default place (exit 1). A symlinked `out` is written where it points.
+    `lora` (core/lora/merge.py LoraDeltas) is merged into the transformer's weights as they are
+    written, and recorded in the manifest."""
     check_dtype(dtype)
     check_layout(layout)
     source = Path(source).resolve()
@@ -93,11 +96,13 @@ def convert(
             for name in MODEL_COMPONENTS:
                 written[name] = convert_component(
                     name, source / name, tmp / name, jax_dtype(dtype), mesh, sharding_rule, group_bytes, progress,
-                    layout=layout,
+                    layout=layout, deltas=lora if name == "transformer" else None,
                 )
             for name in COPIED_COMPONENTS:
                 shutil.copytree(source / name, tmp / name)
             manifest = _manifest(source, dtype, layout, mesh, written, provenance)
+            if lora is not None:
+                manifest["lora"] = lora.records()
             # Written last, in this order: a directory without both is not a converted model.
             shutil.copyfile(source / "model_index.json", tmp / "model_index.json")
             (tmp / CONVERTED_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -117,6 +122,7 @@ def convert_snapshot_to(
     sharding_rule: ShardingRule = replicated_rule,
     progress: Callable[[str, int, int], None] | None = None,
     user_out: bool = True,
+    lora: Any = None,
 ) -> dict[str, Any]:
     """`convert` of a resolved `--model`, its provenance (name, repo id, commit) in the manifest."""
     if resolved.kind == "converted":
@@ -127,7 +133,7 @@ def convert_snapshot_to(
     if composed_sources(resolved.path):  # --transformer / --vae: where those components came from
         provenance["components"] = composed_sources(resolved.path)
     return convert(resolved.path, out, dtype=dtype, layout=layout, mesh=mesh, sharding_rule=sharding_rule,
-                   force=force, provenance=provenance, progress=progress, user_out=user_out)
+                   force=force, provenance=provenance, progress=progress, user_out=user_out, lora=lora)
 
 
 def convert_component(
@@ -141,6 +147,7 @@ def convert_component(
     progress: Callable[[str, int, int], None] | None,
     *,
     layout: str = DEFAULT_LAYOUT,
+    deltas: Deltas | None = None,
 ) -> dict[str, Any]:
     """One component folder of a snapshot -> `dst/config.json` (and its other JSON) plus `dst/<layout>`,
     every parameter in `dtype` and JAX layout; returns its manifest entry. Peak memory over the
@@ -162,15 +169,17 @@ def convert_component(
         from flux2klein_cli.core.weights.flat_store import FLAT_DIR, write_flat
 
         check_plan(checkpoint, plan, dict(flat))
+        if deltas is not None:
+            deltas.check(weight_shapes(checkpoint, plan))
         write_flat(dst / FLAT_DIR, [
             (param_key(path), tuple(spec.shape), np.dtype(spec.dtype),
-             lambda out, index, source=plan.sources[path]: read_into(out, checkpoint, source, index))
+             lambda out, index, source=plan.sources[path]: read_into(out, checkpoint, source, index, deltas))
             for path, spec in flat
         ], progress=report)
     else:
         from flux2klein_cli.core.weights.orbax_store import ORBAX_DIR, write_orbax
 
-        arrays = iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule)
+        arrays = iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule, deltas)
         write_orbax(dst / ORBAX_DIR, ((param_key(path), array) for path, array in arrays), group_bytes, report)
     return {
         "layout": layout,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -234,21 +234,41 @@ def _sliced_shape(shape: tuple[int, ...], index: tuple[slice, ...]) -> tuple[int
     return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
 
 
+class Deltas(Protocol):
+    """Changes merged into weights as they are read (core/lora/merge.py: LoRA deltas)."""
+
+    def check(self, shapes: Mapping[str, tuple[int, ...]]) -> None: ...
+
+    def delta(self, key: str, linear: bool, index: tuple[slice, ...], shape: tuple[int, ...]
+              ) -> np.ndarray | None: ...
+
+
+def _copy_key(out: np.ndarray, checkpoint: SafetensorsCheckpoint, key: str, layout: Layout,
+              index: tuple[slice, ...], deltas: Deltas | None) -> None:
+    stored = _to_jax_layout(checkpoint.view(key), layout)
+    delta = deltas.delta(key, layout == "linear", index, stored.shape) if deltas is not None else None
+    if delta is None:
+        copy_into(out, stored[index])
+    else:  # added in float32, then cast once
+        copy_into(out, stored[index].astype(np.float32) + delta)
+    checkpoint.release(key)
+
+
 def read_into(
-    out: np.ndarray, checkpoint: SafetensorsCheckpoint, source: TensorSource, index: tuple[slice, ...] = ()
+    out: np.ndarray, checkpoint: SafetensorsCheckpoint, source: TensorSource, index: tuple[slice, ...] = (),
+    deltas: Deltas | None = None,
 ) -> None:
     """Write the slice `index` of one parameter, in `out`'s dtype and JAX layout, into `out`: one
     conversion per value, straight from the mapped file (stacked layers go into their slots, not
-    stacked afterwards); each tensor's pages are unmapped once copied."""
+    stacked afterwards); each tensor's pages are unmapped once copied. `deltas` (LoRA) are added to
+    their keys' slices on the way."""
     if not source.stacked:
-        copy_into(out, _to_jax_layout(checkpoint.view(source.keys[0]), source.layout)[index])
-        checkpoint.release(source.keys[0])
+        _copy_key(out, checkpoint, source.keys[0], source.layout, tuple(index), deltas)
         return
     layers = range(len(source.keys))[index[0]] if index else range(len(source.keys))
     rest = tuple(index[1:]) if index else ()
     for slot, layer in enumerate(layers):
-        copy_into(out[slot], _to_jax_layout(checkpoint.view(source.keys[layer]), source.layout)[rest])
-        checkpoint.release(source.keys[layer])
+        _copy_key(out[slot], checkpoint, source.keys[layer], source.layout, rest, deltas)
 
 
 def _read_slice(
@@ -257,11 +277,17 @@ def _read_slice(
     index: tuple[slice, ...],
     dtype: np.dtype,
     shape: tuple[int, ...],
+    deltas: Deltas | None = None,
 ) -> np.ndarray:
     """The host bytes of one device's slice, in one aligned buffer that the device adopts."""
     out = aligned_empty(_sliced_shape(shape, index), dtype)
-    read_into(out, checkpoint, source, index)
+    read_into(out, checkpoint, source, index, deltas)
     return out
+
+
+def weight_shapes(checkpoint: SafetensorsCheckpoint, plan: KeyPlan) -> dict[str, tuple[int, ...]]:
+    """Each planned checkpoint key's stored (torch layout) shape: what LoRA deltas must match."""
+    return {key: tuple(checkpoint.tensors[key].shape) for source in plan.sources.values() for key in source.keys}
 
 
 def unique_shards(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
@@ -281,6 +307,7 @@ def iter_arrays(
     abstract_state: nnx.State,
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = replicated_rule,
+    deltas: Deltas | None = None,
 ) -> Iterator[tuple[Path_, jax.Array]]:
     """Each parameter in turn, read from the checkpoint into its abstract dtype and sharding.
     One parameter at a time: a caller that writes and drops them (convert) holds one at most."""
@@ -288,6 +315,8 @@ def iter_arrays(
     flat = dict(nnx.to_flat_state(abstract_state))
     abstract = {path: var.get_value() for path, var in flat.items()}
     check_plan(checkpoint, plan, abstract)
+    if deltas is not None:
+        deltas.check(weight_shapes(checkpoint, plan))
     for path in flat:
         spec = abstract[path]
         source = plan.sources[path]
@@ -295,7 +324,7 @@ def iter_arrays(
         sharding = NamedSharding(mesh, sharding_rule(path, shape))
         dtype = np.dtype(spec.dtype)
         yield path, jax.make_array_from_callback(
-            shape, sharding, lambda idx, s=source, d=dtype, sh=shape: _read_slice(checkpoint, s, idx, d, sh)
+            shape, sharding, lambda idx, s=source, d=dtype, sh=shape: _read_slice(checkpoint, s, idx, d, sh, deltas)
         )
 
 
@@ -305,10 +334,11 @@ def load_state(
     abstract_state: nnx.State,
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = replicated_rule,
+    deltas: Deltas | None = None,
 ) -> nnx.State:
     """Fill an abstract NNX state from the checkpoint, each leaf in its abstract dtype."""
     flat = dict(nnx.to_flat_state(abstract_state))
-    arrays = dict(iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule))
+    arrays = dict(iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule, deltas))
     return nnx.from_flat_state([(path, var.replace(arrays[path])) for path, var in flat.items()])
 
 
@@ -318,12 +348,14 @@ def load_module(
     directory: str | Path,
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = replicated_rule,
+    deltas: Deltas | None = None,
 ) -> M:
-    """Build a module abstractly, then load its weights from a component directory."""
+    """Build a module abstractly, then load its weights from a component directory (with `deltas`
+    merged into them)."""
     abstract_model = nnx.eval_shape(build)
     graphdef, abstract_state = nnx.split(abstract_model)
     checkpoint = SafetensorsCheckpoint.open(directory)
-    state = load_state(checkpoint, plan_for(abstract_model), abstract_state, mesh, sharding_rule)
+    state = load_state(checkpoint, plan_for(abstract_model), abstract_state, mesh, sharding_rule, deltas)
     return nnx.merge(graphdef, state)
 
 

@@ -1,0 +1,254 @@
+"""LoRA / LoKr files in the layouts Klein users share -> per-weight factors keyed by diffusers' names.
+
+Each weight a file changes becomes a list of terms keyed by the diffusers checkpoint key of that
+weight (`transformer_blocks.0.attn.to_q.weight`); a term yields any block of its delta in torch's
+(out, in) layout, so a device computes only its own slice. Layouts, detected from the keys:
+
+- ai-toolkit / BFL: `diffusion_model.` (or `model.diffusion_model.`) + BFL module names (or
+  diffusers' block names, as some exports have), `.lora_A.weight` / `.lora_B.weight`;
+- kohya / musubi: `lora_unet_` + the BFL module path with `_` for `.`, `.lora_down.weight` /
+  `.lora_up.weight` / `.alpha` (delta = up @ down * alpha / rank);
+- diffusers / PEFT: `transformer.` + diffusers module names, or `base_model.model.` + BFL (or
+  diffusers) names; `.alpha` keys or the file's PEFT metadata (`lora_alpha`) scale by alpha / rank;
+- LoKr: `.lokr_w1` / `.lokr_w2` (each possibly a product `_a @ _b`), delta = kron(w1, w2), scaled by
+  alpha / rank only when a factor is decomposed (LyCORIS' rule); BFL keys or LyCORIS' `lycoris_` +
+  the diffusers module path with `_` for `.`.
+
+BFL names go through weights/bfl_names.py, the map single-file checkpoints use: a fused qkv LoRA
+shares its A across q, k, v and splits its B (or its Kronecker product) in three, and
+`final_layer.adaLN_modulation.1`'s delta has its two output halves swapped like the weight.
+(diffusers' converters map that module without the swap; see tests/test_lora.py.)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.weights.bfl_names import Part, bfl_modules, diffusers_modules, diffusers_parts
+
+LORA_SUFFIXES = ("lora_A.weight", "lora_B.weight", "lora_down.weight", "lora_up.weight")
+LOKR_SUFFIXES = ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b")
+SUFFIXES = (*LORA_SUFFIXES, *LOKR_SUFFIXES, "alpha")
+_DOWN, _UP = ("lora_A.weight", "lora_down.weight"), ("lora_B.weight", "lora_up.weight")
+_TEXT_ENCODER = ("lora_te", "text_encoder.", "text_encoder_2.", "te.", "lora_te1_", "lora_te2_")
+
+
+def _rows(x: np.ndarray, part: Part) -> np.ndarray:
+    """The rows of a BFL module's (out, ...) tensor that belong to one diffusers module."""
+    n = x.shape[0] // part.of
+    x = x[part.index * n:(part.index + 1) * n]
+    if part.swap_halves:
+        half = x.shape[0] // 2
+        x = np.concatenate([x[half:], x[:half]])
+    return x
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """delta = scale * up @ down; `up` already holds only this weight's rows."""
+
+    down: np.ndarray  # (rank, in), float32
+    up: np.ndarray  # (out, rank), float32
+    scale: float
+    source: str  # the file's module name, for messages
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.up.shape[0], self.down.shape[1])
+
+    def block(self, rows: slice, cols: slice) -> np.ndarray:
+        return self.scale * (self.up[rows] @ self.down[:, cols])
+
+    def scaled(self, factor: float) -> LowRank:
+        return LowRank(self.down, self.up, self.scale * factor, self.source)
+
+
+@dataclass(frozen=True)
+class Kronecker:
+    """delta = scale * rows(kron(w1, w2)) of this weight's part of the file's module."""
+
+    w1: np.ndarray
+    w2: np.ndarray
+    scale: float
+    source: str
+    part: Part = Part("")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.w1.shape[0] * self.w2.shape[0] // self.part.of, self.w1.shape[1] * self.w2.shape[1])
+
+    def block(self, rows: slice, cols: slice) -> np.ndarray:
+        return self.scale * _rows(np.kron(self.w1, self.w2), self.part)[rows, cols]
+
+    def scaled(self, factor: float) -> Kronecker:
+        return Kronecker(self.w1, self.w2, self.scale * factor, self.source, self.part)
+
+
+Term = LowRank | Kronecker
+
+
+@dataclass(frozen=True)
+class Converted:
+    layout: str
+    terms: dict[str, list[Term]]  # diffusers weight key -> terms
+
+
+def _undotted(names: set[str]) -> dict[str, str]:
+    return {name.replace(".", "_"): name for name in names}
+
+
+def _from_underscores(name: str, modules: tuple[set[str], set[str], set[str]], blocks: tuple[str, str]) -> str | None:
+    """`double_blocks_3_img_attn_qkv` -> `double_blocks.3.img_attn.qkv` (or None), given the module
+    names of the model family and the names of its two block lists."""
+    glob, double, single = modules
+    if name in _undotted(glob):
+        return _undotted(glob)[name]
+    for block, inner in zip(blocks, (double, single), strict=True):
+        match = re.fullmatch(rf"{block}_(\d+)_(.+)", name)
+        if match and match.group(2) in _undotted(inner):
+            return f"{block}.{match.group(1)}.{_undotted(inner)[match.group(2)]}"
+    return None
+
+
+def detect(keys: list[str]) -> str:
+    """The layout of a file from its keys."""
+    if any(".lokr_" in k for k in keys):
+        return "LoKr (LyCORIS)" if any(k.startswith("lycoris_") for k in keys) else "LoKr (BFL)"
+    if any(k.startswith(("lora_unet_", "lora_te")) for k in keys):
+        return "kohya / musubi"
+    if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
+        return "ai-toolkit / BFL"
+    if any(k.startswith(("transformer.", "base_model.model.")) for k in keys):
+        return "diffusers / PEFT"
+    return "unknown"
+
+
+def _module_parts(module: str, layout: str) -> tuple[Part, ...] | None:
+    """The diffusers module(s) a file's module name (suffix removed) stands for."""
+    if module.startswith("lora_unet_"):
+        bfl = _from_underscores(module.removeprefix("lora_unet_"), bfl_modules(), ("double_blocks", "single_blocks"))
+        return diffusers_parts(bfl) if bfl else None
+    if module.startswith("lycoris_"):
+        name = _from_underscores(module.removeprefix("lycoris_"), diffusers_modules(),
+                                 ("transformer_blocks", "single_transformer_blocks"))
+        return (Part(name),) if name else None
+    for prefix in ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer."):
+        if module.startswith(prefix):
+            name = module.removeprefix(prefix)
+            parts = diffusers_parts(name)
+            if parts is not None:
+                return parts
+            # Already a diffusers name (some exports do this under `diffusion_model.`); the model's
+            # key plan decides whether it exists.
+            return (Part(name),) if _is_diffusers_name(name) else None
+    return None
+
+
+def _is_diffusers_name(name: str) -> bool:
+    glob, double, single = diffusers_modules()
+    match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.\d+\.(.+)", name)
+    if match:
+        return match.group(2) in (double if match.group(1) == "transformer_blocks" else single)
+    return name in glob
+
+
+def _split(key: str) -> tuple[str, str] | None:
+    for suffix in SUFFIXES:
+        if key.endswith("." + suffix):
+            return key[: -len(suffix) - 1], suffix
+    return None
+
+
+def _peft_alpha(metadata: Mapping[str, str]) -> float | None:
+    """`lora_alpha` from the PEFT config diffusers' `save_lora_weights` stores in the header."""
+    import json
+
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    for key in ("lora_alpha", "transformer.lora_alpha"):
+        if isinstance(config.get(key), int | float):
+            return float(config[key])
+    return None
+
+
+def _first(names: list[str], n: int = 5) -> str:
+    more = f" (and {len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
+def convert(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], where: str) -> Converted:
+    """A file's tensors (float32) -> diffusers weight key -> terms. Any key that is not understood
+    is an error naming it: nothing is dropped."""
+    keys = sorted(tensors)
+    layout = detect(keys)
+    text = [k for k in keys if k.startswith(_TEXT_ENCODER)]
+    if text:
+        raise UserInputError(f"{where}: {layout} LoRA has text-encoder keys, which flux2klein does not apply: "
+                             f"{_first(text)}")
+    modules: dict[str, dict[str, np.ndarray]] = {}
+    unknown = []
+    for key in keys:
+        split = _split(key)
+        if split is None:
+            unknown.append(key)
+            continue
+        modules.setdefault(split[0], {})[split[1]] = tensors[key]
+    if unknown:
+        raise UserInputError(f"{where}: {layout} LoRA has keys flux2klein does not understand "
+                             f"(not LoRA or LoKr factors): {_first(unknown)}")
+    peft_alpha = _peft_alpha(metadata)
+    terms: dict[str, list[Term]] = {}
+    unmatched = []
+    for module, factors in modules.items():
+        parts = _module_parts(module, layout)
+        if parts is None:
+            unmatched.append(module)
+            continue
+        for part, term in _terms(module, factors, parts, peft_alpha, where, layout):
+            terms.setdefault(f"{part.module}.weight", []).append(term)
+    if unmatched:
+        raise UserInputError(f"{where}: {layout} LoRA names modules the FLUX.2 [klein] transformer does not "
+                             f"have: {_first(unmatched)}")
+    if not terms:
+        raise UserInputError(f"{where}: no LoRA or LoKr factors in this file (layout: {layout})")
+    return Converted(layout, terms)
+
+
+def _matrix(factors: dict[str, np.ndarray], name: str) -> tuple[np.ndarray | None, int | None]:
+    """A LoKr factor, full or as the product of its two halves (with the rank of that product)."""
+    if name in factors:
+        return factors[name], None
+    if f"{name}_a" in factors and f"{name}_b" in factors:
+        return factors[f"{name}_a"] @ factors[f"{name}_b"], factors[f"{name}_b"].shape[0]
+    return None, None
+
+
+def _terms(module: str, factors: dict[str, np.ndarray], parts: tuple[Part, ...], peft_alpha: float | None,
+           where: str, layout: str) -> list[tuple[Part, Term]]:
+    alpha = float(factors["alpha"].reshape(())) if "alpha" in factors else None
+    if any(s in factors for s in LOKR_SUFFIXES):
+        w1, rank1 = _matrix(factors, "lokr_w1")
+        w2, rank2 = _matrix(factors, "lokr_w2")
+        if w1 is None or w2 is None or w1.ndim != 2 or w2.ndim != 2:
+            raise UserInputError(f"{where}: {layout} module {module} lacks a 2-D lokr_w1 or lokr_w2")
+        rank = rank2 or rank1
+        scale = alpha / rank if alpha is not None and rank else 1.0
+        return [(part, Kronecker(w1, w2, scale, module, part)) for part in parts]
+    down = next((factors[s] for s in _DOWN if s in factors), None)
+    up = next((factors[s] for s in _UP if s in factors), None)
+    if down is None or up is None or down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
+        raise UserInputError(f"{where}: {layout} module {module} lacks a matching 2-D down (A) and up (B) pair")
+    rank = down.shape[0]
+    alpha = alpha if alpha is not None else peft_alpha
+    scale = alpha / rank if alpha is not None else 1.0
+    return [(part, LowRank(down, _rows(up, part), scale, module)) for part in parts]
