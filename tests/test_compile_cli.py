@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from flux2klein_cli.cli.app import app  # noqa: E402
-from flux2klein_cli.core.compile import programs as P  # noqa: E402
+from flux2klein_cli.core.compile import specs as P  # noqa: E402
 from flux2klein_cli.core.compile.store import ExecutableStore, compile_all  # noqa: E402
 from flux2klein_cli.core.compile.tpu import parse_preset  # noqa: E402
 from flux2klein_cli.core.errors import UserInputError  # noqa: E402

@@ -164,7 +164,7 @@ def _check_cost(snapshot: Snapshot, opts: GenerateOptions, dtype: Any, height: i
 def model_geometry(model: str) -> LatentGeometry | None:
     """The model's latent geometry from its configs alone, when they are here (a local or cached
     snapshot, `tiny`, or a published alias); None when only a download would tell."""
-    from flux2klein_cli.core.compile.programs import model_configs
+    from flux2klein_cli.core.compile.specs import model_configs
 
     try:
         configs = model_configs(model)

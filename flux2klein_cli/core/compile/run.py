@@ -62,7 +62,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     """Resolve, build every program of the run, load or compile each, and report;
     `on_done(programs done, programs)` as each is ready."""
     from flux2klein_cli.core.choices import check_effort, jax_dtype
-    from flux2klein_cli.core.compile import programs as P
+    from flux2klein_cli.core.compile import specs as P
     from flux2klein_cli.core.compile.store import (
         ExecutableStore,
         Target,
@@ -70,6 +70,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         compiles_serially,
     )
     from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
+    from flux2klein_cli.core.pipeline.programs import RunShape
     from flux2klein_cli.core.registry import default_size, sampling
 
     check_effort(opts.effort)
@@ -89,7 +90,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
     size = default_size(opts.model)
     chosen = sampling(configs.distilled, opts.steps, opts.guidance)
-    run = P.RunShape(
+    run = RunShape(
         height=opts.height or size, width=opts.width or size, geometry=configs.geometry, batch=opts.batch,
         prompts=opts.prompts,
         steps=chosen.steps, references=refs,
@@ -130,7 +131,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
 
 def _report(opts: CompileOptions, configs: Any, run: Any, target: Any, store: Any, specs: list[Any],
             infos: list[Any], wall: float, parallel: bool) -> dict[str, Any]:
-    from flux2klein_cli.core.compile.programs import resident_bytes
+    from flux2klein_cli.core.compile.specs import resident_bytes
 
     resident = resident_bytes(specs)
     programs = []

@@ -52,7 +52,7 @@ FORMAT = 2  # bump when the entry layout or the key's meaning changes
 EXECUTABLE, TREES, META, MANIFEST = "executable.bin", "trees.json", "meta.json", "manifest.json"
 # Source whose edits change what a program computes without changing any config or shape.
 _CODE_DIRS = ("core/models", "core/pipeline")
-_CODE_FILES = ("core/compile/programs.py",)
+_CODE_FILES = ("core/compile/specs.py",)
 # Environment that changes the compiled program (FLUX2KLEIN_GPU_ATTENTION: which attention is traced).
 _FLAG_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "FLUX2KLEIN_GPU_ATTENTION")
 _FLAG_CONFIG = ("jax_default_matmul_precision", "jax_enable_x64")
@@ -72,7 +72,7 @@ def default_root() -> Path:
 
 # How hard XLA works on an executable's speed. "fast" trades run time for compile time
 # (figures in docs/benchmarks.md); XLA reads -1.0 as its least effort. At "fast" for TPU targets
-# the VAE's programs are also traced with their 3x3 convolutions as matmuls (programs._vae_form).
+# the VAE's programs are also traced with their 3x3 convolutions as matmuls (specs._vae_form).
 # The value is part of the store key.
 _EFFORT_OPTIONS: dict[str, dict[str, Any]] = {"fast": {"exec_time_optimization_effort": -1.0}}
 EFFORTS: dict[str, dict[str, Any]] = {name: _EFFORT_OPTIONS.get(name, {}) for name in choices.EFFORTS}

@@ -93,12 +93,6 @@ def denoise_fn(graphdef: nnx.GraphDef, count: int | None = None) -> jax.stages.W
     return jax.jit(run)
 
 
-def denoise_name(count: int | None) -> str:
-    """The program's name: `denoise` for the whole loop, `denoise_by_<k>` for k steps a call,
-    so each form is its own stored entry."""
-    return "denoise" if count is None else f"denoise_by_{count}"
-
-
 def steps_per_call(steps: int, calls: int) -> int:
     """Steps per call of a loop run in about `calls` calls: the largest divisor of `steps` not
     above steps / calls (at least 1), so every call runs the same program."""
