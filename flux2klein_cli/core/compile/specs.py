@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.compile.store import ProgramSpec, Target
 from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.models.trace import TraceOptions
 from flux2klein_cli.core.pipeline import programs
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
@@ -223,9 +224,22 @@ def _text_width(models: AbstractModels) -> int:
 # ----------------------------------------------------------------------------- programs
 
 
-def _key(models: AbstractModels, component: str, **extra: Any) -> dict[str, Any]:
+def _key(models: AbstractModels, component: str, target: Target, **extra: Any) -> dict[str, Any]:
     return {"config": getattr(models.configs, component), "dtype": jnp.dtype(models.dtype).name,
-            "geometry": models.configs.geometry.as_key(), **extra}
+            "geometry": models.configs.geometry.as_key(), "trace": trace_options(target).as_key(), **extra}
+
+
+# Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
+# quicker; elsewhere they cost compile and run time (docs/benchmarks.md, "Ahead-of-time compilation").
+MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
+
+
+def trace_options(target: Target) -> TraceOptions:
+    """The forms the target's programs are traced in: its platform's attention (a TPU target
+    gets the TPU kernel from any host) and, at `fast` on a platform of MATMUL_CONV_PLATFORMS,
+    the VAE's 3x3 convolutions as matmuls. Part of each program's key."""
+    fast_convs = target.effort == "fast" and target.platform in MATMUL_CONV_PLATFORMS
+    return TraceOptions.for_platform(target.platform, convs_as_matmuls=fast_convs)
 
 
 def text_encoder_program(models: AbstractModels, target: Target, prompts: int, length: int,
@@ -233,8 +247,9 @@ def text_encoder_program(models: AbstractModels, target: Target, prompts: int, l
     """pipeline.encode_text: ids and mask (prompts, length) int32."""
     mesh = target.mesh
     ids = _input((prompts, length), jnp.int32, mesh)
-    return ProgramSpec(name, programs.jit_module_call(models.text_encoder), (models.states["text_encoder"], ids, ids),
-                       _key(models, "text_encoder", feature_layers=list(models.text_encoder.feature_layers)),
+    return ProgramSpec(name, programs.jit_module_call(models.text_encoder, trace=trace_options(target)),
+                       (models.states["text_encoder"], ids, ids),
+                       _key(models, "text_encoder", target, feature_layers=list(models.text_encoder.feature_layers)),
                        target, model="text_encoder")
 
 
@@ -244,9 +259,9 @@ def denoise_program(models: AbstractModels, target: Target, run: RunShape) -> Pr
     inputs = denoise_inputs(denoise_fields(models, run, target.mesh))
     start = _input((), jnp.int32, target.mesh, batched=False)
     count = run.denoise_count
-    fn = denoise_fn(nnx.split(models.transformer)[0], count)
+    fn = denoise_fn(nnx.split(models.transformer)[0], count, trace_options(target))
     return ProgramSpec(programs.denoise_name(count), fn, (models.states["transformer"], inputs, start),
-                       _key(models, "transformer", steps_per_call=count), target, model="transformer")
+                       _key(models, "transformer", target, steps_per_call=count), target, model="transformer")
 
 
 def _reference_kv_args(models: AbstractModels, run: RunShape, mesh: Mesh) -> tuple[Any, ...]:
@@ -269,47 +284,26 @@ def reference_kv_shapes(models: AbstractModels, run: RunShape, mesh: Mesh) -> An
 
 def reference_kv_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
     """pipeline.reference_kv's references-only pass: reference_kv_fn(graphdef)(state, refs, cos, sin)."""
-    fn = reference_kv_fn(nnx.split(models.transformer)[0])
+    fn = reference_kv_fn(nnx.split(models.transformer)[0], trace_options(target))
     return ProgramSpec(programs.REFERENCE_KV, fn, _reference_kv_args(models, run, target.mesh),
-                       _key(models, "transformer"), target, model="transformer")
+                       _key(models, "transformer", target), target, model="transformer")
 
 
 def vae_decode_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
     """pipeline's decode: the denoise loop's latents (B, h, w, patched channels), float32."""
     h, w = run.grid
     latents = _input((run.batch, h, w, models.vae.config.patched_channels), jnp.float32, target.mesh)
-    decode = programs.jit_module_call(models.vae, _vae_form(programs.decode_latents, target))
+    decode = programs.jit_module_call(models.vae, programs.decode_latents, trace_options(target))
     return ProgramSpec(programs.VAE_DECODE, decode,
-                       (models.states["vae"], latents), _key(models, "vae"), target, model="vae")
+                       (models.states["vae"], latents), _key(models, "vae", target), target, model="vae")
 
 
 def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, int]) -> ProgramSpec:
     """pipeline.encode_references, one reference at its own size: (1, H, W, 3) in the model dtype."""
     pixels = _input((1, *size, models.vae.config.in_channels), models.dtype, target.mesh)
-    encode = programs.jit_module_call(models.vae, _vae_form(programs.encode_tokens, target))
+    encode = programs.jit_module_call(models.vae, programs.encode_tokens, trace_options(target))
     return ProgramSpec(programs.vae_encode_name(*size), encode, (models.states["vae"], pixels),
-                       _key(models, "vae"), target, model="vae")
-
-
-# Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
-# quicker; elsewhere they cost compile and run time (docs/benchmarks.md, "Ahead-of-time compilation").
-MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
-
-
-def _vae_form(fn: Any, target: Target) -> Any:
-    """`fn(vae, x)` as traced for the target's effort: at `fast` on a platform of
-    MATMUL_CONV_PLATFORMS, with the VAE's 3x3 convolutions as matmuls
-    (models.vae.convs_as_matmuls). The effort is part of the store key, so each form is stored
-    apart."""
-    if target.effort != "fast" or target.platform not in MATMUL_CONV_PLATFORMS:
-        return fn
-    from flux2klein_cli.core.models.vae import convs_as_matmuls
-
-    def traced_as_matmuls(vae: Any, x: jax.Array) -> jax.Array:
-        with convs_as_matmuls():
-            return fn(vae, x)
-
-    return traced_as_matmuls
+                       _key(models, "vae", target), target, model="vae")
 
 
 def noise_program(target: Target, run: RunShape) -> ProgramSpec:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.sharding import BATCH_AXES, batch_shards, constrain
@@ -113,16 +114,18 @@ class RunShape:
 # ----------------------------------------------------------------------------- functions
 
 
-def jit_module_call(module: nnx.Module, method: str | Callable[..., Any] = "__call__") -> Callable[..., Any]:
+def jit_module_call(module: nnx.Module, method: str | Callable[..., Any] = "__call__",
+                    trace: TraceOptions | None = None) -> Callable[..., Any]:
     """jit a module method (its name, or a function of (module, *args)) as a function of
-    (state, *args), so shapes alone decide recompiles."""
+    (state, *args), so shapes alone decide recompiles; traced under `trace` (None: the local
+    backend's forms)."""
     graphdef, _ = nnx.split(module)
 
     def call(state: nnx.State, *args: Any) -> Any:
         model = nnx.merge(graphdef, state)
         return method(model, *args) if callable(method) else getattr(model, method)(*args)
 
-    return jax.jit(call)
+    return jax.jit(traced_under(call, trace))
 
 
 def encode_tokens(vae: Any, pixels: jax.Array) -> jax.Array:
