@@ -114,6 +114,7 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
                                    err_msg=name)
 
 
+@pytest.mark.slow
 def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: Path, tmp_path: Path) -> None:
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'flux2klein-cli[tpu]'); CI installs it")
@@ -139,6 +140,7 @@ def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: 
     assert [p["status"] for p in json.loads(again.stdout)["programs"]] == ["hit"] * 4
 
 
+@pytest.mark.slow
 def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """For TPU targets `--effort fast` also turns off libtpu's multi-output fusion pass (the
     9B decode's longest single-threaded step): the compiled decode keeps few tuple-output fusions."""
