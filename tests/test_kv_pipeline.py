@@ -12,8 +12,14 @@ import pytest
 
 from flux2klein_cli.core import trust
 from flux2klein_cli.core.images import postprocess, preprocess_reference
-from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest, weights_identity
+from flux2klein_cli.core.pipeline.kv_store import (
+    ReferenceKVStore,
+    cache_identity,
+    references_digest,
+    weights_identity,
+)
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 from tests.test_pipeline_parity import check, synthetic_image
 
 REFERENCES = [synthetic_image(96, 64, 1), synthetic_image(70, 140, 2), synthetic_image(200, 64, 3),
@@ -122,6 +128,25 @@ def test_weights_identity_tells_checkpoints_of_one_geometry_apart(tiny_checkpoin
     a = weights_identity(tiny_checkpoint / "transformer")
     assert a == weights_identity(tiny_checkpoint / "transformer")
     assert a != weights_identity(tiny_kv_checkpoint / "transformer")
+
+
+def test_the_cache_key_covers_the_vae_and_the_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """References reach the transformer as VAE latents: another VAE (same transformer), another
+    source fingerprint or another package version is another key, so never an old entry."""
+    import flux2klein_cli
+
+    a = write_random_checkpoint(tmp_path / "a", "tiny", components=("transformer", "vae"), seed=0)
+    b = write_random_checkpoint(tmp_path / "b", "tiny", components=("vae",), seed=1)
+    base = cache_identity(a / "transformer", a / "vae", "code-1")
+    assert base == cache_identity(a / "transformer", a / "vae", "code-1")
+    assert base != cache_identity(a / "transformer", b / "vae", "code-1")
+    assert base != cache_identity(a / "transformer", a / "vae", "code-2")
+    monkeypatch.setattr(flux2klein_cli, "__version__", "999.0", raising=False)
+    assert base != cache_identity(a / "transformer", a / "vae", "code-1")
+    digest = references_digest([np.zeros((16, 16, 3), np.float32)])
+    stores = [ReferenceKVStore(tmp_path, i, jnp.float32, print) for i in (base, cache_identity(a / "transformer",
+                                                                                                a / "vae", "code-1"))]
+    assert stores[0].key(digest) != stores[1].key(digest)
 
 
 @pytest.mark.parametrize("record", ["list", "number", "permuted shapes", "nan", "planted", "world-writable"])

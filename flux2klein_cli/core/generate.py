@@ -212,9 +212,10 @@ def run_generate(
                                              mesh=mesh, save=opts.save_executables,
                                              effort=opts.effort)
     if opts.kv_cache_dir is not None:
-        from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, weights_identity
+        from flux2klein_cli.core.compile.store import code_fingerprint
+        from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, cache_identity
 
-        identity = weights_identity(snapshot.component("transformer"))
+        identity = cache_identity(snapshot.component("transformer"), snapshot.component("vae"), code_fingerprint())
         pipeline.kv_store = ReferenceKVStore(opts.kv_cache_dir, identity, dtype, warn)
 
     on_phase(f"generating {batch} image(s), {steps} steps")
