@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2klein_cli.core.images import preprocess_reference
-from flux2klein_cli.core.parity import run_parity
+from flux2klein_cli.core.images import postprocess, preprocess_reference
+from flux2klein_cli.core.parity import reference_pipeline, run_parity, run_reference
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
 MIN_SSIM, MAX_DIFF = 0.999, 2  # max pixel difference in 1/255 steps
+BF16_FACTOR = 2.0  # our bf16 error over diffusers' bf16 error, both against diffusers' fp32
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +70,21 @@ def test_base_model_with_guidance_and_negative_prompt(tiny_base_checkpoint: Path
                       height=64, width=64, seed=1)
     assert base.uses_guidance(request.guidance)
     check(base, request)
+
+
+@pytest.mark.slow
+def test_bf16_is_as_close_to_fp32_as_diffusers_own_bf16(tiny_checkpoint: Path) -> None:
+    """Our bf16 run against diffusers' fp32 errs about as much as diffusers' bf16 run does: a
+    bf16-only mistake (a cast in the wrong place, an fp32 step skipped) would show as more."""
+    ours = KleinPipeline.load(tiny_checkpoint, dtype=jnp.bfloat16)
+    request = Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=64, width=64, seed=3)
+    noise, _ = ours.initial_noise(request, ours.geometry.grid(64, 64))
+    request.latents = noise
+    mine = postprocess(ours(request).images)
+    fp32, bf16 = (run_reference(reference_pipeline(ours, dtype), request, noise, []) for dtype in ("fp32", "bf16"))
+
+    def error(images: np.ndarray) -> float:  # mean absolute difference from fp32, in 1/255 steps
+        return float(np.abs(images.astype(np.float32) - fp32.astype(np.float32)).mean())
+
+    assert fp32.std() > 10 and error(bf16) > 0  # bf16 differs from fp32 at all: the comparison means something
+    assert error(mine) <= BF16_FACTOR * error(bf16), (error(mine), error(bf16))
