@@ -61,6 +61,7 @@ def test_no_save_leaves_the_store_empty(tiny_checkpoint: Path, tmp_path: Path,
     assert entries(store) == []
 
 
+@pytest.mark.slow
 def test_no_store_jit_compiles_and_touches_no_store(tiny_checkpoint: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     store = tmp_path / "executables"

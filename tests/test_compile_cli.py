@@ -41,6 +41,7 @@ def _swap_in(pipeline: object, executables: dict[str, object]) -> None:
         pipeline._reference_kv = executables["reference_kv"]  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", [False, True], ids=["edit", "kv-edit"])
 def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path, kv: bool) -> None:
     """Executables compiled from configs alone accept the pipeline's real arguments (a Compiled
@@ -70,6 +71,7 @@ def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path, kv: bool) -
     np.testing.assert_array_equal(np.asarray(executables["noise"](np.asarray(seeds, np.uint32))), np.asarray(noise))
 
 
+@pytest.mark.slow
 def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """At `--effort fast` for a TPU the VAE programs have no 3x3 convolution left (only the 1x1

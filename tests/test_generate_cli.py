@@ -95,6 +95,7 @@ def test_edit_takes_the_first_reference_size(tiny_checkpoint: Path, tmp_path: Pa
     assert read_png_metadata(out)["references"] == [str(a), str(b)]
 
 
+@pytest.mark.slow
 def test_prompt_file_gives_one_image_per_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox\n\na lighthouse at dawn\n")
@@ -147,6 +148,7 @@ def test_bad_input_is_exit_2_one_line_nothing_written(case: str, tiny_checkpoint
     assert after == before  # nothing written, nothing overwritten
 
 
+@pytest.mark.slow
 def test_readme_main_command_runs_on_the_embedded_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The README's first command: the tiny checkpoint is written on first use, the default size is 256.
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path / "cache"))
