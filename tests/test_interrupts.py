@@ -84,6 +84,7 @@ def _stored(store: Path) -> list[Path]:
 # --- the moments: imports, model work, writes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", SIGNALS, ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_the_imports_stops_with_130(signum: int, tmp_path: Path) -> None:
     proc = _start(["generate", "a fox", "--model", "tiny", "-o", str(tmp_path / "fox.png")], _env(tmp_path))
@@ -193,6 +194,7 @@ STUCK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [False, True], ids=["grace-expires", "second-signal"])
 def test_the_watchdog_exits_when_cleanup_is_stuck(second: bool, tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path)], env=_env(tmp_path), text=True,
