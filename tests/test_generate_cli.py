@@ -82,6 +82,7 @@ def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_
     assert statuses == dict.fromkeys(programs, "hit") and rebuilt == []
 
 
+@pytest.mark.slow
 def test_edit_takes_the_first_reference_size(tiny_checkpoint: Path, tmp_path: Path) -> None:
     a = image_file(tmp_path / "a.png", 100, 75)  # processed to 96 x 64
     b = image_file(tmp_path / "b.jpg", 64, 128)

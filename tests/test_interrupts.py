@@ -240,6 +240,7 @@ def test_a_temporary_goes_on_failure(tmp_path: Path) -> None:
 # --- a batch that fails midway
 
 
+@pytest.mark.slow
 def test_a_failure_at_image_k_keeps_and_names_the_images_written(tiny_checkpoint: Path, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     real = generate_module.write_png

@@ -31,7 +31,7 @@ def kv_pipeline(tiny_kv_checkpoint: Path) -> KleinPipeline:
     return KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("n_refs", [1, 2, 4])
+@pytest.mark.parametrize("n_refs", [1, pytest.param(2, marks=pytest.mark.slow), 4])
 def test_kv_edit_matches_diffusers_kv_pipeline(kv_pipeline: KleinPipeline, n_refs: int) -> None:
     request = Request(prompts=["put them together"], steps=3, guidance=1.0, height=64, width=80, seed=n_refs)
     check(kv_pipeline, request, REFERENCES[:n_refs])
@@ -112,6 +112,7 @@ def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path,
     assert ReferenceKVStore(tmp_path, identity, jnp.bfloat16, warnings.append).load(digest, shapes) is None
 
 
+@pytest.mark.slow
 def test_an_unwritable_store_warns_and_the_edit_runs(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("x")

@@ -47,6 +47,7 @@ def test_text_to_image(pipeline: KleinPipeline, height: int, width: int) -> None
     check(pipeline, Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=height, width=width, seed=3))
 
 
+@pytest.mark.slow
 def test_batch_of_two_prompts_with_two_images_each(pipeline: KleinPipeline) -> None:
     request = Request(prompts=["a red fox in snow", "a lighthouse at dawn, oil painting"], num_images=2, steps=3,
                       guidance=1.0, height=64, width=64, seed=11)
@@ -58,6 +59,7 @@ def test_edit_with_one_reference(pipeline: KleinPipeline) -> None:
     check(pipeline, Request(prompts=["make it blue"], steps=4, guidance=1.0, seed=5), [synthetic_image(100, 75, 0)])
 
 
+@pytest.mark.slow
 def test_edit_with_three_references_of_different_sizes(pipeline: KleinPipeline) -> None:
     references = [synthetic_image(96, 64, 1), synthetic_image(70, 140, 2), synthetic_image(200, 64, 3)]
     check(pipeline, Request(prompts=["put them together"], steps=3, guidance=1.0, height=64, width=80, seed=7),
