@@ -65,6 +65,7 @@ def test_reuse_in_memory_and_on_disk_gives_the_same_image(tiny_kv_checkpoint: Pa
     assert not warnings
 
 
+@pytest.mark.slow
 def test_several_prompts_share_one_references_pass(kv_pipeline: KleinPipeline) -> None:
     """Two prompts x two images use one cache; each image equals the one from its own run."""
     refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
@@ -84,6 +85,7 @@ def kv_shapes(pipeline: KleinPipeline, refs: list[np.ndarray]) -> list[tuple[int
         sum(int(np.prod(pipeline.geometry.grid(*r.shape[:2]))) for r in refs))
 
 
+@pytest.mark.slow
 def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
     digest = references_digest(refs)
