@@ -74,6 +74,7 @@ def test_base_model_with_guidance_and_negative_prompt(tiny_base_checkpoint: Path
     check(base, request)
 
 
+@pytest.mark.slow
 def test_narrow_decoder_model(tiny_small_decoder_checkpoint: Path) -> None:
     """A VAE whose decoder is narrower than its encoder (like FLUX.2-small-decoder), text to image and edit."""
     small = KleinPipeline.load(tiny_small_decoder_checkpoint, dtype=jnp.float32)
