@@ -19,7 +19,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-SCHEMES = ("int8",)  # `convert --quantize`; "none" leaves every weight in the model dtype
+from flux2klein_cli.core.choices import QUANTIZE
+
+SCHEMES = tuple(s for s in QUANTIZE if s != "none")  # "none" leaves every weight in the model dtype
 QUANTIZED_STACKS = ("transformer_blocks", "single_transformer_blocks", "layers")
 SCALE_DTYPE = jnp.float32
 

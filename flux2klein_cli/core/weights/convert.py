@@ -25,12 +25,12 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flux2klein_cli.core.choices import DEFAULT_LAYOUT, check_dtype, check_layout, jax_dtype
+from flux2klein_cli.core.choices import check_quantize as check_quantize_name
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
 from flux2klein_cli.core.mesh import default_mesh
 from flux2klein_cli.core.models.quantized import (
     QUANTIZED_STACKS,
     SCALE_DTYPE,
-    SCHEMES,
     quantized_linear_paths,
 )
 from flux2klein_cli.core.sharding import replicated_rule
@@ -275,8 +275,7 @@ def check_quantize(quantize: str | None, layout: str) -> str | None:
     """`--quantize`: None / "none" for none, else a known scheme in the flat layout."""
     if quantize in (None, "none"):
         return None
-    if quantize not in SCHEMES:
-        raise UserInputError(f"unknown quantization {quantize!r}: use one of none, {', '.join(SCHEMES)}")
+    check_quantize_name(quantize)
     if layout != "flat":
         raise UserInputError(f"--quantize {quantize} needs --layout flat (quantized Orbax checkpoints are not written)")
     return quantize
