@@ -7,8 +7,9 @@ output, not the weight. int8 values (|q| <= 127) are exact in bf16, so the only 
 rounding of the weights themselves.
 
 Which linears are quantized is `QUANTIZED_STACKS` (one home, used by convert, load and compile):
-every linear inside the scanned blocks of the transformer and the text encoder. docs/models.md
-says why the rest stays in the model dtype.
+every linear inside the scanned blocks of the transformer and the text encoder; the text
+encoder's token table is int8 per row (`QuantizedEmbed`: a lookup, then its row's scale).
+docs/models.md says why the rest stays in the model dtype.
 """
 
 from __future__ import annotations
@@ -44,9 +45,26 @@ class QuantizedLinear(nnx.Module):
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
+class QuantizedEmbed(nnx.Module):
+    """nnx.Embed's lookup from an int8 table (V, D) with a float32 scale per row (token)."""
+
+    def __init__(self, embedding: nnx.Param, scale: nnx.Param, dtype: Any):
+        self.embedding, self.scale, self.dtype = embedding, scale, dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        rows = jnp.take(self.embedding[...], ids, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(self.scale[...], ids, axis=0)[..., None]).astype(self.dtype)
+
+
+def quantized_embed_paths(model: nnx.Module) -> list[tuple[str, ...]]:
+    """Token tables quantized per row: the text encoder's (a tenth of Qwen3's bytes)."""
+    return [tuple(str(p) for p in path) for path, module in nnx.iter_modules(model)
+            if isinstance(module, nnx.Embed) and path and str(path[-1]) == "embed_tokens"]
+
+
 def quantized_linear_paths(model: nnx.Module) -> list[tuple[str, ...]]:
     """Module paths of the linears `quantize_abstract` replaces, in graph order."""
-    return [tuple(str(p) for p in path) for path, module in model.iter_modules()
+    return [tuple(str(p) for p in path) for path, module in nnx.iter_modules(model)
             if isinstance(module, nnx.Linear) and path and str(path[0]) in QUANTIZED_STACKS]
 
 
@@ -58,7 +76,7 @@ def quantize_abstract(model: nnx.Module, scheme: str | None) -> nnx.Module:
         return model
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}")
-    modules = {tuple(str(p) for p in path): module for path, module in model.iter_modules()}
+    modules = {tuple(str(p) for p in path): module for path, module in nnx.iter_modules(model)}
     for path in quantized_linear_paths(model):
         linear = modules[path]
         kernel = linear.kernel.get_value()
@@ -68,6 +86,12 @@ def quantize_abstract(model: nnx.Module, scheme: str | None) -> nnx.Module:
             nnx.Param(jax.ShapeDtypeStruct((*kernel.shape[:-2], kernel.shape[-1]), SCALE_DTYPE)),
             linear.bias if getattr(linear, "bias", None) is not None else None,
         ))
+    for path in quantized_embed_paths(model):
+        table = modules[path].embedding.get_value()
+        parent = modules[path[:-1]] if len(path) > 1 else model
+        setattr(parent, path[-1], QuantizedEmbed(nnx.Param(jax.ShapeDtypeStruct(table.shape, jnp.int8)),
+                                                 nnx.Param(jax.ShapeDtypeStruct(table.shape[:1], SCALE_DTYPE)),
+                                                 modules[path].dtype))
     return model
 
 

@@ -31,6 +31,7 @@ from flux2klein_cli.core.mesh import default_mesh
 from flux2klein_cli.core.models.quantized import (
     QUANTIZED_STACKS,
     SCALE_DTYPE,
+    quantized_embed_paths,
     quantized_linear_paths,
 )
 from flux2klein_cli.core.sharding import replicated_rule
@@ -191,11 +192,10 @@ def convert_component(
         check_plan(checkpoint, plan, dict(flat))
         if deltas is not None:
             deltas.check(weight_shapes(checkpoint, plan))
-        quantized = set(quantized_linear_paths(model)) if quantize else set()
         writers: list[Any] = []
         for path, spec in flat:
             key, source = param_key(path), plan.sources[path]
-            if tuple(str(p) for p in path[:-1]) in quantized and str(path[-1]) == "kernel":
+            if _quantized(model, quantize, path):
                 writers += quantized_writers(key, source, tuple(spec.shape), checkpoint, deltas)
             else:
                 writers.append((key, tuple(spec.shape), np.dtype(spec.dtype),
@@ -260,15 +260,25 @@ def needed_bytes(source: Path, dtype: str, quantize: str | None = None) -> int:
 def _stored_bytes(model: nnx.Module, quantize: str | None) -> int:
     """Bytes of an abstract model's parameters as stored: a quantized kernel (..., in, out) as int8
     plus its float32 scales (..., out)."""
-    quantized = set(quantized_linear_paths(model)) if quantize else set()
     total = 0
     for path, var in nnx.to_flat_state(nnx.state(model)):
         shape, dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
-        if tuple(str(p) for p in path[:-1]) in quantized and str(path[-1]) == "kernel":
+        if _quantized(model, quantize, path) and str(path[-1]) == "embedding":
+            total += int(np.prod(shape)) + shape[0] * np.dtype(SCALE_DTYPE).itemsize
+        elif _quantized(model, quantize, path):
             total += int(np.prod(shape)) + int(np.prod((*shape[:-2], shape[-1]))) * np.dtype(SCALE_DTYPE).itemsize
         else:
             total += int(np.prod(shape)) * dtype.itemsize
     return total
+
+
+def _quantized(model: nnx.Module, quantize: str | None, path: tuple[Any, ...]) -> bool:
+    """Whether parameter `path` of the (unquantized) abstract model is stored as int8."""
+    if not quantize:
+        return False
+    module, leaf = tuple(str(p) for p in path[:-1]), str(path[-1])
+    return (leaf == "kernel" and module in set(quantized_linear_paths(model))) or \
+        (leaf == "embedding" and module in set(quantized_embed_paths(model)))
 
 
 def check_quantize(quantize: str | None, layout: str) -> str | None:

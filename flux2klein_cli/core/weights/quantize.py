@@ -86,10 +86,42 @@ class Int8Kernel:
                 self._scales.pop(layer, None)
 
 
+class Int8Rows:
+    """A token table (V, D) as int8 with a float32 scale per row: each piece of rows is read once
+    for its values and once more for its scales (the table is one tensor; reading it twice is cheap)."""
+
+    def __init__(self, checkpoint: SafetensorsCheckpoint, source: TensorSource, shape: tuple[int, ...]):
+        self.checkpoint, self.source, self.shape = checkpoint, source, shape
+
+    def _rows(self, index: tuple[slice, ...]) -> tuple[np.ndarray, np.ndarray]:
+        start, stop, _ = (index[0] if index else slice(None)).indices(self.shape[0])
+        step = max(1, _BLOCK_ELEMENTS // max(self.shape[1], 1))
+        q = np.empty((stop - start, self.shape[1]), np.int8)
+        scale = np.empty(stop - start, np.float32)
+        for a in range(start, stop, step):
+            b = min(a + step, stop)
+            w = np.empty((b - a, self.shape[1]), np.float32)
+            read_into(w, self.checkpoint, self.source, (slice(a, b),))
+            scale[a - start:b - start] = scale_from_absmax(np.abs(w).max(axis=1))
+            q[a - start:b - start] = round_to_int8(w, scale[a - start:b - start, None])
+        return q, scale
+
+    def fill_table(self, out: np.ndarray, index: tuple[slice, ...]) -> None:
+        out[...] = self._rows(index)[0]
+
+    def fill_scale(self, out: np.ndarray, index: tuple[slice, ...]) -> None:
+        out[...] = self._rows(index)[1]
+
+
 def quantized_writers(key: str, source: TensorSource, shape: tuple[int, ...], checkpoint: SafetensorsCheckpoint,
                       deltas: Deltas | None) -> list[tuple[str, tuple[int, ...], np.dtype, Any]]:
     """The flat entries (name, shape, dtype, fill) of a quantized kernel `<module>.kernel`: the
     int8 kernel, then `<module>.scale` (written after it, so its scales are the ones already computed)."""
+    if key.endswith(".embedding"):  # a token table: per row (LoRAs never touch it)
+        rows = Int8Rows(checkpoint, source, shape)
+        module = key.removesuffix(".embedding")
+        return [(key, shape, np.dtype(np.int8), rows.fill_table),
+                (f"{module}.scale", shape[:1], np.dtype(np.float32), rows.fill_scale)]
     writer = Int8Kernel(checkpoint, source, shape, deltas)
     module = key.removesuffix(".kernel")
     return [(key, shape, np.dtype(np.int8), writer.fill_kernel),
