@@ -247,9 +247,10 @@ def run_generate(
                                              mesh=mesh, save=opts.save_executables,
                                              effort=opts.effort)
     if opts.kv_cache_dir is not None:
-        from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, weights_identity
+        from flux2klein_cli.core.compile.store import code_fingerprint
+        from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, cache_identity
 
-        identity = weights_identity(snapshot.component("transformer"))
+        identity = cache_identity(snapshot.component("transformer"), snapshot.component("vae"), code_fingerprint())
         if pipeline.lora:  # merged LoRAs change the reference K / V
             identity = f"{identity}+lora:{pipeline.lora.identity()}"
         pipeline.kv_store = ReferenceKVStore(opts.kv_cache_dir, identity, dtype, warn)

@@ -33,6 +33,7 @@ class CompileOptions:
     effort: str = "default"  # XLA optimisation effort, a key of store.EFFORTS
     transformer: str | None = None  # --transformer / --vae (core/components.py)
     vae: str | None = None
+    quantize: str | None = None  # "int8": compile for a `convert --quantize int8` model of these configs
 
 
 def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
@@ -86,6 +87,12 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         quiet_libtpu_without_tpu(preset.name)  # before jax first touches its backends
     start = time.perf_counter()
     configs = P.model_configs(opts.model, opts.transformer, opts.vae)
+    if opts.quantize not in (None, "none"):
+        from flux2klein_cli.core.choices import check_quantize
+
+        if configs.quantize not in (None, check_quantize(opts.quantize)):
+            raise UserInputError(f"{opts.model} is already quantized ({configs.quantize})")
+        configs = dataclasses.replace(configs, quantize=opts.quantize)
     if opts.kv and not configs.kv:
         raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
     size = default_size(opts.model)

@@ -53,6 +53,7 @@ class ModelConfigs:
     distilled: bool
     kv: bool
     source: str  # the directory read, or "registry:<alias>" for a published geometry
+    quantize: str | None = None  # `convert --quantize` scheme of the transformer and text encoder
 
     @property
     def geometry(self) -> LatentGeometry:
@@ -87,7 +88,13 @@ def configs_from_snapshot(root: str | Path) -> ModelConfigs:
 
     snapshot = Snapshot.open(root)
     configs = {name: read_config(snapshot.component(name)) for name in ("transformer", "text_encoder", "vae")}
-    return ModelConfigs(**configs, distilled=snapshot.is_distilled, kv=snapshot.kv, source=str(snapshot.root))
+    quantize = None
+    if snapshot.converted:
+        from flux2klein_cli.core.weights.converted import quantize_scheme, read_manifest
+
+        quantize = quantize_scheme(read_manifest(snapshot.root), "transformer")
+    return ModelConfigs(**configs, distilled=snapshot.is_distilled, kv=snapshot.kv, source=str(snapshot.root),
+                        quantize=quantize)
 
 
 def configs_from_registry(alias: str) -> ModelConfigs:
@@ -119,6 +126,7 @@ class AbstractModels:
 
     @classmethod
     def build(cls, configs: ModelConfigs, dtype: Any = jnp.bfloat16) -> AbstractModels:
+        from flux2klein_cli.core.models.quantized import quantize_abstract
         from flux2klein_cli.core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
         from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
         from flux2klein_cli.core.models.vae import VAEConfig, abstract_vae
@@ -127,9 +135,10 @@ class AbstractModels:
         tcfg = TransformerConfig.from_dict(configs.transformer)
         qcfg = Qwen3Config.from_dict(configs.text_encoder)
         return cls(
-            transformer=nnx.eval_shape(lambda: Flux2Transformer(tcfg, dtype=dtype, scan_layers=True,
-                                                                rngs=nnx.Rngs(0))),
-            text_encoder=nnx.eval_shape(lambda: Qwen3TextEncoder(qcfg, dtype=dtype, rngs=nnx.Rngs(0))),
+            transformer=quantize_abstract(nnx.eval_shape(lambda: Flux2Transformer(
+                tcfg, dtype=dtype, scan_layers=True, rngs=nnx.Rngs(0))), configs.quantize),
+            text_encoder=quantize_abstract(nnx.eval_shape(lambda: Qwen3TextEncoder(
+                qcfg, dtype=dtype, rngs=nnx.Rngs(0))), configs.quantize),
             vae=abstract_vae(VAEConfig.from_dict(configs.vae), dtype=dtype),
             configs=configs, dtype=dtype,
         )
@@ -225,8 +234,10 @@ def _text_width(models: AbstractModels) -> int:
 
 
 def _key(models: AbstractModels, component: str, target: Target, **extra: Any) -> dict[str, Any]:
+    quantize = {"quantize": models.configs.quantize} if models.configs.quantize and component != "vae" else {}
     return {"config": getattr(models.configs, component), "dtype": jnp.dtype(models.dtype).name,
-            "geometry": models.configs.geometry.as_key(), "trace": trace_options(target).as_key(), **extra}
+            "geometry": models.configs.geometry.as_key(), "trace": trace_options(target).as_key(), **quantize,
+            **extra}
 
 
 # Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
