@@ -249,10 +249,46 @@ class Deltas(Protocol):
 _MERGE_BAND_BYTES = 4 << 20  # float32 bytes of one band: a few of them per thread stay cached
 
 
+def _blas_threads_setter() -> Callable[[int], int] | None:
+    """numpy's OpenBLAS `openblas_set_num_threads_local` (per calling thread), when it has one."""
+    global _blas_setter
+    if _blas_setter is None:
+        import ctypes
+        import glob
+
+        _blas_setter = False
+        libs = Path(np.__file__).parent.parent / "numpy.libs"
+        for path in sorted(glob.glob(str(libs / "*openblas*.so*"))):
+            try:
+                function = ctypes.CDLL(path).openblas_set_num_threads_local
+            except (OSError, AttributeError):
+                continue
+            function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
+            _blas_setter = function
+            break
+    return _blas_setter or None
+
+
+_blas_setter: Callable[[int], int] | bool | None = None
+
+
 def _merge_bands(out: np.ndarray, stored: np.ndarray, key: str, linear: bool, rows: range, cols: slice,
                  bands: list[tuple[int, int]], deltas: Deltas) -> None:
     """For each band of stored rows: convert to float32 in a per-thread scratch, add the delta in
-    place, and cast once into `out` (transposed for a linear kernel)."""
+    place, and cast once into `out` (transposed for a linear kernel). The bands are the
+    parallelism: OpenBLAS runs one thread per band worker (its own threads, spinning beside ours,
+    made the band products 4x slower on a busy 2-core host)."""
+    setter = _blas_threads_setter()
+    previous = setter(1) if setter else None
+    try:
+        _merge_band_list(out, stored, key, linear, rows, cols, bands, deltas)
+    finally:
+        if setter and previous is not None:
+            setter(previous)
+
+
+def _merge_band_list(out: np.ndarray, stored: np.ndarray, key: str, linear: bool, rows: range, cols: slice,
+                     bands: list[tuple[int, int]], deltas: Deltas) -> None:
     width = len(range(*cols.indices(stored.shape[1])))
     for r0, r1 in bands:
         block = _scratch_for((r1 - r0, width), np.dtype(np.float32), "merge")
