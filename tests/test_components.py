@@ -199,3 +199,20 @@ def test_bfl_file_equals_diffusers_from_single_file_and_the_folder(tiny_checkpoi
                      *common)
         assert result.exit_code == 0, result.stderr
     assert np.array_equal(np.asarray(Image.open(tmp_path / "bfl.png")), np.asarray(Image.open(tmp_path / "folder.png")))
+
+
+@pytest.mark.slow
+def test_parity_with_a_bfl_transformer_file_reads_it_through_from_single_file(tiny_checkpoint: Path,
+                                                                              tmp_path: Path) -> None:
+    """`parity --transformer FILE` in BFL keys (ComfyUI's prefix): diffusers' side reads the file with
+    `from_single_file` (from_pretrained cannot), and both images agree."""
+    from flux2klein_cli.core.parity import bfl_transformer_file
+
+    bfl = write_bfl_transformer(tiny_checkpoint, tmp_path / "klein-tiny-comfy.safetensors")
+    assert bfl_transformer_file(tiny_checkpoint) is None  # a diffusers folder goes through from_pretrained
+    assert bfl_transformer_file(compose(tiny_checkpoint, resolve_overrides(transformer=str(bfl)))) == bfl.resolve()
+    result = cli("parity", "--model", tiny_checkpoint, "--transformer", bfl, "--height", 32, "--width", 32,
+                 "--steps", 2, "--out-dir", tmp_path / "out", "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ssim"] >= 0.999 and report["max_diff"] <= 2, report

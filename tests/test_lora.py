@@ -263,3 +263,38 @@ def test_switching_loras_or_scales_compiles_nothing(tiny_checkpoint: Path, tmp_p
         logging.getLogger("jax").removeHandler(log)
     assert log.compiled == []
     assert np.abs(images[0] - images[1]).max() > 0 and np.abs(images[1] - images[2]).max() > 0
+
+
+@pytest.mark.parametrize("layout", ["linear", "none"])
+@pytest.mark.parametrize("dtype", [np.float32, "bfloat16"])
+def test_merge_in_bands_equals_the_whole_delta(monkeypatch: pytest.MonkeyPatch, layout: str, dtype: object) -> None:
+    """The loader merges a device slice band by band (several bands, on the worker threads): the
+    result equals stored + every term's whole delta, for low-rank and Kronecker terms (a part of a
+    fused tensor, swapped halves)."""
+    import ml_dtypes
+
+    from flux2klein_cli.core.lora.layouts import Kronecker, LowRank
+    from flux2klein_cli.core.weights import loader
+    from flux2klein_cli.core.weights.bfl_names import Part
+
+    dtype = np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    stored = f32(96, 40).astype(dtype)  # torch layout (out, in)
+    terms = [LowRank(f32(3, 40), f32(96, 3), 0.7, "lr"),
+             Kronecker(f32(12, 5), f32(24, 8), 0.5, "fused", Part("qkv", index=1, of=3)),
+             Kronecker(f32(12, 5), f32(8, 8), -1.5, "swapped", Part("mod", swap_halves=True))]
+    deltas = LoraDeltas([], {"w": terms})
+    monkeypatch.setattr(loader, "_MERGE_BAND_BYTES", 4 * 40 * 16)  # 16-row bands
+    rows, cols = slice(8, 88), slice(0, 40)
+    index = (cols, rows) if layout == "linear" else (rows, cols)
+    out = np.full((80, 40)[::-1] if layout == "linear" else (80, 40), np.nan, dtype)
+    loader._merge_key(out, stored, "w", layout, index, deltas)
+
+    whole = stored.astype(np.float32)
+    for term in terms:
+        whole = whole + term.block(slice(None), slice(None))
+    expected = whole[rows, cols].T if layout == "linear" else whole[rows, cols]
+    tolerance = 1e-5 if dtype == np.float32 else 1e-2  # bf16: one rounding of (nearly) the same sum
+    np.testing.assert_allclose(out.astype(np.float32), expected.astype(dtype).astype(np.float32),
+                               rtol=tolerance, atol=tolerance)

@@ -38,7 +38,8 @@ def test_model_help_lists_every_registry_alias(command: str) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["convert", "x", "--dtype", "fp8"], "unknown dtype 'fp8': use one of bf16, fp32"),
     (["convert", "x", "--layout", "zarr"], "unknown layout 'zarr': use one of flat, orbax"),
-    (["bench", "--phase", "warm"], "unknown phase 'warm': use one of pipeline, ttfi, load, transformer-compile, steps"),
+    (["bench", "--phase", "warm"], "unknown phase 'warm': use one of pipeline, ttfi, load, transformer-compile, "
+                                   "steps, lora, decode"),
     (["generate", "x", "--effort", "max"], "--effort must be one of default, fast, got 'max'"),
     (["compile", "--cache-dir", "a", "--compile-cache", "b"], "--cache-dir is the old name of --compile-cache: "
                                                               "give one"),

@@ -48,6 +48,8 @@ def bench(
                                            "Default: load stored executables, compile and store the missing ones, "
                                            "as generate does.")] = False,
     lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
+    ranks: Annotated[str | None, typer.Option("--ranks", help="lora: the LoRA ranks to time, comma-separated "
+                                              "\\[default: 16,64].")] = None,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,
@@ -70,6 +72,12 @@ def bench(
     transformer-compile lowers and compiles one transformer forward at the model's real
     geometry from abstract shapes (no weights needed).
 
+    lora times loading the transformer plain and with a random LoRA of each --ranks on every
+    linear module, merged at load; the forms interleaved rep by rep.
+
+    decode times the VAE decoder alone on random latents of --height x --width (compare the
+    full decoder with `--vae small-decoder`).
+
     Examples:
 
       flux2klein bench --model 4b --height 1024 --width 1024 --bs 4 --reps 5
@@ -89,6 +97,10 @@ def bench(
       flux2klein bench --model 4b --compile-cache /shared/executables --no-save
 
       flux2klein bench --model 4b --no-store
+
+      flux2klein bench --model 4b --phase lora --ranks 16,64 --reps 3
+
+      flux2klein bench --model 4b --phase decode --vae small-decoder --dtype fp32
     """
     with user_errors():
         from flux2klein_cli.core.choices import jax_dtype
@@ -100,6 +112,7 @@ def bench(
             "--diffusers": diffusers, "--mesh": bool(mesh), "--tpu": bool(tpu),
             "--compile-cache": compile_cache is not None, "--no-save": no_save,
             "--effort": effort != o.Effort.default, "--no-store": no_store, "--lora": bool(lora),
+            "--ranks": ranks is not None,
         })
         if diffusers:
             require_parity("bench --diffusers")
@@ -142,6 +155,20 @@ def bench(
                     output.result(f"{name}: {form['median']:.3f} s median "
                                   f"({form['per_step']['median']:.3f} s/step), {form['cost']:+.1%}")
                 return
+        elif phase == "lora":
+            from flux2klein_cli.core.lora.bench_lora import bench_lora, parse_ranks
+
+            result = bench_lora(resolve_composed(model, transformer, vae), ranks=parse_ranks(ranks or "16,64"),
+                                dtype=dtype, reps=reps, log=None if as_json else note)
+            result = dict(phase=phase, **result)
+        elif phase == "decode":
+            from flux2klein_cli.core.bench_decode import bench_decode
+            from flux2klein_cli.core.runtime import configure_jax
+
+            configure_jax()
+            result = bench_decode(resolve_composed(model, transformer, vae), height=height, width=width, batch=bs,
+                                  reps=reps, dtype=target, log=None if as_json else note)
+            result = dict(model=model, phase=phase, dtype=dtype, **result)
         elif phase == "ttfi":
             from flux2klein_cli.core.bench import bench_ttfi
             from flux2klein_cli.core.registry import sampling
@@ -189,6 +216,12 @@ def bench(
         _ttfi_table(result)
     elif phase == "load":
         _load_table(result)
+    elif phase == "lora":
+        _lora_table(result)
+    elif phase == "decode":
+        output.result(f"decode {result['width']}x{result['height']}, batch {result['batch']}, {result['dtype']}, "
+                      f"decoder widths {result['decoder_widths']}: {result['decode_s']['min']:.3f} s min, "
+                      f"{result['decode_s']['median']:.3f} s median (compile {result['compile_s']:.1f} s)")
     elif result.get("timed") is False:
         _plan_table(result)
     else:
@@ -199,6 +232,7 @@ def bench(
 PHASE_FLAGS: dict[str, tuple[str, ...]] = {
     "ttfi": ("--diffusers",),
     "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store", "--lora"),
+    "lora": ("--ranks",),
 }
 
 
@@ -364,4 +398,17 @@ def _load_table(result: dict[str, Any]) -> None:
                 peak = component[kind].get("peak_ratio")
                 table.add_row(name, kind, f"{component[kind]['seconds']['median']:.3f}",
                               "" if peak is None else f"{peak:.2f}x")
+    show_table(table)
+
+
+def _lora_table(result: dict[str, Any]) -> None:
+    table = Table(title=f"load the transformer with LoRAs merged ({result['dtype']}, {result['reps']} reps "
+                        "interleaved)")
+    for column in ("form", "min s", "median s", "extra median s", "LoRA MB"):
+        table.add_column(column, justify="left" if column == "form" else "right")
+    for form, entry in result["forms"].items():
+        extra = entry.get("extra_s")
+        table.add_row(form, f"{entry['seconds']['min']:.2f}", f"{entry['seconds']['median']:.2f}",
+                      "" if extra is None else f"{extra['median']:+.2f}",
+                      "" if "file_mb" not in entry else f"{entry['file_mb']:.1f}")
     show_table(table)

@@ -16,7 +16,7 @@ EFFORTS = ("default", "fast")  # XLA optimisation effort; what each means is in 
 LAYOUTS = ("flat", "orbax")  # converted directories; see weights/converted.py
 DEFAULT_LAYOUT = "flat"
 QUANTIZE = ("none", "int8")  # `convert --quantize`: weight schemes; see models/quantized.py
-PHASES = ("pipeline", "ttfi", "load", "transformer-compile", "steps")  # what `bench` times
+PHASES = ("pipeline", "ttfi", "load", "transformer-compile", "steps", "lora", "decode")  # what `bench` times
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 
 

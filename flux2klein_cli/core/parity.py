@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,30 @@ def difference_image(ours: np.ndarray, reference: np.ndarray) -> np.ndarray:
     return (diff * (255.0 / peak)).round().astype(np.uint8)
 
 
+def bfl_transformer_file(root: Path) -> Path | None:
+    """The single file behind a composed model's transformer when its keys are BFL's, else None."""
+    from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
+
+    files = sorted((root / "transformer").glob("*.safetensors"))
+    if len(files) != 1:
+        return None
+    return files[0].resolve() if SafetensorsCheckpoint.open(files[0]).layout == "bfl" else None
+
+
+def single_file_transformer(path: Path, root: Path, dtype: Any) -> Any:
+    """diffusers' `Flux2Transformer2DModel.from_single_file` on a BFL file, with the composed
+    model's transformer config. diffusers' converter knows BFL's unprefixed names only, so a
+    ComfyUI-style `model.diffusion_model.` prefix is taken off before it sees the keys."""
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import load_file
+
+    prefixes = ("model.diffusion_model.", "diffusion_model.")
+    state = {next((key[len(p):] for p in prefixes if key.startswith(p)), key): value
+             for key, value in load_file(str(path)).items()}
+    return Flux2Transformer2DModel.from_single_file(state, config=str(root), subfolder="transformer",
+                                                    torch_dtype=dtype, local_files_only=True)
+
+
 def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
     """diffusers' pipeline class named by the snapshot, loaded from the same files."""
     require_parity("parity")
@@ -55,7 +80,11 @@ def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
 
     cls = getattr(diffusers, pipeline.snapshot.pipeline_class)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[torch_dtype]
-    reference = cls.from_pretrained(pipeline.snapshot.root, dtype=dtype)
+    overrides: dict[str, Any] = {}
+    bfl = bfl_transformer_file(Path(pipeline.snapshot.root))
+    if bfl is not None:  # from_pretrained reads diffusers keys only; BFL's go through diffusers' own converter
+        overrides["transformer"] = single_file_transformer(bfl, Path(pipeline.snapshot.root), dtype)
+    reference = cls.from_pretrained(pipeline.snapshot.root, dtype=dtype, **overrides)
     if pipeline.lora:  # the same files, through diffusers' own LoRA loading (PEFT)
         from flux2klein_cli.core.extras import require_extra
 
@@ -133,8 +162,6 @@ def parity_check(
     lora: list[str] | None = None,
 ) -> dict[str, Any]:
     """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk."""
-    from pathlib import Path
-
     from flux2klein_cli.core.choices import jax_dtype
     from flux2klein_cli.core.images import load_reference, preprocess_reference
     from flux2klein_cli.core.output import plan_outputs, write_png

@@ -1,28 +1,38 @@
-"""Time merging LoRAs into a transformer at load: the plain load, then with random LoRAs of given
-ranks on every linear module (ai-toolkit / BFL layout), in one process (page cache warm after a
-first, untimed load). Writes the 4B-geometry transformer (random weights) when asked.
+"""The measurement behind `bench --phase lora`: loading the transformer plain and with a random
+LoRA of each rank on every linear module (ai-toolkit / BFL layout), merged at load.
 
-    python -m flux2klein_cli.core.lora.bench_lora DIR [--write 4b] [--ranks 16,64] [--dtype bf16] [--reps 2]
+All loads run in one process after one untimed load (page cache warm), the forms interleaved rep
+by rep (plain, rank a, rank b, plain, ...) so a busy host slows each alike. The LoRA files are
+written to a temporary folder in the flux2klein cache and removed afterwards.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
-from flux2klein_cli.core.lora.files import LoraSpec
-from flux2klein_cli.core.lora.merge import LoraDeltas
-from flux2klein_cli.core.lora.random_lora import write_random_lora
-from flux2klein_cli.core.models.transformer import load_transformer
+from flux2klein_cli.core.errors import UserInputError
 
 
-def _timed(transformer: Path, dtype: object, specs: list[LoraSpec]) -> float:
+def parse_ranks(text: str) -> list[int]:
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        ranks = []
+    if not ranks or any(r < 1 for r in ranks):
+        raise UserInputError(f"--ranks {text}: give positive integers separated by commas, e.g. 16,64")
+    return ranks
+
+
+def _timed(transformer: Path, dtype: Any, specs: list[Any]) -> float:
+    import jax
+    from flax import nnx
+
+    from flux2klein_cli.core.lora.merge import LoraDeltas
+    from flux2klein_cli.core.models.transformer import load_transformer
+
     start = time.perf_counter()
     model = load_transformer(transformer, dtype=dtype, deltas=LoraDeltas.read(specs))
     jax.block_until_ready(nnx.state(model))
@@ -31,33 +41,42 @@ def _timed(transformer: Path, dtype: object, specs: list[LoraSpec]) -> float:
     return seconds
 
 
-def bench_lora(root: Path, ranks: list[int], dtype: str, reps: int) -> dict[str, object]:
-    transformer = root / "transformer"
-    target = {"bf16": jnp.bfloat16, "fp32": jnp.float32}[dtype]
-    _timed(transformer, target, [])  # warm the page cache
-    result: dict[str, object] = {"plain_s": min(_timed(transformer, target, []) for _ in range(reps))}
-    for rank in ranks:
-        path = write_random_lora(root / f"lora-r{rank}.safetensors", transformer, "bfl", rank=rank, alpha=rank)
-        result[f"rank{rank}_s"] = min(_timed(transformer, target, [LoraSpec(str(path))]) for _ in range(reps))
-        result[f"rank{rank}_file_mb"] = round(path.stat().st_size / 2**20, 1)
+def bench_lora(model_dir: Path, *, ranks: Sequence[int], dtype: str, reps: int,
+               log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Seconds to load `model_dir`'s transformer plain and with a rank-r LoRA for each of `ranks`."""
+    from flux2klein_cli.core.bench import summarize
+    from flux2klein_cli.core.choices import jax_dtype
+    from flux2klein_cli.core.lora.files import LoraSpec
+    from flux2klein_cli.core.lora.random_lora import write_random_lora
+    from flux2klein_cli.core.snapshot import flux2klein_cache_dir
+    from flux2klein_cli.core.temporaries import temporary_dir
+
+    transformer = Path(model_dir) / "transformer"
+    if not transformer.is_dir():
+        raise UserInputError(f"{model_dir}: no transformer/ folder to load")
+    target = jax_dtype(dtype)
+    parent = flux2klein_cache_dir()
+    parent.mkdir(parents=True, exist_ok=True)
+    with temporary_dir(parent, "bench-lora") as folder:
+        forms: dict[str, list[Any]] = {"plain": []}
+        sizes: dict[str, float] = {}
+        for rank in ranks:
+            path = write_random_lora(folder / f"rank{rank}.safetensors", transformer, "bfl", rank=rank, alpha=rank)
+            forms[f"rank{rank}"] = [LoraSpec(str(path))]
+            sizes[f"rank{rank}"] = path.stat().st_size / 1e6
+        _timed(transformer, target, [])  # warm the page cache
+        seconds: dict[str, list[float]] = {form: [] for form in forms}
+        for rep in range(reps):
+            for form, specs in forms.items():
+                seconds[form].append(_timed(transformer, target, specs))
+                if log:
+                    log(f"rep {rep + 1}/{reps} {form}: {seconds[form][-1]:.2f} s")
+    plain = summarize(seconds["plain"])
+    result: dict[str, Any] = {"model": str(model_dir), "dtype": dtype, "reps": reps, "forms": {}}
+    for form, samples in seconds.items():
+        entry: dict[str, Any] = {"seconds": summarize(samples)}
+        if form != "plain":
+            entry["file_mb"] = round(sizes[form], 1)
+            entry["extra_s"] = {k: entry["seconds"][k] - plain[k] for k in ("min", "median")}
+        result["forms"][form] = entry
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path)
-    parser.add_argument("--write", default=None, help="write this random geometry's transformer first (e.g. 4b)")
-    parser.add_argument("--ranks", default="16,64")
-    parser.add_argument("--dtype", default="bf16")
-    parser.add_argument("--reps", type=int, default=2)
-    args = parser.parse_args()
-    if args.write:
-        from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
-
-        write_random_checkpoint(args.root, args.write, components=["transformer"])
-    ranks = [int(r) for r in args.ranks.split(",")]
-    print(json.dumps(bench_lora(args.root, ranks, args.dtype, args.reps)))
-
-
-if __name__ == "__main__":
-    main()

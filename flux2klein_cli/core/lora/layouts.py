@@ -64,6 +64,12 @@ class LowRank:
     def block(self, rows: slice, cols: slice) -> np.ndarray:
         return self.scale * (self.up[rows] @ self.down[:, cols])
 
+    def add_to(self, block: np.ndarray, rows: slice, cols: slice, scratch: np.ndarray) -> None:
+        """block += this term's (rows, cols) block; the product goes into `scratch` (block's shape),
+        the scale into the small factor, so nothing of the block's size is allocated."""
+        np.matmul(self.up[rows] * np.float32(self.scale), self.down[:, cols], out=scratch)
+        block += scratch
+
     def scaled(self, factor: float) -> LowRank:
         return LowRank(self.down, self.up, self.scale * factor, self.source)
 
@@ -84,6 +90,20 @@ class Kronecker:
 
     def block(self, rows: slice, cols: slice) -> np.ndarray:
         return self.scale * _rows(np.kron(self.w1, self.w2), self.part)[rows, cols]
+
+    def add_to(self, block: np.ndarray, rows: slice, cols: slice, scratch: np.ndarray) -> None:
+        """block += this term's (rows, cols) block, computed for just those entries:
+        kron(w1, w2)[R, C] = w1[R // m2, C // n2] * w2[R % m2, C % n2], R the rows `_rows` keeps."""
+        count = self.shape[0]
+        r = np.arange(count)[rows]
+        if self.part.swap_halves:  # _rows' concatenate(x[half:], x[:half])
+            r = (r + count // 2) % count
+        r = r + self.part.index * count
+        c = np.arange(self.shape[1])[cols]
+        m2, n2 = self.w2.shape
+        np.multiply(self.w1[np.ix_(r // m2, c // n2)], self.w2[np.ix_(r % m2, c % n2)], out=scratch)
+        scratch *= np.float32(self.scale)
+        block += scratch
 
     def scaled(self, factor: float) -> Kronecker:
         return Kronecker(self.w1, self.w2, self.scale * factor, self.source, self.part)

@@ -1,8 +1,9 @@
 """The deltas of one or more LoRAs, merged into weights as the loader reads them.
 
-The loader asks for the delta of one device slice of one checkpoint key, in JAX layout; it is
-computed from the factors for just that slice (float32), added to the stored values in float32,
-and cast once to the target dtype. Only the factors (megabytes) are held, never a second model.
+The loader reads one device slice of a changed key in bands of stored rows into a reused float32
+scratch, asks for the delta to be added to each band in place (computed from the factors for just
+that band), and casts the band once into the target. Only the factors (megabytes) and a few
+band-sized buffers per thread are held, never a second model or a full-size temporary.
 """
 
 from __future__ import annotations
@@ -59,18 +60,11 @@ class LoraDeltas:
                 raise UserInputError(f"{where}: wrong shapes for this model (a LoRA for another size?): "
                                      f"{'; '.join(wrong[:3])}{more}")
 
-    def delta(self, key: str, linear: bool, index: tuple[slice, ...], shape: tuple[int, ...]) -> np.ndarray | None:
-        """The summed float32 delta of the `index` slice of `key`, in JAX layout ((in, out) for a
-        linear kernel, whose torch weight is (out, in)); None when no LoRA changes `key`."""
-        terms = self.terms.get(key)
-        if not terms:
-            return None
-        index = tuple(index) + (slice(None),) * (2 - len(index))
-        if linear:  # JAX (in, out) = torch (out, in).T
-            cols, rows = (slice(*s.indices(n)) for s, n in zip(index, shape, strict=True))
-        else:
-            rows, cols = (slice(*s.indices(n)) for s, n in zip(index, shape, strict=True))
-        total = terms[0].block(rows, cols)
-        for term in terms[1:]:
-            total = total + term.block(rows, cols)
-        return total.T if linear else total
+    def changes(self, key: str) -> bool:
+        return bool(self.terms.get(key))
+
+    def add(self, key: str, block: np.ndarray, rows: slice, cols: slice, scratch: np.ndarray) -> None:
+        """block += the summed delta of `key`'s (rows, cols) block, in torch layout (out, in),
+        float32, in place; `scratch` (block's shape) holds each term's product."""
+        for term in self.terms.get(key, ()):
+            term.add_to(block, rows, cols, scratch)

@@ -158,12 +158,14 @@ def _packable(dest: np.ndarray, src: np.ndarray) -> bool:
             and dest.strides[1] == dest.itemsize and dest.shape[1] >= 16 // dest.itemsize and dest.shape[0] >= 16)
 
 
-def _scratch_for(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A per-thread buffer reused across copies (fresh memory is slow to touch on this project's VMs)."""
-    need = int(np.prod(shape)) * dtype.itemsize
-    buffer = getattr(_scratch, "buffer", None)
+def _scratch_for(shape: tuple[int, ...], dtype: np.dtype, slot: str = "buffer") -> np.ndarray:
+    """A per-thread buffer reused across copies (fresh memory is slow to touch on this project's VMs).
+    Each `slot` is its own buffer, so buffers in use at the same time never overlap."""
+    need = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    buffer = getattr(_scratch, slot, None)
     if buffer is None or buffer.nbytes < need:
-        buffer = _scratch.buffer = np.empty(need, np.uint8)
+        buffer = np.empty(need, np.uint8)
+        setattr(_scratch, slot, buffer)
     return buffer[:need].view(dtype).reshape(shape)
 
 
@@ -239,18 +241,93 @@ class Deltas(Protocol):
 
     def check(self, shapes: Mapping[str, tuple[int, ...]]) -> None: ...
 
-    def delta(self, key: str, linear: bool, index: tuple[slice, ...], shape: tuple[int, ...]
-              ) -> np.ndarray | None: ...
+    def changes(self, key: str) -> bool: ...
+
+    def add(self, key: str, block: np.ndarray, rows: slice, cols: slice, scratch: np.ndarray) -> None: ...
+
+
+_MERGE_BAND_BYTES = 4 << 20  # float32 bytes of one band: a few of them per thread stay cached
+
+
+def _blas_threads_setter() -> Callable[[int], int] | None:
+    """numpy's OpenBLAS `openblas_set_num_threads_local` (per calling thread), when it has one."""
+    global _blas_setter
+    if _blas_setter is None:
+        import ctypes
+        import glob
+
+        _blas_setter = False
+        libs = Path(np.__file__).parent.parent / "numpy.libs"
+        for path in sorted(glob.glob(str(libs / "*openblas*.so*"))):
+            try:
+                function = ctypes.CDLL(path).openblas_set_num_threads_local
+            except (OSError, AttributeError):
+                continue
+            function.argtypes, function.restype = [ctypes.c_int], ctypes.c_int
+            _blas_setter = function
+            break
+    return _blas_setter or None
+
+
+_blas_setter: Callable[[int], int] | bool | None = None
+
+
+def _merge_bands(out: np.ndarray, stored: np.ndarray, key: str, linear: bool, rows: range, cols: slice,
+                 bands: list[tuple[int, int]], deltas: Deltas) -> None:
+    """For each band of stored rows: convert to float32 in a per-thread scratch, add the delta in
+    place, and cast once into `out` (transposed for a linear kernel). The bands are the
+    parallelism: OpenBLAS runs one thread per band worker (its own threads, spinning beside ours,
+    made the band products 4x slower on a busy 2-core host)."""
+    setter = _blas_threads_setter()
+    previous = setter(1) if setter else None
+    try:
+        _merge_band_list(out, stored, key, linear, rows, cols, bands, deltas)
+    finally:
+        if setter and previous is not None:
+            setter(previous)
+
+
+def _merge_band_list(out: np.ndarray, stored: np.ndarray, key: str, linear: bool, rows: range, cols: slice,
+                     bands: list[tuple[int, int]], deltas: Deltas) -> None:
+    width = len(range(*cols.indices(stored.shape[1])))
+    for r0, r1 in bands:
+        block = _scratch_for((r1 - r0, width), np.dtype(np.float32), "merge")
+        np.copyto(block, stored[r0:r1, cols], casting="unsafe")
+        deltas.add(key, block, slice(r0, r1), cols, _scratch_for(block.shape, np.dtype(np.float32), "term"))
+        a, b = r0 - rows.start, r1 - rows.start
+        _copy_tiles(out[:, a:b] if linear else out[a:b], block.T if linear else block)
+
+
+def _merge_key(out: np.ndarray, stored: np.ndarray, key: str, layout: Layout, index: tuple[slice, ...],
+               deltas: Deltas) -> None:
+    """out = stored[index] + delta for a 2-D weight (stored in torch layout), in bands of stored
+    rows over all cores: no temporary of the slice's size is ever allocated."""
+    linear = layout == "linear"
+    index = tuple(index) + (slice(None),) * (2 - len(index))
+    row_index, col_index = (index[1], index[0]) if linear else index  # JAX (in, out) = torch (out, in).T
+    rows = range(*row_index.indices(stored.shape[0]))
+    cols = slice(*col_index.indices(stored.shape[1]))
+    if rows.step != 1 or cols.step != 1:
+        raise AssertionError(f"{key}: strided device slice {index}")
+    width = max(len(range(*cols.indices(stored.shape[1]))), 1)
+    band = max(8, _MERGE_BAND_BYTES // (4 * width) // 8 * 8)  # a multiple of 8: whole packed bf16 columns
+    bands = [(r, min(r + band, rows.stop)) for r in range(rows.start, rows.stop, band)]
+    workers = min(os.cpu_count() or 1, len(bands))
+    if workers <= 1:
+        _merge_bands(out, stored, key, linear, rows, cols, bands, deltas)
+        return
+    futures = [_workers().submit(_merge_bands, out, stored, key, linear, rows, cols, bands[w::workers], deltas)
+               for w in range(workers)]
+    for future in futures:
+        future.result()
 
 
 def _copy_key(out: np.ndarray, checkpoint: SafetensorsCheckpoint, key: str, layout: Layout,
               index: tuple[slice, ...], deltas: Deltas | None) -> None:
-    stored = _to_jax_layout(checkpoint.view(key), layout)
-    delta = deltas.delta(key, layout == "linear", index, stored.shape) if deltas is not None else None
-    if delta is None:
-        copy_into(out, stored[index])
-    else:  # added in float32, then cast once
-        copy_into(out, stored[index].astype(np.float32) + delta)
+    if deltas is not None and deltas.changes(key):
+        _merge_key(out, checkpoint.view(key), key, layout, index, deltas)
+    else:
+        copy_into(out, _to_jax_layout(checkpoint.view(key), layout)[index])
     checkpoint.release(key)
 
 
