@@ -451,7 +451,8 @@ class ExecutableStore:
         target = spec.target or Target.local()
         options = target.compiler_options
         try:
-            compiled = lowered.compile(options) if options else lowered.compile()
+            with _no_persistent_cache():
+                compiled = lowered.compile(options) if options else lowered.compile()
         except Exception as e:  # jaxlib's own error type
             # Not every backend reads every option: jaxlib's GPU compiler has no
             # exec_time_optimization_effort. Its default effort still gives the right program.
@@ -461,7 +462,8 @@ class ExecutableStore:
                 self._ignored_options.add(target.platform)
                 self.warn(f"--effort {target.effort}: the {target.platform} compiler has no option "
                           f"{', '.join(options)}; programs are compiled at its default effort")
-            compiled = lowered.compile()
+            with _no_persistent_cache():
+                compiled = lowered.compile()
         return compiled, lowered_at - start, time.perf_counter() - lowered_at
 
     def save(self, spec: ProgramSpec, compiled: jax.stages.Compiled, parts: dict[str, Any], *,
@@ -605,6 +607,15 @@ class ExecutableStore:
 
 class _Unusable(Exception):
     pass
+
+
+def _no_persistent_cache() -> contextlib.AbstractContextManager[Any]:
+    """Compile outside jax's persistent compilation cache (this thread only): on CPU an
+    executable that went through it serializes without its fused kernels, and the entry then
+    fails in the next process ("Function ..._fusion not found"). The store is the cache here."""
+    from jax._src import config as jax_config
+
+    return jax_config.enable_compilation_cache(False)
 
 
 def _write_private(path: Path, data: bytes) -> None:
