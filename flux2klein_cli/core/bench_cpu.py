@@ -5,12 +5,13 @@ keeps its best, so their ratios hold. Needs torch and diffusers (the [parity] ex
 
     python -m flux2klein_cli.core.bench_cpu matmul
     python -m flux2klein_cli.core.bench_cpu image /tmp/medium --dtype bf16 --size 512 --steps 4
-Set FLUX2KLEIN_CPU_MATMUL=xla to time XLA's own dots (core/models/cpu_matmul.py).
+`image` times ours with oneMKL's dots and with XLA's (core/models/cpu_matmul.py) in the same process.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from collections.abc import Callable
@@ -56,6 +57,8 @@ def matmul(n: int, rounds: int) -> dict[str, Any]:
 
 
 def image(model: str, dtype: str, size: int, steps: int, rounds: int) -> dict[str, Any]:
+    """Per-image phases of ours, with oneMKL's dots (where active) and with XLA's, beside
+    diffusers' whole call and its call up to the latents (text encoding and denoising)."""
     import diffusers
     import torch
 
@@ -63,18 +66,43 @@ def image(model: str, dtype: str, size: int, steps: int, rounds: int) -> dict[st
 
     torch.set_num_threads(2)
     prompt = "a red fox in snow"
-    ours = KleinPipeline.load(model, dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
     request = Request(prompts=[prompt], steps=steps, guidance=1.0, height=size, width=size)
+    real = cpu_matmul.status()
+    forms: dict[str, Callable[[], Any]] = {}
+    seconds: dict[str, dict[str, float]] = {}
+
+    def ours(name: str, status: cpu_matmul.Status) -> None:
+        # Each pipeline traces its programs on its first call; the choice made then stays.
+        cpu_matmul.status = lambda: status  # type: ignore[assignment]
+        pipe = KleinPipeline.load(model, dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+        pipe(request)
+
+        def call() -> None:
+            phases = pipe(request).seconds
+            seconds[name] = {k: min(v, seconds.get(name, {}).get(k, v)) for k, v in phases.items()}
+
+        forms[name] = call
+
+    try:
+        if real.name and dtype == "bf16":
+            ours("flux2klein onemkl", real)
+        ours("flux2klein xla", cpu_matmul.Status(None, "off"))
+    finally:
+        cpu_matmul.status = functools.cache(lambda: real)  # type: ignore[assignment]
     pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch.bfloat16 if dtype == "bf16"
                                                         else torch.float32)
+    pipe.set_progress_bar_config(disable=True)
 
-    def theirs() -> Any:
+    def theirs(output_type: str) -> Any:
         return pipe(prompt=prompt, height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
-                    generator=torch.Generator().manual_seed(0))
+                    generator=torch.Generator().manual_seed(0), output_type=output_type)
 
-    best = interleave({"flux2klein": lambda: ours(request), "diffusers": theirs}, rounds)
-    return {"seconds": {k: round(v, 3) for k, v in best.items()}, "ratio": round(best["flux2klein"] /
-                                                                                  best["diffusers"], 3)}
+    forms["diffusers"] = lambda: theirs("pil")
+    forms["diffusers to latents"] = lambda: theirs("latent")
+    best = interleave(forms, rounds)
+    return {"whole_s": {k: round(v, 3) for k, v in best.items()},
+            "ratio_to_diffusers": {k: round(v / best["diffusers"], 3) for k, v in best.items()},
+            "phases_s": {k: {p: round(v, 3) for p, v in ph.items() if v} for k, ph in seconds.items()}}
 
 
 def main() -> None:
@@ -88,7 +116,7 @@ def main() -> None:
     i.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     i.add_argument("--size", type=int, default=512)
     i.add_argument("--steps", type=int, default=4)
-    i.add_argument("--rounds", type=int, default=3)
+    i.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     status = cpu_matmul.status()
     out = {"cpu_matmul": status.name, "why": status.reason}
