@@ -131,3 +131,39 @@ def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_c
     ours_err, their_err = np.abs(ours - f32).mean(), np.abs(bf16 - f32).mean()
     assert their_err > 0  # bf16 does change diffusers' image, so the bound means something
     assert ours_err <= 1.25 * their_err, (ours_err, their_err)
+
+
+def linear_spec() -> store.ProgramSpec:
+    """A bf16 Linear as a stored program (its kernel an argument, as the pipeline's are)."""
+    layer = bf16_linear()
+    graphdef, _ = nnx.split(layer)
+    fn = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    args = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.state(layer)),
+            jax.ShapeDtypeStruct((3, 64), jnp.bfloat16))
+    return store.ProgramSpec("amx_linear", fn, args)
+
+
+@amx
+def test_a_stored_executable_with_the_custom_call_loads_in_a_new_process(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    spec = linear_spec()
+    compiled, info = store.ExecutableStore(tmp_path).load_or_compile(spec)
+    assert info.status == "miss" and cpu_matmul.TARGET in compiled.as_text()
+    code = (
+        "import sys, numpy as np, jax.numpy as jnp; from flax import nnx;"
+        "from tests.test_cpu_matmul import linear_spec, bf16_linear;"
+        "from flux2klein_cli.core.compile.store import ExecutableStore;"
+        "c, info = ExecutableStore(sys.argv[1]).load_or_compile(linear_spec());"
+        "x = jnp.ones((3, 64), jnp.bfloat16);"
+        "print(info.status, info.key, float(np.asarray(c(nnx.state(bf16_linear()), x), np.float32).sum()))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(root)), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    status, key, total = done.stdout.split()
+    expected = float(np.asarray(compiled(nnx.state(bf16_linear()), jnp.ones((3, 64), jnp.bfloat16)), np.float32).sum())
+    assert status == "hit" and key == info.key and float(total) == expected
