@@ -1,17 +1,17 @@
 """CPU matmul and per-image figures beside torch and diffusers, interleaved in one process.
 
-On a loaded host absolute times drift; the forms are timed in turn, round after round, and each
-keeps its best, so their ratios hold. Needs torch and diffusers (the [parity] extra).
+On a loaded host absolute times drift; the forms are timed in turn, round after round (matmuls in
+one process; whole images each in its own process), so their ratios hold. Needs torch and
+diffusers (the [parity] extra).
 
     python -m flux2klein_cli.core.bench_cpu matmul
     python -m flux2klein_cli.core.bench_cpu image /tmp/medium --dtype bf16 --size 512 --steps 4
-`image` times ours with oneMKL's dots and with XLA's (core/models/cpu_matmul.py) in the same process.
+`image` times ours with oneMKL's dots and with XLA's (FLUX2KLEIN_CPU_MATMUL=xla, core/models/cpu_matmul.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from collections.abc import Callable
@@ -56,53 +56,66 @@ def matmul(n: int, rounds: int) -> dict[str, Any]:
     return {k: round(2 * n**3 / s / 1e9) for k, s in best.items()}
 
 
-def image(model: str, dtype: str, size: int, steps: int, rounds: int) -> dict[str, Any]:
-    """Per-image phases of ours, with oneMKL's dots (where active) and with XLA's, beside
-    diffusers' whole call and its call up to the latents (text encoding and denoising)."""
+FORMS = ("flux2klein", "flux2klein-xla", "diffusers", "diffusers-latents")
+
+
+def one_form(form: str, model: str, dtype: str, size: int, steps: int, calls: int) -> dict[str, Any]:
+    """Best seconds of `calls` calls after a first one, in this process, of one form only: torch
+    and XLA in one process slow each other (idle workers of one spin on the cores the other
+    needs; diffusers' fp32 call took 3-4x longer beside a loaded JAX pipeline)."""
+    prompt = "a red fox in snow"
+    if form.startswith("flux2klein"):
+        from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+        pipe = KleinPipeline.load(model, dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+        request = Request(prompts=[prompt], steps=steps, guidance=1.0, height=size, width=size)
+        phases: dict[str, float] = {}
+
+        def call() -> None:
+            for k, v in pipe(request).seconds.items():
+                phases[k] = min(v, phases.get(k, v))
+
+        best = interleave({form: call}, calls)[form]
+        return {"s": best, "phases": {k: round(v, 3) for k, v in phases.items() if v}}
     import diffusers
     import torch
 
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-
     torch.set_num_threads(2)
-    prompt = "a red fox in snow"
-    request = Request(prompts=[prompt], steps=steps, guidance=1.0, height=size, width=size)
-    real = cpu_matmul.status()
-    forms: dict[str, Callable[[], Any]] = {}
-    seconds: dict[str, dict[str, float]] = {}
+    ref = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch.bfloat16 if dtype == "bf16"
+                                                       else torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    kind = "latent" if form.endswith("latents") else "pil"
 
-    def ours(name: str, status: cpu_matmul.Status) -> None:
-        # Each pipeline traces its programs on its first call; the choice made then stays.
-        cpu_matmul.status = lambda: status  # type: ignore[assignment]
-        pipe = KleinPipeline.load(model, dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
-        pipe(request)
+    def theirs() -> Any:
+        return ref(prompt=prompt, height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
+                   generator=torch.Generator().manual_seed(0), output_type=kind)
 
-        def call() -> None:
-            phases = pipe(request).seconds
-            seconds[name] = {k: min(v, seconds.get(name, {}).get(k, v)) for k, v in phases.items()}
+    return {"s": interleave({form: theirs}, calls)[form]}
 
-        forms[name] = call
 
-    try:
-        if real.name and dtype == "bf16":
-            ours("flux2klein onemkl", real)
-        ours("flux2klein xla", cpu_matmul.Status(None, "off"))
-    finally:
-        cpu_matmul.status = functools.cache(lambda: real)  # type: ignore[assignment]
-    pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch.bfloat16 if dtype == "bf16"
-                                                        else torch.float32)
-    pipe.set_progress_bar_config(disable=True)
+def image(model: str, dtype: str, size: int, steps: int, rounds: int, calls: int) -> dict[str, Any]:
+    """Per-image seconds of each form, each in its own process, the processes in turn for
+    `rounds` rounds; the median over rounds of each process's best call."""
+    import os
+    import statistics
+    import subprocess
+    import sys
 
-    def theirs(output_type: str) -> Any:
-        return pipe(prompt=prompt, height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
-                    generator=torch.Generator().manual_seed(0), output_type=output_type)
-
-    forms["diffusers"] = lambda: theirs("pil")
-    forms["diffusers to latents"] = lambda: theirs("latent")
-    best = interleave(forms, rounds)
-    return {"whole_s": {k: round(v, 3) for k, v in best.items()},
-            "ratio_to_diffusers": {k: round(v / best["diffusers"], 3) for k, v in best.items()},
-            "phases_s": {k: {p: round(v, 3) for p, v in ph.items() if v} for k, ph in seconds.items()}}
+    runs: dict[str, list[dict[str, Any]]] = {f: [] for f in FORMS}
+    for _ in range(rounds):
+        for form in FORMS:
+            env = dict(os.environ)
+            if form == "flux2klein-xla":
+                env[cpu_matmul.ENV] = "xla"
+            cmd = [sys.executable, "-m", "flux2klein_cli.core.bench_cpu", "one", form, model, "--dtype", dtype,
+                   "--size", str(size), "--steps", str(steps), "--calls", str(calls)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            runs[form].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    median = {f: statistics.median(r["s"] for r in rs) for f, rs in runs.items()}
+    return {"per_image_s": {f: round(v, 3) for f, v in median.items()},
+            "ratio_to_diffusers": {f: round(v / median["diffusers"], 3) for f, v in median.items()},
+            "runs_s": {f: [round(r["s"], 3) for r in rs] for f, rs in runs.items()},
+            "phases_s": {f: rs[-1].get("phases") for f, rs in runs.items() if f.startswith("flux2klein")}}
 
 
 def main() -> None:
@@ -116,14 +129,24 @@ def main() -> None:
     i.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     i.add_argument("--size", type=int, default=512)
     i.add_argument("--steps", type=int, default=4)
-    i.add_argument("--rounds", type=int, default=5)
+    i.add_argument("--rounds", type=int, default=3)
+    i.add_argument("--calls", type=int, default=3)
+    o = sub.add_parser("one")
+    o.add_argument("form", choices=FORMS)
+    o.add_argument("model")
+    o.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    o.add_argument("--size", type=int, default=512)
+    o.add_argument("--steps", type=int, default=4)
+    o.add_argument("--calls", type=int, default=3)
     args = parser.parse_args()
     status = cpu_matmul.status()
     out = {"cpu_matmul": status.name, "why": status.reason}
     if args.what == "matmul":
         out["gflops"] = matmul(args.n, args.rounds)
+    elif args.what == "one":
+        out.update(one_form(args.form, args.model, args.dtype, args.size, args.steps, args.calls))
     else:
-        out.update(image(args.model, args.dtype, args.size, args.steps, args.rounds))
+        out.update(image(args.model, args.dtype, args.size, args.steps, args.rounds, args.calls))
     print(json.dumps(out))
 
 
