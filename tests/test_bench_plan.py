@@ -24,6 +24,7 @@ def bench(store: Path) -> dict:
     return json.loads(done.stdout)
 
 
+@pytest.mark.slow
 def test_bench_for_a_slice_this_host_lacks_reports_compile_memory_and_cost(tmp_path: Path) -> None:
     first = bench(tmp_path / "store")
     assert first["timed"] is False and "need the v6e-4 slice" in first["note"]

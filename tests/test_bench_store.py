@@ -28,6 +28,7 @@ def entries(store: Path) -> list[Path]:
     return sorted(store.glob("*/meta.json"))
 
 
+@pytest.mark.slow
 def test_first_run_compiles_and_stores_then_the_second_loads(tiny_checkpoint: Path, tmp_path: Path) -> None:
     store = tmp_path / "executables"
     first = bench(tiny_checkpoint, "--compile-cache", str(store))
@@ -61,6 +62,7 @@ def test_no_save_leaves_the_store_empty(tiny_checkpoint: Path, tmp_path: Path,
     assert entries(store) == []
 
 
+@pytest.mark.slow
 def test_no_store_jit_compiles_and_touches_no_store(tiny_checkpoint: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     store = tmp_path / "executables"

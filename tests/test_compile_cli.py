@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from flux2klein_cli.cli.app import app  # noqa: E402
-from flux2klein_cli.core.compile import programs as P  # noqa: E402
+from flux2klein_cli.core.compile import specs as P  # noqa: E402
 from flux2klein_cli.core.compile.store import ExecutableStore, compile_all  # noqa: E402
 from flux2klein_cli.core.compile.tpu import parse_preset  # noqa: E402
 from flux2klein_cli.core.errors import UserInputError  # noqa: E402
@@ -41,6 +41,7 @@ def _swap_in(pipeline: object, executables: dict[str, object]) -> None:
         pipeline._reference_kv = executables["reference_kv"]  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv", [False, True], ids=["edit", "kv-edit"])
 def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path, kv: bool) -> None:
     """Executables compiled from configs alone accept the pipeline's real arguments (a Compiled
@@ -70,6 +71,7 @@ def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path, kv: bool) -
     np.testing.assert_array_equal(np.asarray(executables["noise"](np.asarray(seeds, np.uint32))), np.asarray(noise))
 
 
+@pytest.mark.slow
 def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """At `--effort fast` for a TPU the VAE programs have no 3x3 convolution left (only the 1x1
@@ -114,6 +116,7 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
                                    err_msg=name)
 
 
+@pytest.mark.slow
 def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: Path, tmp_path: Path) -> None:
     if importlib.util.find_spec("libtpu") is None:
         pytest.skip("libtpu is not installed (pip install 'flux2klein-cli[tpu]'); CI installs it")
@@ -139,6 +142,7 @@ def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: 
     assert [p["status"] for p in json.loads(again.stdout)["programs"]] == ["hit"] * 4
 
 
+@pytest.mark.slow
 def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """For TPU targets `--effort fast` also turns off libtpu's multi-output fusion pass (the
     9B decode's longest single-threaded step): the compiled decode keeps few tuple-output fusions."""

@@ -28,6 +28,7 @@ def worker(model: Path, store: Path, *extra: str, env: dict[str, str] | None = N
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("edit", [False, True], ids=["text-to-image", "edit"])
 def test_nothing_compiles_after_compile_in_this_or_a_new_process(tiny_checkpoint: Path, tmp_path: Path,
                                                                   edit: bool) -> None:
@@ -53,6 +54,7 @@ def test_nothing_compiles_after_compile_in_this_or_a_new_process(tiny_checkpoint
     assert fresh["all_compiles"] == []
 
 
+@pytest.mark.slow
 def test_the_count_sees_compiles_without_a_store(tiny_checkpoint: Path, tmp_path: Path) -> None:
     counted = worker(tiny_checkpoint, tmp_path / "unused", "--no-store")
     assert len(counted["program_compiles"]) >= 4  # text encoder, noise, denoise loop, decoder

@@ -166,6 +166,7 @@ def test_mismatched_file_is_exit_2_with_one_line(tiny: Path, tmp_path: Path) -> 
     assert missing.exit_code == 2 and "flux2klein fetch small-decoder" in missing.stderr
 
 
+@pytest.mark.slow
 def test_bfl_file_equals_diffusers_from_single_file_and_the_folder(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """Our read of a BFL single file against diffusers' own `from_single_file`: bit-identical
     parameters; and the image through --transformer equals the folder's."""

@@ -173,6 +173,7 @@ def test_a_failure_midway_leaves_nothing(source: Path, tmp_path: Path, monkeypat
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["flat", "orbax"])
 def test_a_killed_convert_leaves_no_model(source: Path, layout: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -221,6 +222,7 @@ def test_damaged_converted_directories_are_clear_errors(any_converted: Path, tmp
     assert result.exit_code == 2 and "single_transformer_blocks" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["flat", "orbax"])
 def test_sharded_convert_and_restore_on_four_devices(source: Path, layout: str, tmp_path: Path) -> None:
     """Written (for Orbax: chunked by the row shards), restored into another sharding and into the
@@ -271,6 +273,7 @@ def test_sharded_convert_and_restore_on_four_devices(source: Path, layout: str, 
     assert done.stdout.startswith("ok")
 
 
+@pytest.mark.slow
 def test_a_converted_directory_gives_the_same_image_as_its_source(source: Path, any_converted: Path) -> None:
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 

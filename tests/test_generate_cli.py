@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
@@ -12,7 +15,6 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.output import read_png_metadata
-from flux2klein_cli.core.runtime import xla_cache_dir
 
 runner = CliRunner()
 
@@ -27,10 +29,30 @@ def image_file(path: Path, width: int, height: int) -> Path:
     return path
 
 
+@contextmanager
+def xla_compiles() -> Iterator[list[float]]:
+    """The XLA compiles made inside the block (their durations)."""
+    seen: list[float] = []
+
+    def listen(event: str, duration: float, **_: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
 def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "fox.png"
-    result = run("generate", "a red fox in snow", "--model", tiny_checkpoint, "-o", out, "--height", 48, "--width",
-                 64, "--num-images", 2, "--seed", 7, "--steps", 2, "--dtype", "fp32", "--json")
+    fox = ("generate", "a red fox in snow", "--model", tiny_checkpoint, "--height", 48, "--width", 64,
+           "--num-images", 2, "--seed", 7, "--steps", 2, "--dtype", "fp32", "--json")
+    store = tmp_path / "executables"  # this test's own store: the session's is shared
+    with xla_compiles() as built:
+        result = run(*fox, "-o", out, "--compile-cache", store)
+    assert built  # the counter sees this run's compiles
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["outputs"] == [str(tmp_path / "fox-0.png"), str(tmp_path / "fox-1.png")]
@@ -50,10 +72,17 @@ def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_
     assert again.exit_code == 0, again.stderr
     assert again.stdout.strip() == str(tmp_path / "again.png")
     assert np.array_equal(np.asarray(Image.open(tmp_path / "again.png")), second)
-    # The compiled programs persist, so the next run of these shapes skips XLA.
-    assert any(xla_cache_dir().iterdir())
+    # The run stored every program it compiled, so the next run of these shapes compiles nothing.
+    programs = [p["name"] for p in report["executables"]]
+    assert programs and all(p["status"] == "miss" for p in report["executables"]), report["executables"]
+    with xla_compiles() as rebuilt:
+        repeat = run(*fox, "-o", tmp_path / "repeat.png", "--compile-cache", store)
+    assert repeat.exit_code == 0, repeat.stderr
+    statuses = {p["name"]: p["status"] for p in json.loads(repeat.stdout)["executables"]}
+    assert statuses == dict.fromkeys(programs, "hit") and rebuilt == []
 
 
+@pytest.mark.slow
 def test_edit_takes_the_first_reference_size(tiny_checkpoint: Path, tmp_path: Path) -> None:
     a = image_file(tmp_path / "a.png", 100, 75)  # processed to 96 x 64
     b = image_file(tmp_path / "b.jpg", 64, 128)
@@ -67,6 +96,7 @@ def test_edit_takes_the_first_reference_size(tiny_checkpoint: Path, tmp_path: Pa
     assert read_png_metadata(out)["references"] == [str(a), str(b)]
 
 
+@pytest.mark.slow
 def test_prompt_file_gives_one_image_per_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox\n\na lighthouse at dawn\n")
@@ -119,6 +149,7 @@ def test_bad_input_is_exit_2_one_line_nothing_written(case: str, tiny_checkpoint
     assert after == before  # nothing written, nothing overwritten
 
 
+@pytest.mark.slow
 def test_readme_main_command_runs_on_the_embedded_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The README's first command: the tiny checkpoint is written on first use, the default size is 256.
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path / "cache"))

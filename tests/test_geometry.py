@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
-from flux2klein_cli.core.compile import programs as P
+from flux2klein_cli.core.compile import specs as P
 from flux2klein_cli.core.compile.store import key_of, key_parts
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.images import preprocess_reference
@@ -56,12 +56,14 @@ def check(pipeline: KleinPipeline, request: Request, references: tuple[Any, ...]
     assert run.reference.std() > 10
 
 
+@pytest.mark.slow
 def test_text_to_image_matches_diffusers_at_8_pixels_per_token(shallow: KleinPipeline) -> None:
     assert shallow.geometry == SHALLOW
     # 40x56 is no multiple of 16: only this geometry's 8 allows it.
     check(shallow, Request(prompts=["a red fox in snow"], steps=3, guidance=1.0, height=40, width=56, seed=3))
 
 
+@pytest.mark.slow
 def test_edit_matches_diffusers_at_8_pixels_per_token(shallow: KleinPipeline) -> None:
     # The reference is cropped to multiples of 8 (100x75 -> 96x72), and sets the output size.
     check(shallow, Request(prompts=["make it blue"], steps=2, guidance=1.0, seed=5), (synthetic_image(100, 75, 0),))

@@ -84,6 +84,7 @@ def _stored(store: Path) -> list[Path]:
 # --- the moments: imports, model work, writes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", SIGNALS, ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_the_imports_stops_with_130(signum: int, tmp_path: Path) -> None:
     proc = _start(["generate", "a fox", "--model", "tiny", "-o", str(tmp_path / "fox.png")], _env(tmp_path))
@@ -195,6 +196,7 @@ STUCK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("second", [False, True], ids=["grace-expires", "second-signal"])
 def test_the_watchdog_exits_when_cleanup_is_stuck(second: bool, tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path)], env=_env(tmp_path), text=True,
@@ -240,6 +242,7 @@ def test_a_temporary_goes_on_failure(tmp_path: Path) -> None:
 # --- a batch that fails midway
 
 
+@pytest.mark.slow
 def test_a_failure_at_image_k_keeps_and_names_the_images_written(tiny_checkpoint: Path, tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     real = generate_module.write_png

@@ -12,8 +12,14 @@ import pytest
 
 from flux2klein_cli.core import trust
 from flux2klein_cli.core.images import postprocess, preprocess_reference
-from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest, weights_identity
+from flux2klein_cli.core.pipeline.kv_store import (
+    ReferenceKVStore,
+    cache_identity,
+    references_digest,
+    weights_identity,
+)
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 from tests.test_pipeline_parity import check, synthetic_image
 
 REFERENCES = [synthetic_image(96, 64, 1), synthetic_image(70, 140, 2), synthetic_image(200, 64, 3),
@@ -25,7 +31,7 @@ def kv_pipeline(tiny_kv_checkpoint: Path) -> KleinPipeline:
     return KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("n_refs", [1, 2, 4])
+@pytest.mark.parametrize("n_refs", [1, pytest.param(2, marks=pytest.mark.slow), 4])
 def test_kv_edit_matches_diffusers_kv_pipeline(kv_pipeline: KleinPipeline, n_refs: int) -> None:
     request = Request(prompts=["put them together"], steps=3, guidance=1.0, height=64, width=80, seed=n_refs)
     check(kv_pipeline, request, REFERENCES[:n_refs])
@@ -59,6 +65,7 @@ def test_reuse_in_memory_and_on_disk_gives_the_same_image(tiny_kv_checkpoint: Pa
     assert not warnings
 
 
+@pytest.mark.slow
 def test_several_prompts_share_one_references_pass(kv_pipeline: KleinPipeline) -> None:
     """Two prompts x two images use one cache; each image equals the one from its own run."""
     refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
@@ -78,6 +85,7 @@ def kv_shapes(pipeline: KleinPipeline, refs: list[np.ndarray]) -> list[tuple[int
         sum(int(np.prod(pipeline.geometry.grid(*r.shape[:2]))) for r in refs))
 
 
+@pytest.mark.slow
 def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
     digest = references_digest(refs)
@@ -106,6 +114,7 @@ def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path,
     assert ReferenceKVStore(tmp_path, identity, jnp.bfloat16, warnings.append).load(digest, shapes) is None
 
 
+@pytest.mark.slow
 def test_an_unwritable_store_warns_and_the_edit_runs(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("x")
@@ -122,6 +131,25 @@ def test_weights_identity_tells_checkpoints_of_one_geometry_apart(tiny_checkpoin
     a = weights_identity(tiny_checkpoint / "transformer")
     assert a == weights_identity(tiny_checkpoint / "transformer")
     assert a != weights_identity(tiny_kv_checkpoint / "transformer")
+
+
+def test_the_cache_key_covers_the_vae_and_the_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """References reach the transformer as VAE latents: another VAE (same transformer), another
+    source fingerprint or another package version is another key, so never an old entry."""
+    import flux2klein_cli
+
+    a = write_random_checkpoint(tmp_path / "a", "tiny", components=("transformer", "vae"), seed=0)
+    b = write_random_checkpoint(tmp_path / "b", "tiny", components=("vae",), seed=1)
+    base = cache_identity(a / "transformer", a / "vae", "code-1")
+    assert base == cache_identity(a / "transformer", a / "vae", "code-1")
+    assert base != cache_identity(a / "transformer", b / "vae", "code-1")
+    assert base != cache_identity(a / "transformer", a / "vae", "code-2")
+    monkeypatch.setattr(flux2klein_cli, "__version__", "999.0", raising=False)
+    assert base != cache_identity(a / "transformer", a / "vae", "code-1")
+    digest = references_digest([np.zeros((16, 16, 3), np.float32)])
+    stores = [ReferenceKVStore(tmp_path, i, jnp.float32, print) for i in (base, cache_identity(a / "transformer",
+                                                                                                a / "vae", "code-1"))]
+    assert stores[0].key(digest) != stores[1].key(digest)
 
 
 @pytest.mark.parametrize("record", ["list", "number", "permuted shapes", "nan", "planted", "world-writable"])

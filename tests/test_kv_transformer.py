@@ -148,7 +148,27 @@ def test_cached_step_equals_recomputing_the_step(ours) -> None:
     assert rel_err(cached, np.asarray(full)) < 1e-5
 
 
-def test_cache_is_independent_of_batch_and_matches_plain_forward_without_refs(ours) -> None:
+def test_one_cache_serves_every_image_of_a_batch(ours) -> None:
+    """The references-only cache is one (batch 1) for the whole batch: two images with it give
+    the velocities each gives alone with it, and the cache of two copies of the references
+    holds that one cache twice."""
+    x = make_inputs(2, seed=4)
+    kv = ours_refs_only(ours, x)
+    assert all(leaf.shape[1] == 1 for leaf in jax.tree.leaves(kv))
+    batch = ours_cached(ours, x, kv)
+    for i in range(BATCH):
+        one = {name: x[name][i : i + 1] for name in ("img", "txt", "sigma")}
+        alone = ours_cached(ours, dict(x, **one), kv)
+        assert rel_err(batch[i : i + 1], alone) < 1e-6, (i, rel_err(batch[i : i + 1], alone))
+    rope = ours.rope(np.zeros((0, 4), np.float32), x["ref_ids"])
+    twice = jax.jit(lambda m, r, rope: m.reference_kv(r, rope))(ours, jnp.asarray(x["refs"][[0, 0]]), rope)
+    for once, both in zip(jax.tree.leaves(kv), jax.tree.leaves(twice), strict=True):
+        assert both.shape[1] == 2
+        for i in range(2):
+            assert rel_err(np.asarray(both[:, i]), np.asarray(once[:, 0])) < 1e-6
+
+
+def test_an_empty_cache_is_the_plain_forward_without_refs(ours) -> None:
     """An empty cache (no reference tokens) is the plain text-to-image forward."""
     x = make_inputs(1, seed=3)
     kv = ours_refs_only(ours, x)

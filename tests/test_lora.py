@@ -198,19 +198,22 @@ def check_parity(model: Path, specs: list[LoraSpec], request: Request, pil: list
     assert np.abs(plain(request).images - pipeline(request).images).max() > 0.05  # the LoRA does change the image
 
 
-@pytest.mark.parametrize("layout", ["bfl", "kohya", "peft", "lokr-bfl", "lokr-lycoris"])
+@pytest.mark.parametrize("layout", ["bfl", *(pytest.param(name, marks=pytest.mark.slow)
+                                             for name in ("kohya", "peft", "lokr-bfl", "lokr-lycoris"))])
 def test_each_layout_equals_diffusers(tiny_checkpoint: Path, tmp_path: Path, layout: str) -> None:
     specs = parity_lora(tiny_checkpoint, tmp_path, [(layout, 0.8)])
     check_parity(tiny_checkpoint, specs, Request(prompts=["a red fox"], steps=3, guidance=1.0, height=64, width=64,
                                                  seed=3))
 
 
+@pytest.mark.slow
 def test_two_loras_at_once_equal_diffusers_set_adapters(tiny_checkpoint: Path, tmp_path: Path) -> None:
     specs = parity_lora(tiny_checkpoint, tmp_path, [("bfl", 0.6), ("kohya", 1.3)])
     check_parity(tiny_checkpoint, specs, Request(prompts=["a red fox"], steps=3, guidance=1.0, height=64, width=64,
                                                  seed=4))
 
 
+@pytest.mark.slow
 def test_lora_on_a_kv_edit_equals_diffusers(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     from tests.test_pipeline_parity import synthetic_image
 
@@ -232,6 +235,7 @@ class _CompileLog(logging.Handler):
             self.compiled.append(message[:120])
 
 
+@pytest.mark.slow
 def test_switching_loras_or_scales_compiles_nothing(tiny_checkpoint: Path, tmp_path: Path) -> None:
     transformer = tiny_checkpoint / "transformer"
     first = write_random_lora(tmp_path / "a.safetensors", transformer, "bfl", rank=2, seed=1)

@@ -28,6 +28,7 @@ def env_with_devices(n: int) -> dict[str, str]:
     return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu", FLUX2KLEIN_XLA_CACHE="off")
 
 
+@pytest.mark.slow
 def test_every_mesh_gives_the_single_device_images(tiny_checkpoint: Path, tiny_kv_checkpoint: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "tests.mesh_worker", str(tiny_checkpoint), str(tiny_kv_checkpoint),
                            *MESHES], env=env_with_devices(8), cwd=ROOT, capture_output=True, text=True, timeout=1500)
@@ -44,6 +45,7 @@ def test_every_mesh_gives_the_single_device_images(tiny_checkpoint: Path, tiny_k
         assert row["q_shards"] == spec.fsdp * spec.tensor, row
 
 
+@pytest.mark.slow
 def test_guidance_on_a_mesh_gives_the_single_device_images(tiny_base_checkpoint: Path) -> None:
     """Classifier-free guidance (undistilled models): the negative prompt broadcast and the 2B batch
     inside the denoise program, sharded over data x fsdp and tensor."""
@@ -92,6 +94,7 @@ def generate_args(model: Path, out: Path) -> list[str]:
             "--max-sequence-length", "16", "--json"]
 
 
+@pytest.mark.slow
 def test_two_processes_make_the_one_process_images(tiny_checkpoint: Path, tmp_path: Path) -> None:
     one = subprocess.run(generate_args(tiny_checkpoint, tmp_path / "one.png"), env=env_with_devices(1),
                          capture_output=True, text=True, timeout=600)
@@ -120,6 +123,7 @@ BAD = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(BAD))
 def test_device_errors_are_exit_2_before_any_work(case: str, tiny_checkpoint: Path, tmp_path: Path) -> None:
     devices, extra, expected = BAD[case]
@@ -141,6 +145,7 @@ def test_mesh_spec_parsing() -> None:
             MeshSpec.parse(bad)
 
 
+@pytest.mark.slow
 def test_bench_on_a_mesh_reports_memory_per_device(tiny_checkpoint: Path) -> None:
     args = [sys.executable, "-m", "flux2klein_cli", "bench", "--model", str(tiny_checkpoint), "--mesh", "fsdp=4",
             "--bs", "8", "--height", "32", "--width", "32", "--steps", "1", "--reps", "1", "--dtype", "fp32", "--json"]

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2klein_cli.core.images import preprocess_reference
-from flux2klein_cli.core.parity import run_parity
+from flux2klein_cli.core.images import postprocess, preprocess_reference
+from flux2klein_cli.core.parity import reference_pipeline, run_parity, run_reference
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
 MIN_SSIM, MAX_DIFF = 0.999, 2  # max pixel difference in 1/255 steps
+BF16_FACTOR = 2.0  # our bf16 error over diffusers' bf16 error, both against diffusers' fp32
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +47,7 @@ def test_text_to_image(pipeline: KleinPipeline, height: int, width: int) -> None
     check(pipeline, Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=height, width=width, seed=3))
 
 
+@pytest.mark.slow
 def test_batch_of_two_prompts_with_two_images_each(pipeline: KleinPipeline) -> None:
     request = Request(prompts=["a red fox in snow", "a lighthouse at dawn, oil painting"], num_images=2, steps=3,
                       guidance=1.0, height=64, width=64, seed=11)
@@ -57,6 +59,7 @@ def test_edit_with_one_reference(pipeline: KleinPipeline) -> None:
     check(pipeline, Request(prompts=["make it blue"], steps=4, guidance=1.0, seed=5), [synthetic_image(100, 75, 0)])
 
 
+@pytest.mark.slow
 def test_edit_with_three_references_of_different_sizes(pipeline: KleinPipeline) -> None:
     references = [synthetic_image(96, 64, 1), synthetic_image(70, 140, 2), synthetic_image(200, 64, 3)]
     check(pipeline, Request(prompts=["put them together"], steps=3, guidance=1.0, height=64, width=80, seed=7),
@@ -71,9 +74,28 @@ def test_base_model_with_guidance_and_negative_prompt(tiny_base_checkpoint: Path
     check(base, request)
 
 
+@pytest.mark.slow
 def test_narrow_decoder_model(tiny_small_decoder_checkpoint: Path) -> None:
     """A VAE whose decoder is narrower than its encoder (like FLUX.2-small-decoder), text to image and edit."""
     small = KleinPipeline.load(tiny_small_decoder_checkpoint, dtype=jnp.float32)
     assert small.models.vae.config.decoder_block_out_channels != small.models.vae.config.block_out_channels
     check(small, Request(prompts=["a red fox in snow"], steps=3, guidance=1.0, height=64, width=48, seed=2),
           [synthetic_image(64, 64, 4)])
+
+
+@pytest.mark.slow
+def test_bf16_is_as_close_to_fp32_as_diffusers_own_bf16(tiny_checkpoint: Path) -> None:
+    """Our bf16 run against diffusers' fp32 errs about as much as diffusers' bf16 run does: a
+    bf16-only mistake (a cast in the wrong place, an fp32 step skipped) would show as more."""
+    ours = KleinPipeline.load(tiny_checkpoint, dtype=jnp.bfloat16)
+    request = Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=64, width=64, seed=3)
+    noise, _ = ours.initial_noise(request, ours.geometry.grid(64, 64))
+    request.latents = noise
+    mine = postprocess(ours(request).images)
+    fp32, bf16 = (run_reference(reference_pipeline(ours, dtype), request, noise, []) for dtype in ("fp32", "bf16"))
+
+    def error(images: np.ndarray) -> float:  # mean absolute difference from fp32, in 1/255 steps
+        return float(np.abs(images.astype(np.float32) - fp32.astype(np.float32)).mean())
+
+    assert fp32.std() > 10 and error(bf16) > 0  # bf16 differs from fp32 at all: the comparison means something
+    assert error(mine) <= BF16_FACTOR * error(bf16), (error(mine), error(bf16))

@@ -59,6 +59,7 @@ def test_chunked_loop_gives_the_same_latents_as_one_call(pipeline, monkeypatch: 
     np.testing.assert_array_equal(chunked, plain)
 
 
+@pytest.mark.slow
 def test_stored_executables_load_and_serve_the_stepped_loop(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """With a bar the loop's program is stored and loaded like every other (no host callback
     in it), and the run calls that executable, not a jitted fallback."""
@@ -103,6 +104,7 @@ def test_step_bar_draws_counts_and_pauses_the_spinner(monkeypatch: pytest.Monkey
     assert "denoising" in stream.getvalue() and "3/3" in stream.getvalue()
 
 
+@pytest.mark.slow
 def test_generate_draws_the_bar_only_for_a_terminal_without_json(tiny_checkpoint: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     def generate(name: str, *extra: str):
@@ -125,7 +127,7 @@ def test_generate_draws_the_bar_only_for_a_terminal_without_json(tiny_checkpoint
 
 def test_compile_reports_each_program_once(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """compile_all's on_done counts every program, loaded or compiled, up to their number."""
-    from flux2klein_cli.core.compile import programs as P
+    from flux2klein_cli.core.compile import specs as P
     from flux2klein_cli.core.compile.store import ExecutableStore, compile_all
 
     run = P.RunShape(32, 32, LatentGeometry(16, 128), steps=2, max_sequence_length=16, dtype=jnp.float32)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -43,3 +45,35 @@ def test_missing_tokenizer_file_is_a_checkpoint_error(tiny_checkpoint: Path, tmp
     (tmp_path / "tokenizer_config.json").write_text(config)
     with pytest.raises(CheckpointError, match="tokenizer.json"):
         PromptTokenizer(tmp_path)
+
+
+REAL_TEMPLATE = Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja"
+
+
+@pytest.fixture
+def real_template_tokenizer(tiny_checkpoint: Path, tmp_path: Path) -> Path:
+    """The fixture's tokenizer with Qwen3's own chat template in tokenizer_config.json, as the
+    FLUX.2 [klein] tokenizer folders ship it (the full template: tools, thinking, indentation)."""
+    folder = tmp_path / "tokenizer"
+    shutil.copytree(tiny_checkpoint / "tokenizer", folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = REAL_TEMPLATE.read_text(encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_qwen3s_own_template_renders_as_transformers_renders_it(real_template_tokenizer: Path,
+                                                                tiny_checkpoint: Path) -> None:
+    ours = PromptTokenizer(real_template_tokenizer)
+    reference = AutoTokenizer.from_pretrained(real_template_tokenizer)
+    for prompt in PROMPTS:
+        assert ours.render(prompt) == reference.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    # What FLUX.2 [klein] encodes, and what the fixture's short template renders too.
+    expected = "<|im_start|>user\na red fox in snow<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    assert ours.render(PROMPTS[0]) == expected == PromptTokenizer(tiny_checkpoint / "tokenizer").render(PROMPTS[0])
+    ids, mask = ours(PROMPTS, 64)
+    ref_ids, ref_mask = encode_prompts(reference, PROMPTS, max_length=64)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_array_equal(mask, ref_mask)

@@ -158,6 +158,7 @@ def test_downloads_only_what_the_pipeline_reads() -> None:
     assert kept == {f for f in repo_files if "/" in f} | {"model_index.json"}
 
 
+@pytest.mark.slow
 def test_hub_environment_variables_in_a_fresh_process(tmp_path: Path, source: Path) -> None:
     """HF_HOME and HF_HUB_OFFLINE as a user sets them, read by huggingface_hub itself."""
     snapshot = populate(tmp_path / "home" / "hub", REPO, source)

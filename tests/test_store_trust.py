@@ -177,6 +177,7 @@ def test_trees_of_unknown_node_types_are_not_stored() -> None:
         treedefs.encode(jax.tree_util.tree_structure(pair(1, 2)))
 
 
+@pytest.mark.slow
 def test_generate_with_planted_entries_runs_none_and_draws_the_same_image(tiny_checkpoint: Path,
                                                                           tmp_path: Path) -> None:
     from PIL import Image

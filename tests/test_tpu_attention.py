@@ -45,6 +45,7 @@ def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> np.ndarray:
     return np.asarray(out.astype(jnp.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
 @pytest.mark.parametrize("dtype, tolerance", [(jnp.float32, 2e-6), (jnp.bfloat16, 2e-2)], ids=["f32", "bf16"])
 def test_kernel_equals_xla_attention(shape: tuple[int, ...], dtype: jnp.dtype, tolerance: float) -> None:
@@ -54,6 +55,7 @@ def test_kernel_equals_xla_attention(shape: tuple[int, ...], dtype: jnp.dtype, t
     assert np.abs(out - expected).max() <= tolerance * np.abs(expected).max()
 
 
+@pytest.mark.slow
 def test_kernel_path_is_taken_only_when_asked_off_tpu(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[int, ...]] = []
     splash = tpu_attention.splash_attention
@@ -92,6 +94,7 @@ def mesh_worker() -> None:
         print(json.dumps(dict(mesh=shape, error=error, shard_map="shard_map" in jaxpr)), flush=True)
 
 
+@pytest.mark.slow
 def test_kernel_under_a_mesh_runs_in_shard_map() -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     done = subprocess.run([sys.executable, "-m", "tests.test_tpu_attention"], env=env, cwd=ROOT,

@@ -247,7 +247,7 @@ def _plan_table(result: dict[str, Any]) -> None:
 def _transformer_compile(model: str, height: int, width: int, bs: int, reps: int, unrolled: bool,
                          as_json: bool) -> dict[str, Any]:
     from flux2klein_cli.core.bench import summarize, transformer_compile_seconds
-    from flux2klein_cli.core.compile.programs import configs_from_registry
+    from flux2klein_cli.core.compile.specs import configs_from_registry
     from flux2klein_cli.core.images import validate_size
     from flux2klein_cli.core.registry import spec_for
 

@@ -10,6 +10,7 @@ import typer
 from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, note, result, show_table, user_errors, warn
 from flux2klein_cli.cli.params import float_option
+from flux2klein_cli.core import choices
 
 
 def compile_programs(
@@ -40,6 +41,10 @@ def compile_programs(
     no_save: Annotated[bool, typer.Option("--no-save", help="Compile without storing the executables.")] = False,
     effort: o.EffortOpt = o.Effort.default,
     dtype: o.DtypeOpt = o.Dtype.bf16,
+    quantize: Annotated[o.Quantize, o.choice_option(
+        o.Quantize, choices.check_quantize, "--quantize",
+        help="int8: compile for the model as `convert --quantize int8` writes it (a converted int8 model "
+             "is compiled so without it).")] = o.Quantize("none"),
     max_sequence_length: o.MaxSequenceOpt = 512,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
@@ -70,7 +75,7 @@ def compile_programs(
                               guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu,
                               compile_cache=o.compile_cache(compile_cache, cache_dir), sequential=sequential,
                               dtype=dtype.value, max_sequence_length=max_sequence_length, save=not no_save,
-                              effort=effort.value, transformer=transformer, vae=vae)
+                              effort=effort.value, transformer=transformer, vae=vae, quantize=quantize.value)
         from flux2klein_cli.cli.progress import StepBar, wanted
 
         bar = StepBar("programs", unit="program") if wanted(as_json) else None

@@ -28,6 +28,11 @@ def convert(
         help="flat: one memory-mapped file per model, written in small pieces (the least memory to convert); "
              "orbax: an Orbax checkpoint of plain zarr arrays, for tools built around Orbax. Both load without "
              "copying on a CPU host.")] = o.Layout(choices.DEFAULT_LAYOUT),
+    quantize: Annotated[o.Quantize, o.choice_option(
+        o.Quantize, choices.check_quantize, "--quantize",
+        help="int8: the transformer's and text encoder's block linears stored as int8 per output channel with "
+             "float32 scales (about half the bytes; computed weight-only, docs/models.md). Flat layout only.")
+    ] = o.Quantize("none"),
     mesh: Annotated[str | None, typer.Option(
         "--mesh", help="orbax: one chunk file per shard of this mesh's parameter shardings, e.g. fsdp=4 (flat "
         "files hold whole arrays; each device reads its slice).")] = None,
@@ -52,6 +57,8 @@ def convert(
     that --model would accept. The path is printed on stdout.
 
     Example: flux2klein convert 4b --out ~/models/klein-4b-bf16
+
+    Example: flux2klein convert 9b --quantize int8 --out ~/models/klein-9b-int8
 
     Example: flux2klein convert 4b --lora style.safetensors:0.8 --out ~/models/klein-4b-style
     """
@@ -80,12 +87,13 @@ def convert(
             sources = resolve_overrides(transformer, vae, offline=offline, download=True)
             resolved = replace(resolved, path=compose(resolved.path, sources))
         slug = _slug(model, resolved.repo_id, resolved.revision)
-        target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{dtype.value}"
+        suffix = dtype.value if quantize.value == "none" else f"{dtype.value}-{quantize.value}"
+        target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{suffix}"
         start = time.perf_counter()
         with _progress_bar(enabled=wanted(as_json)) as update:
             manifest = convert_snapshot_to(resolved, target, dtype=dtype.value, layout=layout.value, force=force,
                                            model=model, progress=update, mesh=run_on,
-                                           user_out=out is not None, lora=deltas,
+                                           user_out=out is not None, lora=deltas, quantize=quantize.value,
                                            **({"sharding_rule": rule} if rule is not None else {}))
         seconds = time.perf_counter() - start
     if as_json:
@@ -97,6 +105,7 @@ def convert(
             "components": {n: {k: c[k] for k in ("parameters", "bytes")} for n, c in manifest["components"].items()},
             "seconds": round(seconds, 3),
             "lora": manifest.get("lora", []),
+            "quantize": quantize.value,
         })
         return
     note(f"converted in {seconds:.1f} s")

@@ -28,6 +28,7 @@ def _enum(name: str, values: tuple[str, ...] | dict[str, str]) -> type[StrEnum]:
 Dtype = _enum("Dtype", choices.DTYPES)
 Effort = _enum("Effort", choices.EFFORTS)
 Layout = _enum("Layout", choices.LAYOUTS)
+Quantize = _enum("Quantize", choices.QUANTIZE)
 Phase = _enum("Phase", choices.PHASES)
 
 E = TypeVar("E", bound=StrEnum)

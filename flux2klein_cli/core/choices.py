@@ -15,6 +15,7 @@ DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}
 EFFORTS = ("default", "fast")  # XLA optimisation effort; what each means is in compile/store.py
 LAYOUTS = ("flat", "orbax")  # converted directories; see weights/converted.py
 DEFAULT_LAYOUT = "flat"
+QUANTIZE = ("none", "int8")  # `convert --quantize`: weight schemes; see models/quantized.py
 PHASES = ("pipeline", "ttfi", "load", "transformer-compile", "steps")  # what `bench` times
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 
@@ -34,6 +35,12 @@ def check_effort(name: str) -> str:
 def check_layout(name: str) -> str:
     if name not in LAYOUTS:
         raise UserInputError(f"unknown layout {name!r}: use one of {', '.join(LAYOUTS)}")
+    return name
+
+
+def check_quantize(name: str) -> str:
+    if name not in QUANTIZE:
+        raise UserInputError(f"unknown quantization {name!r}: use one of {', '.join(QUANTIZE)}")
     return name
 
 

@@ -25,11 +25,15 @@ from typing import Any
 
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.registry import COMPONENT_REPOS
+from flux2klein_cli.core.snapshot import (
+    CONVERTED_MANIFEST,
+    component_folder,
+    flux2klein_cache_dir,
+    resolve,
+    resolve_model,
+)
 
 OVERRIDABLE = ("transformer", "vae")
-# What a one-component hub repo needs downloaded: its config and diffusers weights (the repo may
-# also hold the same weights in another layout at its root, which would double the download).
-COMPONENT_PATTERNS = ["config.json", "diffusion_pytorch_model*.safetensors*", "vae/*"]
 COMPOSED_DIR = "composed"
 _MANIFEST = "flux2klein-components.json"  # in a composed directory: what it was built from
 
@@ -48,21 +52,6 @@ class ComponentSource:
         return {"source": self.given, "path": str(self.weights), "kind": kind}
 
 
-def component_problems(root: Path) -> list[str]:
-    """What a one-component snapshot lacks: its config or its weights."""
-    folder = component_folder(root)
-    if not (folder / "config.json").is_file():
-        return ["config.json missing"]
-    if not any(folder.glob("*.safetensors")):
-        return ["no .safetensors weights"]
-    return []
-
-
-def component_folder(root: Path) -> Path:
-    """A one-component repo keeps the component at its root or in `vae/`."""
-    return root / "vae" if (root / "vae" / "config.json").is_file() else root
-
-
 def resolve_component(name: str, given: str, *, offline: bool | None = None, download: bool = False
                       ) -> ComponentSource:
     """The weights `given` for component `name` (a path or an alias), checked to exist."""
@@ -74,7 +63,6 @@ def resolve_component(name: str, given: str, *, offline: bool | None = None, dow
         component, _ = COMPONENT_REPOS[alias]
         if component != name:
             raise UserInputError(f"{flag} {given}: {alias} is a {component}, not a {name}")
-        from flux2klein_cli.core.snapshot import resolve
 
         folder = component_folder(resolve(alias, offline=offline, download=download).path)
         return ComponentSource(name, alias, folder, folder / "config.json")
@@ -103,7 +91,6 @@ def resolve_overrides(transformer: str | None = None, vae: str | None = None, *,
 def resolve_composed(model: str, transformer: str | None = None, vae: str | None = None, **resolve_options: Any
                      ) -> Path:
     """`snapshot.resolve_model(model)`, composed with the overrides: what a model command opens."""
-    from flux2klein_cli.core.snapshot import resolve_model
 
     sources = resolve_overrides(transformer, vae, offline=resolve_options.get("offline"),
                                 download=resolve_options.get("download", False))
@@ -125,7 +112,6 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
     if not sources:
         return model_dir
     from flux2klein_cli.core.checkpoint import COMPONENTS
-    from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST, flux2klein_cache_dir
     from flux2klein_cli.core.temporaries import temporary_dir
 
     model_dir = Path(model_dir).resolve()

@@ -164,7 +164,7 @@ def _check_cost(snapshot: Snapshot, opts: GenerateOptions, dtype: Any, height: i
 def model_geometry(model: str) -> LatentGeometry | None:
     """The model's latent geometry from its configs alone, when they are here (a local or cached
     snapshot, `tiny`, or a published alias); None when only a download would tell."""
-    from flux2klein_cli.core.compile.programs import model_configs
+    from flux2klein_cli.core.compile.specs import model_configs
 
     try:
         configs = model_configs(model)
@@ -247,9 +247,10 @@ def run_generate(
                                              mesh=mesh, save=opts.save_executables,
                                              effort=opts.effort)
     if opts.kv_cache_dir is not None:
-        from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, weights_identity
+        from flux2klein_cli.core.compile.store import code_fingerprint
+        from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, cache_identity
 
-        identity = weights_identity(snapshot.component("transformer"))
+        identity = cache_identity(snapshot.component("transformer"), snapshot.component("vae"), code_fingerprint())
         if pipeline.lora:  # merged LoRAs change the reference K / V
             identity = f"{identity}+lora:{pipeline.lora.identity()}"
         pipeline.kv_store = ReferenceKVStore(opts.kv_cache_dir, identity, dtype, warn)

@@ -64,13 +64,13 @@ class RunCost:
 def materialises_scores(dtype_bytes: int) -> bool:
     """Whether attention holds its whole score matrix: XLA's own form on CPU, in fp32, or with
     FLUX2KLEIN_GPU_ATTENTION=xla; cuDNN's fused kernel (GPU) and the TPU kernel do not."""
-    import jax
+    from flux2klein_cli.core.models.trace import TraceOptions
 
-    backend = jax.default_backend()
-    if backend == "tpu":
+    attention = TraceOptions.local().attention
+    if attention.startswith("splash"):
         return False
-    if backend == "gpu":
-        return dtype_bytes == 4 or os.environ.get("FLUX2KLEIN_GPU_ATTENTION", "cudnn") == "xla"
+    if attention == "cudnn":
+        return dtype_bytes == 4
     return True
 
 

@@ -97,6 +97,8 @@ def parameter_spec(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) ->
         else:  # embedders, modulation, output layers: FSDP over the largest dimension
             largest = max(range(first, len(shape)), key=lambda i: shape[i])
             spec[largest] = "fsdp"
+    elif leaf == "scale" and len(shape) - first == 1 and module in COLUMN | ROW:
+        spec[-1] = "tensor" if module in COLUMN else "fsdp"  # an int8 kernel's scales: split as its outputs
     return _fits(mesh, spec, shape)
 
 

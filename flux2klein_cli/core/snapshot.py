@@ -121,8 +121,6 @@ def resolve(
         return Resolved(ensure_tiny(progress, kv=name == TINY_KV_ALIAS), "generated")
     if name in COMPONENT_REPOS:
         # A one-component repo (`fetch small-decoder`); `--vae small-decoder` reads it (core/components.py).
-        from flux2klein_cli.core.components import COMPONENT_PATTERNS, component_problems
-
         return _from_hub(model, COMPONENT_REPOS[name][1], revision, offline=hub_offline() or bool(offline),
                          download=download, tqdm_class=tqdm_class, patterns=COMPONENT_PATTERNS,
                          problems=component_problems)
@@ -315,3 +313,23 @@ def describe(resolved: Resolved) -> dict[str, Any]:
         "files": [name for name, _ in files],
         "bytes": sum(size for _, size in files),
     }
+
+
+# What a one-component hub repo needs downloaded: its config and diffusers weights (the repo may
+# also hold the same weights in another layout at its root, which would double the download).
+COMPONENT_PATTERNS = ["config.json", "diffusion_pytorch_model*.safetensors*", "vae/*"]
+
+
+def component_problems(root: Path) -> list[str]:
+    """What a one-component snapshot lacks: its config or its weights."""
+    folder = component_folder(root)
+    if not (folder / "config.json").is_file():
+        return ["config.json missing"]
+    if not any(folder.glob("*.safetensors")):
+        return ["no .safetensors weights"]
+    return []
+
+
+def component_folder(root: Path) -> Path:
+    """A one-component repo keeps the component at its root or in `vae/`."""
+    return root / "vae" if (root / "vae" / "config.json").is_file() else root

@@ -15,8 +15,9 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from flux2klein_cli.core.compile.programs import ModelConfigs, RunShape, configs_from_snapshot, pipeline_programs
+from flux2klein_cli.core.compile.specs import ModelConfigs, configs_from_snapshot, pipeline_programs
 from flux2klein_cli.core.compile.store import ExecutableStore, Target, compile_all
+from flux2klein_cli.core.pipeline.programs import RunShape
 
 
 class StoredExecutables:

@@ -33,6 +33,7 @@ class CompileOptions:
     effort: str = "default"  # XLA optimisation effort, a key of store.EFFORTS
     transformer: str | None = None  # --transformer / --vae (core/components.py)
     vae: str | None = None
+    quantize: str | None = None  # "int8": compile for a `convert --quantize int8` model of these configs
 
 
 def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
@@ -62,7 +63,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     """Resolve, build every program of the run, load or compile each, and report;
     `on_done(programs done, programs)` as each is ready."""
     from flux2klein_cli.core.choices import check_effort, jax_dtype
-    from flux2klein_cli.core.compile import programs as P
+    from flux2klein_cli.core.compile import specs as P
     from flux2klein_cli.core.compile.store import (
         ExecutableStore,
         Target,
@@ -70,6 +71,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         compiles_serially,
     )
     from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
+    from flux2klein_cli.core.pipeline.programs import RunShape
     from flux2klein_cli.core.registry import default_size, sampling
 
     check_effort(opts.effort)
@@ -85,11 +87,17 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         quiet_libtpu_without_tpu(preset.name)  # before jax first touches its backends
     start = time.perf_counter()
     configs = P.model_configs(opts.model, opts.transformer, opts.vae)
+    if opts.quantize not in (None, "none"):
+        from flux2klein_cli.core.choices import check_quantize
+
+        if configs.quantize not in (None, check_quantize(opts.quantize)):
+            raise UserInputError(f"{opts.model} is already quantized ({configs.quantize})")
+        configs = dataclasses.replace(configs, quantize=opts.quantize)
     if opts.kv and not configs.kv:
         raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
     size = default_size(opts.model)
     chosen = sampling(configs.distilled, opts.steps, opts.guidance)
-    run = P.RunShape(
+    run = RunShape(
         height=opts.height or size, width=opts.width or size, geometry=configs.geometry, batch=opts.batch,
         prompts=opts.prompts,
         steps=chosen.steps, references=refs,
@@ -130,7 +138,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
 
 def _report(opts: CompileOptions, configs: Any, run: Any, target: Any, store: Any, specs: list[Any],
             infos: list[Any], wall: float, parallel: bool) -> dict[str, Any]:
-    from flux2klein_cli.core.compile.programs import resident_bytes
+    from flux2klein_cli.core.compile.specs import resident_bytes
 
     resident = resident_bytes(specs)
     programs = []

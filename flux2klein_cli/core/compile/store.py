@@ -53,8 +53,9 @@ FORMAT = 2  # bump when the entry layout or the key's meaning changes
 EXECUTABLE, TREES, META, MANIFEST = "executable.bin", "trees.json", "meta.json", "manifest.json"
 # Source whose edits change what a program computes without changing any config or shape.
 _CODE_DIRS = ("core/models", "core/pipeline")
-_CODE_FILES = ("core/compile/programs.py",)
-# Environment that changes the compiled program (FLUX2KLEIN_GPU_ATTENTION: which attention is traced).
+_CODE_FILES = ("core/compile/specs.py",)
+# Environment that changes the compiled program (FLUX2KLEIN_GPU_ATTENTION: which attention a GPU
+# program traces; the trace options in the key hold it too).
 _FLAG_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "FLUX2KLEIN_GPU_ATTENTION")
 _FLAG_CONFIG = ("jax_default_matmul_precision", "jax_enable_x64")
 
@@ -73,7 +74,7 @@ def default_root() -> Path:
 
 # How hard XLA works on an executable's speed. "fast" trades run time for compile time
 # (figures in docs/benchmarks.md); XLA reads -1.0 as its least effort. At "fast" for TPU targets
-# the VAE's programs are also traced with their 3x3 convolutions as matmuls (programs._vae_form).
+# the VAE's programs are also traced with their 3x3 convolutions as matmuls (specs.trace_options).
 # The value is part of the store key.
 _EFFORT_OPTIONS: dict[str, dict[str, Any]] = {"fast": {"exec_time_optimization_effort": -1.0}}
 EFFORTS: dict[str, dict[str, Any]] = {name: _EFFORT_OPTIONS.get(name, {}) for name in choices.EFFORTS}
@@ -153,7 +154,9 @@ class ProgramSpec:
         # The pipeline calls its programs under `jax.set_mesh` when it has a mesh: the model's
         # sharding constraints and shard_maps (core/sharding.py) must see the same mesh here.
         mesh = jax.set_mesh(target.mesh) if target.mesh.size > 1 else contextlib.nullcontext()
-        with traced_for(target.platform), mesh:
+        # The function carries its trace options (core/compile/specs.trace_options): a TPU
+        # program lowered on a CPU host is traced in the TPU forms, nothing global is patched.
+        with mesh:
             return self.fn.lower(*self.args)
 
     @property
@@ -181,23 +184,6 @@ class LoadInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-@contextlib.contextmanager
-def traced_for(platform: str) -> Iterator[None]:
-    """Trace as if `platform` were the default backend. Model code picks kernels by
-    `jax.default_backend()` (layers.dot_product_attention: the query-blocked form on CPU);
-    a TPU program compiled from a CPU host must get the TPU choice, as on the TPU host.
-    Lowering runs on one thread (compile_all), so the swap is not seen by other tracing."""
-    if platform == jax.default_backend():
-        yield
-        return
-    original = jax.default_backend
-    jax.default_backend = lambda: platform  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        jax.default_backend = original  # type: ignore[assignment]
 
 
 # ----------------------------------------------------------------------------- key

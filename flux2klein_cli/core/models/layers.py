@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -10,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flux2klein_cli.core.models import cpu_matmul, tpu_attention
+from flux2klein_cli.core.models import cpu_matmul, tpu_attention, trace
 
 B = TypeVar("B", bound=nnx.Module)
 Carry = TypeVar("Carry")
@@ -135,23 +134,24 @@ def _blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = CP
 
 
 def gpu_fused_attention(q: jax.Array) -> bool:
-    """cuDNN's fused (flash) attention for these queries on an NVIDIA GPU.
+    """cuDNN's fused (flash) attention for these queries: the trace options name it (NVIDIA
+    GPUs unless FLUX2KLEIN_GPU_ATTENTION=xla, core/models/trace.py) and the kernel takes them.
 
     `jax.nn.dot_product_attention` left to choose takes XLA's form, which materialises every
     score: 32 heads x 21k x 21k float32 scores (56 GB) per block for a 9B edit with four 1024^2
-    references. cuDNN's kernel streams them; it takes half precision and head widths up to 128.
-    FLUX2KLEIN_GPU_ATTENTION=xla keeps XLA's form (e.g. for a cuDNN without the kernel)."""
-    return (jax.default_backend() == "gpu" and os.environ.get("FLUX2KLEIN_GPU_ATTENTION", "cudnn") == "cudnn"
+    references. cuDNN's kernel streams them; it takes half precision and head widths up to 128."""
+    return (trace.current().attention == "cudnn"
             and q.dtype in (jnp.bfloat16, jnp.float16) and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0)
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh): the Pallas splash
-    kernel on TPU (core/models/tpu_attention.py), cuDNN's fused kernel on NVIDIA GPUs, the
-    query-blocked form on the host CPU."""
-    if tpu_attention.use_kernel() and tpu_attention.supports(q, k, v):
+    """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh) in the form the trace
+    options name: the Pallas splash kernel on TPU (core/models/tpu_attention.py), cuDNN's fused
+    kernel on NVIDIA GPUs, the query-blocked form on the host CPU."""
+    options = trace.current()
+    if options.attention.startswith("splash") and tpu_attention.supports(q, k, v):
         return tpu_attention.splash_attention(q, k, v)
-    if jax.default_backend() == "cpu":
+    if options.platform == "cpu":
         return _blocked_attention(q, k, v)
     if gpu_fused_attention(q):
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")

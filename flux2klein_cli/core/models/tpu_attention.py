@@ -16,15 +16,16 @@ A pallas_call cannot be partitioned by XLA, so under a mesh the kernel runs insi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.sharding import BATCH_AXES, fitting_spec
 
 LANES = 128  # the kernel's key blocks are multiples of the TPU lane width
@@ -33,31 +34,18 @@ PAD_SEGMENT = 1  # padded keys' segment id; every query is segment 0, so they ge
 Axes = str | tuple[str, ...] | None
 
 
-@dataclass
-class _Settings:
-    force: bool = False  # take the kernel path whatever the backend (tests)
-    interpret: bool = False  # run Pallas in interpret mode (the kernel path off TPU)
-
-
-_SETTINGS = _Settings()
-
-
 @contextlib.contextmanager
 def kernel_everywhere(interpret: bool = True) -> Iterator[None]:
-    """Within this block `use_kernel()` holds on any backend and the kernel runs in interpret
-    mode, so the TPU path can be checked numerically on CPU. Affects tracing only."""
-    saved = (_SETTINGS.force, _SETTINGS.interpret)
-    _SETTINGS.force, _SETTINGS.interpret = True, interpret
-    try:
+    """Within this block the kernel path is taken on any backend, in interpret mode, so the TPU
+    path can be checked numerically on CPU. Affects tracing only (trace options, trace.py)."""
+    kind = "splash-interpret" if interpret else "splash"
+    with trace.tracing(dataclasses.replace(trace.current(), attention=kind)):
         yield
-    finally:
-        _SETTINGS.force, _SETTINGS.interpret = saved
 
 
 def use_kernel() -> bool:
-    """On TPU, including tracing for a TPU target from another host (`traced_for` swaps
-    `jax.default_backend`, so it is looked up on the module at call time)."""
-    return _SETTINGS.force or jax.default_backend() == "tpu"
+    """Whether the trace options in force name the kernel (on TPU, or a TPU target traced elsewhere)."""
+    return trace.current().attention.startswith("splash")
 
 
 def supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
@@ -70,7 +58,7 @@ def supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh), scale Dh**-0.5."""
-    local = functools.partial(_local_attention, interpret=_SETTINGS.interpret)
+    local = functools.partial(_local_attention, interpret=trace.current().attention == "splash-interpret")
     # Mosaic rejects the kernel's matmuls under a global "highest" matmul precision (jax's
     # JAX_DEFAULT_MATMUL_PRECISION, set by float32 parity runs): "Bad lhs type". The kernel
     # picks its own precision from the operand dtypes.

@@ -9,7 +9,7 @@ diffusers checkpoint's key names, so the key plan is derived from the NNX paths.
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import dataclasses
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, dot_product_attention, linear
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, Layout, TensorSource, load_module, single
@@ -120,19 +121,14 @@ class VAEConfig:
 # ----------------------------------------------------------------------------- layers
 
 
-_CONVS_AS_MATMULS = contextvars.ContextVar("convs_as_matmuls", default=False)
-
-
 @contextlib.contextmanager
 def convs_as_matmuls() -> Iterator[None]:
     """While tracing inside, the VAE's 3x3 convolutions are written as one matmul each (see
-    `Conv.as_matmul`): libtpu compiles the 9B decoder in about 40% less time, and XLA's cost
-    model puts the TPU decode about 30% slower. `--effort fast` programs are traced so."""
-    token = _CONVS_AS_MATMULS.set(True)
-    try:
+    `Conv.as_matmul`; the trace options' `convs_as_matmuls`, core/models/trace.py): libtpu
+    compiles the 9B decoder in about 40% less time, and XLA's cost model puts the TPU decode
+    about 30% slower. `--effort fast` programs for TPU are traced so."""
+    with trace.tracing(dataclasses.replace(trace.current(), convs_as_matmuls=True)):
         yield
-    finally:
-        _CONVS_AS_MATMULS.reset(token)
 
 
 class Conv(nnx.Conv):
@@ -140,7 +136,7 @@ class Conv(nnx.Conv):
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         same_3x3 = self.kernel_size == (3, 3) and self.strides in (1, (1, 1)) and self.padding == ((1, 1), (1, 1))
-        if same_3x3 and _CONVS_AS_MATMULS.get():
+        if same_3x3 and trace.current().convs_as_matmuls:
             return self.as_matmul(x)
         return super().__call__(x, out_sharding=out_sharding)
 

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.models.transformer import Flux2Transformer, ReferenceKV
 
 
@@ -82,21 +83,16 @@ def noise_fn(channels: int, height: int, width: int) -> jax.stages.Wrapped:
     return jax.jit(jax.vmap(draw))
 
 
-def denoise_fn(graphdef: nnx.GraphDef, count: int | None = None) -> jax.stages.Wrapped:
+def denoise_fn(graphdef: nnx.GraphDef, count: int | None = None,
+               trace: TraceOptions | None = None) -> jax.stages.Wrapped:
     """A jitted function of (transformer state, inputs, start step), so the same program can
     be lowered ahead of time from abstract shapes and called with real arrays. `count` steps
-    per call; None: every step in one call."""
+    per call; None: every step in one call. Traced under `trace` (None: the local forms)."""
 
     def run(state: nnx.State, x: DenoiseInputs, start: jax.Array) -> jax.Array:
         return denoise(nnx.merge(graphdef, state), x, start, count)
 
-    return jax.jit(run)
-
-
-def denoise_name(count: int | None) -> str:
-    """The program's name: `denoise` for the whole loop, `denoise_by_<k>` for k steps a call,
-    so each form is its own stored entry."""
-    return "denoise" if count is None else f"denoise_by_{count}"
+    return jax.jit(traced_under(run, trace))
 
 
 def steps_per_call(steps: int, calls: int) -> int:
@@ -106,14 +102,14 @@ def steps_per_call(steps: int, calls: int) -> int:
     return max(k for k in range(1, most + 1) if steps % k == 0)
 
 
-def reference_kv_fn(graphdef: nnx.GraphDef) -> jax.stages.Wrapped:
+def reference_kv_fn(graphdef: nnx.GraphDef, trace: TraceOptions | None = None) -> jax.stages.Wrapped:
     """The references-only pass as a jitted function of (transformer state, refs (1, R, C),
-    rope cos, rope sin over the reference ids) -> ReferenceKV."""
+    rope cos, rope sin over the reference ids) -> ReferenceKV, traced under `trace`."""
 
     def run(state: nnx.State, refs: jax.Array, rope_cos: jax.Array, rope_sin: jax.Array) -> ReferenceKV:
         return nnx.merge(graphdef, state).reference_kv(refs, (rope_cos, rope_sin))
 
-    return jax.jit(run)
+    return jax.jit(traced_under(run, trace))
 
 
 jax.tree_util.register_dataclass(

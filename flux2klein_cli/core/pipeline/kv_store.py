@@ -1,7 +1,8 @@
 """Reference KV caches kept across requests: in memory, and on disk with `--kv-cache-dir`.
 
-The cached K / V depend only on the transformer weights, the compute dtype and the
-processed reference pixels (with their sizes and order), so that is the key. On disk an
+The cached K / V depend on the transformer weights, the VAE that encoded the references,
+the code that computed them (package version and source fingerprint), the compute dtype and
+the processed reference pixels (with their sizes and order), so that is the key. On disk an
 entry is `<key>.bin` (the four arrays back to back) and `<key>.json` (shapes, dtype, the
 SHA-256 of the bytes, the key's inputs, and an HMAC of all that with the directory's key),
 the JSON written last as the commit mark, both by atomic rename.
@@ -57,6 +58,17 @@ def weights_identity(directory: Path) -> str:
                 f.seek(offset)
                 digest.update(f.read(SAMPLE_BYTES))
     return digest.hexdigest()
+
+
+def cache_identity(transformer: Path, vae: Path, code: str) -> str:
+    """The model and code half of a cache's key: the transformer's and the VAE's weights, the
+    package version and `code` (a fingerprint of the source), so another VAE or an upgrade
+    never reads an old entry."""
+    from flux2klein_cli import __version__
+
+    parts = (f"transformer {weights_identity(transformer)}", f"vae {weights_identity(vae)}",
+             f"version {__version__}", f"code {code}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
 class ReferenceKVStore:

@@ -26,21 +26,14 @@ from flux2klein_cli.core.checkpoint import LoadedModels, Snapshot, load_models
 from flux2klein_cli.core.errors import NonFiniteError, UserInputError
 from flux2klein_cli.core.mesh import check_divides
 from flux2klein_cli.core.models.transformer import ReferenceKV
-from flux2klein_cli.core.pipeline import tokens
-from flux2klein_cli.core.pipeline.denoise import (
-    DenoiseInputs,
-    denoise_fn,
-    denoise_name,
-    noise_fn,
-    reference_kv_fn,
-    steps_per_call,
-)
+from flux2klein_cli.core.pipeline import programs, tokens
+from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn, steps_per_call
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 from flux2klein_cli.core.registry import DEFAULT_SIZE
-from flux2klein_cli.core.sharding import BATCH_AXES, batch_shards, batch_spec, constrain
+from flux2klein_cli.core.sharding import batch_spec
 from flux2klein_cli.core.weights.configs import read_json
 
 if TYPE_CHECKING:
@@ -101,29 +94,12 @@ def _timed(seconds: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _jit_module_call(module: nnx.Module, method: str | Callable[..., Any] = "__call__") -> Callable[..., Any]:
-    """jit a module method (its name, or a function of (module, *args)) as a function of
-    (state, *args), so shapes alone decide recompiles."""
-    graphdef, _ = nnx.split(module)
-
-    def call(state: nnx.State, *args: Any) -> Any:
-        model = nnx.merge(graphdef, state)
-        return method(model, *args) if callable(method) else getattr(model, method)(*args)
-
-    return jax.jit(call)
-
-
 def check_seeds(first: int, count: int) -> None:
     """Image i draws from seed first + i into a 32-bit noise key: a larger seed would repeat a
     smaller one's noise."""
     last = first + count - 1
     if last >= 2**32:
         raise UserInputError(f"--seed + image index must stay below 2**32 (4294967296), got {last}")
-
-
-def encode_tokens(vae: Any, pixels: jax.Array) -> jax.Array:
-    """pixels (1, H, W, 3) -> the reference's packed latents (1, tokens, channels) of its LatentGeometry."""
-    return tokens.pack_nhwc(vae.encode(pixels))
 
 
 def first_non_finite(stages: list[tuple[str, Any]], to_host: Callable[[Any], Any]) -> str | None:
@@ -134,33 +110,6 @@ def first_non_finite(stages: list[tuple[str, Any]], to_host: Callable[[Any], Any
         if any(not np.isfinite(np.asarray(to_host(leaf), np.float32)).all() for leaf in leaves):
             return name
     return None
-
-
-def decode_latents(vae: Any, latents: jax.Array) -> jax.Array:
-    """The denoise loop's float32 latents (B, h, w, channels) -> images, rounded to the VAE's dtype
-    first, as diffusers hands them over.
-
-    Decoded one image per batch shard at a time (a `lax.map` over the images each device
-    holds): the decoder's activations are the largest of the pipeline, so this divides its
-    peak memory by the images per device, and libtpu compiles the one-image decoder in about
-    half the time (9B VAE, v6e-4, batch 8: 43 s -> 25 s). Each image is decoded alone either
-    way, so the result is the same."""
-    batch, *grid = latents.shape
-    shards = batch_shards(batch)
-    per_shard = batch // shards
-    if per_shard == 1:
-        return vae.decode(latents.astype(vae.dtype))
-    # Shard s holds images [s * per_shard, (s + 1) * per_shard): row s of this view, so
-    # stepping over the second axis gives every device one of its own images, no transfer.
-    by_shard = constrain(latents.reshape(shards, per_shard, *grid), BATCH_AXES)
-    steps = constrain(jnp.swapaxes(by_shard, 0, 1), None, BATCH_AXES)
-
-    def decode_step(group: jax.Array) -> jax.Array:
-        return vae.decode(constrain(group, BATCH_AXES).astype(vae.dtype))
-
-    images = jax.lax.map(decode_step, steps)  # (per_shard, shards, H, W, C)
-    images = constrain(jnp.swapaxes(images, 0, 1), BATCH_AXES)
-    return images.reshape(batch, *images.shape[2:])
 
 
 class KleinPipeline:
@@ -175,9 +124,9 @@ class KleinPipeline:
         self.transformer_state = nnx.state(models.transformer)
         self.text_state = nnx.state(models.text_encoder)
         self.vae_state = nnx.state(models.vae)
-        self._text = _jit_module_call(models.text_encoder)
-        self._encode = _jit_module_call(models.vae, encode_tokens)
-        self._decode = _jit_module_call(models.vae, decode_latents)
+        self._text = programs.jit_module_call(models.text_encoder)
+        self._encode = programs.jit_module_call(models.vae, programs.encode_tokens)
+        self._decode = programs.jit_module_call(models.vae, programs.decode_latents)
         self._denoise_graph = nnx.split(models.transformer)[0]
         self._denoise: dict[int | None, Any] = {}  # steps per call -> jitted loop
         self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
@@ -249,10 +198,8 @@ class KleinPipeline:
         per program. Without a store, nothing: programs are jitted on first use."""
         if self.executables is None:
             return []
-        from flux2klein_cli.core.compile.programs import RunShape
-
         height, width = self.output_size(request)
-        run = RunShape(height=height, width=width, geometry=self.geometry, batch=request.batch,
+        run = programs.RunShape(height=height, width=width, geometry=self.geometry, batch=request.batch,
                        prompts=len(request.prompts), steps=request.steps,
                        references=tuple(tuple(r.shape[:2]) for r in request.references),
                        cfg=self.uses_guidance(request.guidance), max_sequence_length=request.max_sequence_length,
@@ -282,7 +229,8 @@ class KleinPipeline:
         """Real classifier-free guidance only for undistilled (base) models, as the reference does."""
         return not self.snapshot.is_distilled and guidance > 1.0
 
-    def encode_text(self, prompts: list[str], max_length: int = 512, name: str = "text_encoder") -> jax.Array:
+    def encode_text(self, prompts: list[str], max_length: int = 512, name: str = programs.TEXT_ENCODER
+                    ) -> jax.Array:
         ids, mask = self.tokenizer(prompts, max_length)
         return self._call(name, self._text, self.text_state, self._batched(ids), self._batched(mask))
 
@@ -293,7 +241,7 @@ class KleinPipeline:
         packed, grids = [], []
         for image in references:
             pixels = np.asarray(image, self.dtype)[None]
-            packed.append(self._call(f"vae_encode_{image.shape[0]}x{image.shape[1]}", self._encode, self.vae_state,
+            packed.append(self._call(programs.vae_encode_name(*image.shape[:2]), self._encode, self.vae_state,
                                      pixels))
             grids.append(self.geometry.grid(*image.shape[:2]))
         if len(packed) == 1:
@@ -318,7 +266,7 @@ class KleinPipeline:
             refs, grids = _timed(seconds, "references", lambda: self.encode_references(references))
             cos, sin = self.models.transformer.rope(np.zeros((0, 4), np.int32), tokens.reference_ids(grids))
             kv = _timed(seconds, "reference_kv", lambda: self._call(
-                "reference_kv", self._reference_kv, self.transformer_state, refs, cos, sin))
+                programs.REFERENCE_KV, self._reference_kv, self.transformer_state, refs, cos, sin))
             source = "computed"
             if self.kv_store:
                 self.kv_store.save(digest, kv)
@@ -336,7 +284,7 @@ class KleinPipeline:
                 raise UserInputError(f"--latents has shape {tuple(request.latents.shape)}, expected {shape}")
             return np.asarray(request.latents, np.float32).transpose(0, 2, 3, 1), seeds
         check_seeds(request.seed, request.batch)
-        noise = self._call("noise", noise_fn(self.geometry.channels, *grid), np.asarray(seeds, np.uint32))
+        noise = self._call(programs.NOISE, noise_fn(self.geometry.channels, *grid), np.asarray(seeds, np.uint32))
         return noise, seeds
 
     def initial_noise(self, request: Request, grid: tuple[int, int]) -> tuple[np.ndarray, list[int]]:
@@ -358,8 +306,8 @@ class KleinPipeline:
         each. Call i + 1 is queued before call i is waited for, so the device never idles
         between calls; each call's latents are the next one's input, so the images are the
         same either way."""
-        count = None if per_call in (None, steps) else per_call
-        name = denoise_name(count)
+        count = programs.denoise_count(steps, per_call)
+        name = programs.denoise_name(count)
         if count not in self._denoise:
             self._denoise[count] = denoise_fn(self._denoise_graph, count)
         program = self._denoise[count]
@@ -401,7 +349,7 @@ class KleinPipeline:
         text = _timed(seconds, "text", lambda: self.encode_text(request.prompts, request.max_sequence_length))
         negative = None
         if cfg:
-            negative_name = "text_encoder" if len(request.prompts) == 1 else "text_encoder_negative"
+            negative_name = programs.negative_text_name(len(request.prompts))
             negative = _timed(seconds, "text", lambda: self.encode_text([request.negative_prompt],
                                                                         request.max_sequence_length, negative_name))
         refs, kv, kv_source, grids = None, None, None, []
@@ -421,7 +369,8 @@ class KleinPipeline:
             sigmas=np.asarray(schedule.sigmas, np.float32), guidance=np.float32(request.guidance),
         )
         latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, request.steps, per_call, on_step))
-        images = _timed(seconds, "decode", lambda: self._call("vae_decode", self._decode, self.vae_state, latents))
+        images = _timed(seconds, "decode",
+                        lambda: self._call(programs.VAE_DECODE, self._decode, self.vae_state, latents))
         pixels = self._to_host(images).astype(np.float32)
         if not np.isfinite(pixels).all():
             stages = [("the text encoder", text), ("the text encoder (negative prompt)", negative),

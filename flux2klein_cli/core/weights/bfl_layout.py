@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.weights.bfl_names import diffusers_parameters, strip_prefix
-from flux2klein_cli.core.weights.safetensors_io import TensorInfo
+
+if TYPE_CHECKING:  # safetensors_io applies this view when it opens a file: a type name only here
+    from flux2klein_cli.core.weights.safetensors_io import TensorInfo
 
 # Module names only BFL's layout has: one of them in a file means BFL keys.
 _BFL_MARKERS = ("double_blocks.", "single_blocks.", "img_in.", "txt_in.", "final_layer.")

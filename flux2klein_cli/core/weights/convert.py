@@ -25,8 +25,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flux2klein_cli.core.choices import DEFAULT_LAYOUT, check_dtype, check_layout, jax_dtype
+from flux2klein_cli.core.choices import check_quantize as check_quantize_name
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
 from flux2klein_cli.core.mesh import default_mesh
+from flux2klein_cli.core.models.quantized import (
+    QUANTIZED_STACKS,
+    SCALE_DTYPE,
+    quantized_embed_paths,
+    quantized_linear_paths,
+)
 from flux2klein_cli.core.sharding import replicated_rule
 from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
 from flux2klein_cli.core.temporaries import stem, temporary_dir
@@ -47,8 +54,10 @@ from flux2klein_cli.core.weights.converted import (
     param_key,
 )
 from flux2klein_cli.core.weights.loader import Deltas, ShardingRule, check_plan, iter_arrays, read_into, weight_shapes
+from flux2klein_cli.core.weights.quantize import quantized_writers
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 
+QUANTIZED_COMPONENTS = ("transformer", "text_encoder")  # the VAE is small and convolutional
 _GROUP_BYTES = 256 << 20  # parameters handed to Orbax per partial save
 
 
@@ -66,6 +75,7 @@ def convert(
     group_bytes: int = _GROUP_BYTES,
     user_out: bool = True,
     lora: Any = None,
+    quantize: str | None = None,
 ) -> dict[str, Any]:
     """Convert a diffusers-layout snapshot into a converted directory at `out`; return its manifest.
 
@@ -76,9 +86,12 @@ def convert(
     `user_out`: `out` was given by the user, so an unwritable one is bad input (exit 2), not a
     failure of the default place (exit 1). A symlinked `out` is written where it points.
     `lora` (core/lora/merge.py LoraDeltas) is merged into the transformer's weights as they are
-    written, and recorded in the manifest."""
+    written, and recorded in the manifest. `quantize` ("int8"; flat layout only) stores the
+    transformer's and text encoder's block linears as int8 with scales (core/weights/quantize.py),
+    LoRAs merged before rounding."""
     check_dtype(dtype)
     check_layout(layout)
+    quantize = check_quantize(quantize, layout)
     source = Path(source).resolve()
     if (source / CONVERTED_MANIFEST).is_file():
         raise UserInputError(f"{source} is already a converted directory; convert its source snapshot instead")
@@ -86,7 +99,7 @@ def convert(
     if problems:
         raise CheckpointError(f"{source}: incomplete snapshot: {'; '.join(problems)}")
     out = target_dir(source, out, force=force)
-    needed = needed_bytes(source, dtype)
+    needed = needed_bytes(source, dtype, quantize)
     with write_errors(out, needed, user_out=user_out):
         out.parent.mkdir(parents=True, exist_ok=True)
         check_free_space(out, needed)
@@ -97,10 +110,15 @@ def convert(
                 written[name] = convert_component(
                     name, source / name, tmp / name, jax_dtype(dtype), mesh, sharding_rule, group_bytes, progress,
                     layout=layout, deltas=lora if name == "transformer" else None,
+                    quantize=quantize if name in QUANTIZED_COMPONENTS else None,
                 )
             for name in COPIED_COMPONENTS:
                 shutil.copytree(source / name, tmp / name)
             manifest = _manifest(source, dtype, layout, mesh, written, provenance)
+            if quantize is not None:
+                manifest["quantize"] = {"scheme": quantize, "components": list(QUANTIZED_COMPONENTS),
+                                        "weights": "int8 per output channel, symmetric", "scales": "float32",
+                                        "stacks": list(QUANTIZED_STACKS)}
             if lora is not None:
                 manifest["lora"] = lora.records()
             # Written last, in this order: a directory without both is not a converted model.
@@ -123,6 +141,7 @@ def convert_snapshot_to(
     progress: Callable[[str, int, int], None] | None = None,
     user_out: bool = True,
     lora: Any = None,
+    quantize: str | None = None,
 ) -> dict[str, Any]:
     """`convert` of a resolved `--model`, its provenance (name, repo id, commit) in the manifest."""
     if resolved.kind == "converted":
@@ -133,7 +152,8 @@ def convert_snapshot_to(
     if composed_sources(resolved.path):  # --transformer / --vae: where those components came from
         provenance["components"] = composed_sources(resolved.path)
     return convert(resolved.path, out, dtype=dtype, layout=layout, mesh=mesh, sharding_rule=sharding_rule,
-                   force=force, provenance=provenance, progress=progress, user_out=user_out, lora=lora)
+                   force=force, provenance=provenance, progress=progress, user_out=user_out, lora=lora,
+                   quantize=quantize)
 
 
 def convert_component(
@@ -148,6 +168,7 @@ def convert_component(
     *,
     layout: str = DEFAULT_LAYOUT,
     deltas: Deltas | None = None,
+    quantize: str | None = None,
 ) -> dict[str, Any]:
     """One component folder of a snapshot -> `dst/config.json` (and its other JSON) plus `dst/<layout>`,
     every parameter in `dtype` and JAX layout; returns its manifest entry. Peak memory over the
@@ -161,7 +182,7 @@ def convert_component(
     model = abstract_component(name, config, dtype)
     _, abstract_state = nnx.split(model)
     flat = [(path, var.get_value()) for path, var in nnx.to_flat_state(abstract_state)]
-    total = sum(int(np.prod(spec.shape)) * np.dtype(spec.dtype).itemsize for _, spec in flat)
+    total = _stored_bytes(model, quantize)
     checkpoint = SafetensorsCheckpoint.open(src)
     plan = components()[name].plan_for(model)
     report = (lambda done: progress(name, done, total)) if progress else None
@@ -171,11 +192,15 @@ def convert_component(
         check_plan(checkpoint, plan, dict(flat))
         if deltas is not None:
             deltas.check(weight_shapes(checkpoint, plan))
-        write_flat(dst / FLAT_DIR, [
-            (param_key(path), tuple(spec.shape), np.dtype(spec.dtype),
-             lambda out, index, source=plan.sources[path]: read_into(out, checkpoint, source, index, deltas))
-            for path, spec in flat
-        ], progress=report)
+        writers: list[Any] = []
+        for path, spec in flat:
+            key, source = param_key(path), plan.sources[path]
+            if _quantized(model, quantize, path):
+                writers += quantized_writers(key, source, tuple(spec.shape), checkpoint, deltas)
+            else:
+                writers.append((key, tuple(spec.shape), np.dtype(spec.dtype),
+                                lambda out, index, source=source: read_into(out, checkpoint, source, index, deltas)))
+        write_flat(dst / FLAT_DIR, writers, progress=report)
     else:
         from flux2klein_cli.core.weights.orbax_store import ORBAX_DIR, write_orbax
 
@@ -187,6 +212,7 @@ def convert_component(
         "parameters": sum(int(np.prod(spec.shape)) for _, spec in flat),
         "bytes": total,
         "config": config,
+        **({"quantize": quantize, "quantized_linears": len(quantized_linear_paths(model))} if quantize else {}),
     }
 
 
@@ -220,16 +246,49 @@ def _manifest(source: Path, dtype: str, layout: str, mesh: Mesh, components: dic
     }
 
 
-def needed_bytes(source: Path, dtype: str) -> int:
-    """About what the converted directory takes: every parameter in `dtype`, plus the copied files."""
+def needed_bytes(source: Path, dtype: str, quantize: str | None = None) -> int:
+    """About what the converted directory takes: every parameter in `dtype` (int8 and scales where
+    quantized), plus the copied files."""
     total = sum(size for rel, size in snapshot_files(source)
                 if rel.split("/")[0] in COPIED_COMPONENTS or rel == "model_index.json")
     for name in MODEL_COMPONENTS:
         model = abstract_component(name, read_config(source / name), jax_dtype(dtype))
-        _, state = nnx.split(model)
-        total += sum(int(np.prod(v.get_value().shape)) * np.dtype(v.get_value().dtype).itemsize
-                     for _, v in nnx.to_flat_state(state))
+        total += _stored_bytes(model, quantize if name in QUANTIZED_COMPONENTS else None)
     return total
+
+
+def _stored_bytes(model: nnx.Module, quantize: str | None) -> int:
+    """Bytes of an abstract model's parameters as stored: a quantized kernel (..., in, out) as int8
+    plus its float32 scales (..., out)."""
+    total = 0
+    for path, var in nnx.to_flat_state(nnx.state(model)):
+        shape, dtype = tuple(var.get_value().shape), np.dtype(var.get_value().dtype)
+        if _quantized(model, quantize, path) and str(path[-1]) == "embedding":
+            total += int(np.prod(shape)) + shape[0] * np.dtype(SCALE_DTYPE).itemsize
+        elif _quantized(model, quantize, path):
+            total += int(np.prod(shape)) + int(np.prod((*shape[:-2], shape[-1]))) * np.dtype(SCALE_DTYPE).itemsize
+        else:
+            total += int(np.prod(shape)) * dtype.itemsize
+    return total
+
+
+def _quantized(model: nnx.Module, quantize: str | None, path: tuple[Any, ...]) -> bool:
+    """Whether parameter `path` of the (unquantized) abstract model is stored as int8."""
+    if not quantize:
+        return False
+    module, leaf = tuple(str(p) for p in path[:-1]), str(path[-1])
+    return (leaf == "kernel" and module in set(quantized_linear_paths(model))) or \
+        (leaf == "embedding" and module in set(quantized_embed_paths(model)))
+
+
+def check_quantize(quantize: str | None, layout: str) -> str | None:
+    """`--quantize`: None / "none" for none, else a known scheme in the flat layout."""
+    if quantize in (None, "none"):
+        return None
+    check_quantize_name(quantize)
+    if layout != "flat":
+        raise UserInputError(f"--quantize {quantize} needs --layout flat (quantized Orbax checkpoints are not written)")
+    return quantize
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -96,6 +96,12 @@ def param_key(path: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in path)
 
 
+def quantize_scheme(manifest: dict[str, Any], name: str) -> str | None:
+    """The quantization a component was written with (`convert --quantize`), None for none."""
+    scheme = (manifest.get("components", {}).get(name) or {}).get("quantize")
+    return None if scheme in (None, "none") else str(scheme)
+
+
 def read_manifest(root: str | Path) -> dict[str, Any]:
     """The manifest of a converted directory, checked for format and version."""
     root = Path(root)
@@ -159,12 +165,18 @@ def load_component(
 
     The abstract model gives every parameter's shape; its sharding comes from `mesh` and
     `sharding_rule`; each device's slice comes from the stored array (cast on the way if `dtype`
-    differs from the stored one). `layout` is read from the manifest unless given (a directory
-    written component by component, as bench_load does, has none)."""
+    differs from the stored one; int8 kernels and their scales stay as stored). `layout` is read
+    from the manifest unless given (a directory written component by component, as bench_load
+    does, has none)."""
+    from flux2klein_cli.core.models.quantized import quantize_abstract
+
     root = Path(root)
-    layout = layout or component_layout(read_manifest(root), name)
+    manifest = read_manifest(root) if layout is None or (root / CONVERTED_MANIFEST).is_file() else {}
+    layout = layout or component_layout(manifest, name)
     mesh = mesh or default_mesh()
-    model = abstract_component(name, read_config(root / name), dtype)
+    # A quantized component's int8 kernels and float32 scales keep their stored dtypes whatever `dtype`.
+    model = quantize_abstract(abstract_component(name, read_config(root / name), dtype),
+                              quantize_scheme(manifest, name))
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     targets = {}

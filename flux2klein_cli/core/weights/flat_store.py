@@ -54,8 +54,8 @@ _HEADER = struct.Struct("<16sI16s32s")  # magic, version, conversion id, SHA-256
 _HEADER_BYTES = ALIGNMENT
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(t) for name, t in (("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16),
-                                      ("float32", np.float32), ("float64", np.float64), ("int32", np.int32),
-                                      ("int64", np.int64), ("uint8", np.uint8), ("bool", np.bool_))
+                                      ("float32", np.float32), ("float64", np.float64), ("int8", np.int8),
+                                      ("int32", np.int32), ("int64", np.int64), ("uint8", np.uint8), ("bool", np.bool_))
 }
 
 _CHUNK_BYTES = 64 << 20  # written per system call, from one reused buffer

@@ -266,9 +266,3 @@ def _check_keys(where: Path, shapes: dict[str, tuple[int, ...]], targets: dict[s
                for k in sorted(set(shapes) & set(targets)) if shapes[k] != tuple(targets[k].shape)],
     )
 
-
-def check_converted(root: str | Path) -> dict[str, Any]:
-    """Kept for callers that import it from here; see converted.check_converted."""
-    from flux2klein_cli.core.weights.converted import check_converted as check
-
-    return check(root)

@@ -1,6 +1,8 @@
 """Abstract program specs for a whole run, from a model's configs alone (no weights).
 
-Each spec lowers the very function the pipeline calls (`_jit_module_call` of the text
+The pipeline owns its programs (core/pipeline/programs.py: names, RunShape, functions);
+this module only describes their arguments, so the store can compile them ahead of time.
+Each spec lowers the very function the pipeline calls (`jit_module_call` of the text
 encoder and of the VAE's `encode_tokens` / `decode_latents`, `denoise_fn` of the
 transformer, `noise_fn`) on the very argument pytrees it passes: the same `nnx.State`
 structure, shapes, dtypes and shardings, so an executable compiled here is the one a real
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +32,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.compile.store import ProgramSpec, Target
-from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.models.trace import TraceOptions
+from flux2klein_cli.core.pipeline import programs
+from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.programs import RunShape
 from flux2klein_cli.core.sharding import BATCH_AXES, fitting_axes
 
 # ----------------------------------------------------------------------------- configs
@@ -46,6 +53,7 @@ class ModelConfigs:
     distilled: bool
     kv: bool
     source: str  # the directory read, or "registry:<alias>" for a published geometry
+    quantize: str | None = None  # `convert --quantize` scheme of the transformer and text encoder
 
     @property
     def geometry(self) -> LatentGeometry:
@@ -80,7 +88,13 @@ def configs_from_snapshot(root: str | Path) -> ModelConfigs:
 
     snapshot = Snapshot.open(root)
     configs = {name: read_config(snapshot.component(name)) for name in ("transformer", "text_encoder", "vae")}
-    return ModelConfigs(**configs, distilled=snapshot.is_distilled, kv=snapshot.kv, source=str(snapshot.root))
+    quantize = None
+    if snapshot.converted:
+        from flux2klein_cli.core.weights.converted import quantize_scheme, read_manifest
+
+        quantize = quantize_scheme(read_manifest(snapshot.root), "transformer")
+    return ModelConfigs(**configs, distilled=snapshot.is_distilled, kv=snapshot.kv, source=str(snapshot.root),
+                        quantize=quantize)
 
 
 def configs_from_registry(alias: str) -> ModelConfigs:
@@ -96,47 +110,7 @@ def configs_from_registry(alias: str) -> ModelConfigs:
     )
 
 
-# ----------------------------------------------------------------------------- the run
-
-
-@dataclass(frozen=True)
-class RunShape:
-    """What decides the programs of a run: output size, images, prompts, steps, references."""
-
-    height: int
-    width: int
-    geometry: LatentGeometry  # the model's (ModelConfigs.geometry): token grid and latent channels
-    batch: int = 1  # images per run (prompts x images per prompt)
-    prompts: int = 1  # distinct prompts: the text encoder's batch
-    steps: int = 4
-    references: tuple[tuple[int, int], ...] = ()  # (height, width) of each reference, in order
-    cfg: bool = False  # classifier-free guidance (undistilled models with guidance > 1)
-    max_sequence_length: int = 512
-    dtype: Any = jnp.bfloat16
-    kv: bool = False  # KV edit: a references-only pass, then denoising against its cache
-    steps_per_call: int | None = None  # the denoise loop in chunks (a progress bar); None: one call
-
-    def __post_init__(self) -> None:
-        for h, w in ((self.height, self.width), *self.references):
-            if not self.geometry.fits(h, w):
-                raise UserInputError(f"sizes must be positive multiples of {self.geometry.pixels_per_token}, "
-                                     f"got {h}x{w}")
-        if min(self.batch, self.prompts, self.steps, self.max_sequence_length) < 1:
-            raise UserInputError("batch, prompts, steps and max sequence length must be at least 1")
-        if self.kv and not self.references:
-            raise UserInputError("--kv needs at least one reference size (--refs)")
-        if self.batch % self.prompts:
-            raise UserInputError(f"batch {self.batch} is not a multiple of the {self.prompts} prompts")
-        if self.steps_per_call is not None and (self.steps_per_call < 1 or self.steps % self.steps_per_call):
-            raise UserInputError(f"steps per call {self.steps_per_call} does not divide {self.steps} steps")
-
-    @property
-    def grid(self) -> tuple[int, int]:
-        return self.geometry.grid(self.height, self.width)
-
-    @property
-    def reference_tokens(self) -> int:
-        return sum(self.geometry.tokens(h, w) for h, w in self.references)
+# ----------------------------------------------------------------------------- models
 
 
 @dataclass
@@ -152,6 +126,7 @@ class AbstractModels:
 
     @classmethod
     def build(cls, configs: ModelConfigs, dtype: Any = jnp.bfloat16) -> AbstractModels:
+        from flux2klein_cli.core.models.quantized import quantize_abstract
         from flux2klein_cli.core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
         from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
         from flux2klein_cli.core.models.vae import VAEConfig, abstract_vae
@@ -160,9 +135,10 @@ class AbstractModels:
         tcfg = TransformerConfig.from_dict(configs.transformer)
         qcfg = Qwen3Config.from_dict(configs.text_encoder)
         return cls(
-            transformer=nnx.eval_shape(lambda: Flux2Transformer(tcfg, dtype=dtype, scan_layers=True,
-                                                                rngs=nnx.Rngs(0))),
-            text_encoder=nnx.eval_shape(lambda: Qwen3TextEncoder(qcfg, dtype=dtype, rngs=nnx.Rngs(0))),
+            transformer=quantize_abstract(nnx.eval_shape(lambda: Flux2Transformer(
+                tcfg, dtype=dtype, scan_layers=True, rngs=nnx.Rngs(0))), configs.quantize),
+            text_encoder=quantize_abstract(nnx.eval_shape(lambda: Qwen3TextEncoder(
+                qcfg, dtype=dtype, rngs=nnx.Rngs(0))), configs.quantize),
             vae=abstract_vae(VAEConfig.from_dict(configs.vae), dtype=dtype),
             configs=configs, dtype=dtype,
         )
@@ -242,8 +218,6 @@ def denoise_fields(models: AbstractModels, run: RunShape, mesh: Mesh) -> dict[st
 
 def denoise_inputs(fields: dict[str, Any]) -> Any:
     """A DenoiseInputs of ShapeDtypeStructs; fields not given (e.g. a future optional one) are None."""
-    from flux2klein_cli.core.pipeline.denoise import DenoiseInputs
-
     names = [f.name for f in dataclasses.fields(DenoiseInputs)]
     unknown = set(fields) - set(names)
     if unknown:
@@ -259,40 +233,46 @@ def _text_width(models: AbstractModels) -> int:
 # ----------------------------------------------------------------------------- programs
 
 
-def _key(models: AbstractModels, component: str, **extra: Any) -> dict[str, Any]:
+def _key(models: AbstractModels, component: str, target: Target, **extra: Any) -> dict[str, Any]:
+    quantize = {"quantize": models.configs.quantize} if models.configs.quantize and component != "vae" else {}
     return {"config": getattr(models.configs, component), "dtype": jnp.dtype(models.dtype).name,
-            "geometry": models.configs.geometry.as_key(), **extra}
+            "geometry": models.configs.geometry.as_key(), "trace": trace_options(target).as_key(), **quantize,
+            **extra}
+
+
+# Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
+# quicker; elsewhere they cost compile and run time (docs/benchmarks.md, "Ahead-of-time compilation").
+MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
+
+
+def trace_options(target: Target) -> TraceOptions:
+    """The forms the target's programs are traced in: its platform's attention (a TPU target
+    gets the TPU kernel from any host) and, at `fast` on a platform of MATMUL_CONV_PLATFORMS,
+    the VAE's 3x3 convolutions as matmuls. Part of each program's key."""
+    fast_convs = target.effort == "fast" and target.platform in MATMUL_CONV_PLATFORMS
+    return TraceOptions.for_platform(target.platform, convs_as_matmuls=fast_convs)
 
 
 def text_encoder_program(models: AbstractModels, target: Target, prompts: int, length: int,
-                         name: str = "text_encoder") -> ProgramSpec:
+                         name: str = programs.TEXT_ENCODER) -> ProgramSpec:
     """pipeline.encode_text: ids and mask (prompts, length) int32."""
-    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call
-
     mesh = target.mesh
     ids = _input((prompts, length), jnp.int32, mesh)
-    return ProgramSpec(name, _jit_module_call(models.text_encoder), (models.states["text_encoder"], ids, ids),
-                       _key(models, "text_encoder", feature_layers=list(models.text_encoder.feature_layers)),
+    return ProgramSpec(name, programs.jit_module_call(models.text_encoder, trace=trace_options(target)),
+                       (models.states["text_encoder"], ids, ids),
+                       _key(models, "text_encoder", target, feature_layers=list(models.text_encoder.feature_layers)),
                        target, model="text_encoder")
 
 
 def denoise_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
     """pipeline's denoise loop: denoise_fn(transformer graphdef, steps per call)(state,
     DenoiseInputs, start step int32); all steps in one call unless run.steps_per_call."""
-    from flux2klein_cli.core.pipeline.denoise import denoise_fn, denoise_name
-
     inputs = denoise_inputs(denoise_fields(models, run, target.mesh))
     start = _input((), jnp.int32, target.mesh, batched=False)
-    count = denoise_count(run)
-    fn = denoise_fn(nnx.split(models.transformer)[0], count)
-    return ProgramSpec(denoise_name(count), fn, (models.states["transformer"], inputs, start),
-                       _key(models, "transformer", steps_per_call=count), target, model="transformer")
-
-
-def denoise_count(run: RunShape) -> int | None:
-    """Steps per denoise call; None for the whole loop in one call."""
-    return None if run.steps_per_call in (None, run.steps) else run.steps_per_call
-
+    count = run.denoise_count
+    fn = denoise_fn(nnx.split(models.transformer)[0], count, trace_options(target))
+    return ProgramSpec(programs.denoise_name(count), fn, (models.states["transformer"], inputs, start),
+                       _key(models, "transformer", target, steps_per_call=count), target, model="transformer")
 
 
 def _reference_kv_args(models: AbstractModels, run: RunShape, mesh: Mesh) -> tuple[Any, ...]:
@@ -309,78 +289,49 @@ def _reference_kv_args(models: AbstractModels, run: RunShape, mesh: Mesh) -> tup
 
 def reference_kv_shapes(models: AbstractModels, run: RunShape, mesh: Mesh) -> Any:
     """The ReferenceKV the references-only pass returns, as ShapeDtypeStructs (traced, not compiled)."""
-    from flux2klein_cli.core.pipeline.denoise import reference_kv_fn
-
     fn = reference_kv_fn(nnx.split(models.transformer)[0])
     return jax.eval_shape(fn, *_reference_kv_args(models, run, mesh))
 
 
 def reference_kv_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
     """pipeline.reference_kv's references-only pass: reference_kv_fn(graphdef)(state, refs, cos, sin)."""
-    from flux2klein_cli.core.pipeline.denoise import reference_kv_fn
-
-    fn = reference_kv_fn(nnx.split(models.transformer)[0])
-    return ProgramSpec("reference_kv", fn, _reference_kv_args(models, run, target.mesh),
-                       _key(models, "transformer"), target, model="transformer")
+    fn = reference_kv_fn(nnx.split(models.transformer)[0], trace_options(target))
+    return ProgramSpec(programs.REFERENCE_KV, fn, _reference_kv_args(models, run, target.mesh),
+                       _key(models, "transformer", target), target, model="transformer")
 
 
 def vae_decode_program(models: AbstractModels, target: Target, run: RunShape) -> ProgramSpec:
     """pipeline's decode: the denoise loop's latents (B, h, w, patched channels), float32."""
-    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call, decode_latents
-
     h, w = run.grid
     latents = _input((run.batch, h, w, models.vae.config.patched_channels), jnp.float32, target.mesh)
-    return ProgramSpec("vae_decode", _jit_module_call(models.vae, _vae_form(decode_latents, target)),
-                       (models.states["vae"], latents), _key(models, "vae"), target, model="vae")
+    decode = programs.jit_module_call(models.vae, programs.decode_latents, trace_options(target))
+    return ProgramSpec(programs.VAE_DECODE, decode,
+                       (models.states["vae"], latents), _key(models, "vae", target), target, model="vae")
 
 
 def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, int]) -> ProgramSpec:
     """pipeline.encode_references, one reference at its own size: (1, H, W, 3) in the model dtype."""
-    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call, encode_tokens
-
     pixels = _input((1, *size, models.vae.config.in_channels), models.dtype, target.mesh)
-    encode = _jit_module_call(models.vae, _vae_form(encode_tokens, target))
-    return ProgramSpec(f"vae_encode_{size[0]}x{size[1]}", encode, (models.states["vae"], pixels),
-                       _key(models, "vae"), target, model="vae")
-
-
-# Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
-# quicker; elsewhere they cost compile and run time (docs/benchmarks.md, "Ahead-of-time compilation").
-MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
-
-
-def _vae_form(fn: Any, target: Target) -> Any:
-    """`fn(vae, x)` as traced for the target's effort: at `fast` on a platform of
-    MATMUL_CONV_PLATFORMS, with the VAE's 3x3 convolutions as matmuls
-    (models.vae.convs_as_matmuls). The effort is part of the store key, so each form is stored
-    apart."""
-    if target.effort != "fast" or target.platform not in MATMUL_CONV_PLATFORMS:
-        return fn
-    from flux2klein_cli.core.models.vae import convs_as_matmuls
-
-    def traced_as_matmuls(vae: Any, x: jax.Array) -> jax.Array:
-        with convs_as_matmuls():
-            return fn(vae, x)
-
-    return traced_as_matmuls
+    encode = programs.jit_module_call(models.vae, programs.encode_tokens, trace_options(target))
+    return ProgramSpec(programs.vae_encode_name(*size), encode, (models.states["vae"], pixels),
+                       _key(models, "vae", target), target, model="vae")
 
 
 def noise_program(target: Target, run: RunShape) -> ProgramSpec:
     """pipeline.noise_latents: seeds (B,) uint32 -> (B, h, w, channels) float32 noise."""
-    from flux2klein_cli.core.pipeline.denoise import noise_fn
-
     seeds = _input((run.batch,), jnp.uint32, target.mesh, batched=False)
     # The output shape is not in the arguments: the key must name it.
     channels = run.geometry.channels
-    return ProgramSpec("noise", noise_fn(channels, *run.grid), (seeds,),
+    return ProgramSpec(programs.NOISE, noise_fn(channels, *run.grid), (seeds,),
                        {"shapes": {"channels": channels, "grid": list(run.grid)}, "geometry": run.geometry.as_key()},
                        target)
 
 
 def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | None = None,
                       models: AbstractModels | None = None) -> list[ProgramSpec]:
-    """Every program a run needs: text encoder (and the negative prompt's, batch 1, with CFG),
-    denoise loop, VAE decode, and a VAE encode per distinct reference size."""
+    """Every program a run needs (RunShape.names): text encoder (and the negative prompt's,
+    batch 1, with CFG), noise, denoise loop, VAE decode, a VAE encode per distinct reference
+    size, and the references-only pass of a KV edit."""
     target = target or Target.local()
     if run.geometry != configs.geometry:
         raise ValueError(f"run geometry {run.geometry} is not the model's {configs.geometry}")
@@ -388,17 +339,19 @@ def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | Non
     for name in ("transformer", "text_encoder", "vae"):
         models.states[name] = models.state(name, target.mesh)
     length = run.max_sequence_length
-    programs = [text_encoder_program(models, target, run.prompts, length)]
-    if run.cfg and run.prompts != 1:
-        programs.append(text_encoder_program(models, target, 1, length, name="text_encoder_negative"))
-    programs.append(noise_program(target, run))
-    programs.append(denoise_program(models, target, run))
-    programs.append(vae_decode_program(models, target, run))
-    for size in dict.fromkeys(run.references):  # distinct sizes, in order
-        programs.append(vae_encode_program(models, target, size))
-    if run.kv:
-        programs.append(reference_kv_program(models, target, run))
-    return programs
+    encodes = {programs.vae_encode_name(*size): size for size in run.references}
+    builders: dict[str, Callable[[], ProgramSpec]] = {
+        programs.TEXT_ENCODER: lambda: text_encoder_program(models, target, run.prompts, length),
+        programs.TEXT_ENCODER_NEGATIVE: lambda: text_encoder_program(
+            models, target, 1, length, name=programs.TEXT_ENCODER_NEGATIVE),
+        programs.NOISE: lambda: noise_program(target, run),
+        programs.denoise_name(run.denoise_count): lambda: denoise_program(models, target, run),
+        programs.VAE_DECODE: lambda: vae_decode_program(models, target, run),
+        programs.REFERENCE_KV: lambda: reference_kv_program(models, target, run),
+    }
+    # RunShape.names is the one list of a run's programs, in the pipeline's order.
+    return [builders[name]() if name in builders else vae_encode_program(models, target, encodes[name])
+            for name in run.names()]
 
 
 def resident_bytes(programs: list[ProgramSpec]) -> dict[str, int]:

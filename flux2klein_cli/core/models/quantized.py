@@ -1,0 +1,119 @@
+"""Weight-only int8 linears: the kernel stored as int8 per output channel, with float32 scales.
+
+`int8_matmul` is the whole computation: the int8 kernel is converted to the activation dtype
+inside the dot (XLA fuses the convert into the dot's operand, so no dequantized copy of the
+kernel is ever held), the dot accumulates in float32, and the per-channel scale multiplies the
+output, not the weight. int8 values (|q| <= 127) are exact in bf16, so the only error is the
+rounding of the weights themselves.
+
+Which linears are quantized is `QUANTIZED_STACKS` (one home, used by convert, load and compile):
+every linear inside the scanned blocks of the transformer and the text encoder; the text
+encoder's token table is int8 per row (`QuantizedEmbed`: a lookup, then its row's scale).
+docs/models.md says why the rest stays in the model dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flux2klein_cli.core.choices import QUANTIZE
+
+SCHEMES = tuple(s for s in QUANTIZE if s != "none")  # "none" leaves every weight in the model dtype
+QUANTIZED_STACKS = ("transformer_blocks", "single_transformer_blocks", "layers")
+SCALE_DTYPE = jnp.float32
+
+
+def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    """x (..., in) @ (kernel (in, out) int8 * scale (out,)) in x's dtype, accumulated in float32."""
+    y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class QuantizedLinear(nnx.Module):
+    """nnx.Linear's call with an int8 kernel (in, out) and a float32 scale (out,)."""
+
+    def __init__(self, kernel: nnx.Param, scale: nnx.Param, bias: nnx.Param | None):
+        self.kernel, self.scale, self.bias = kernel, scale, bias
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = int8_matmul(x, self.kernel[...], self.scale[...])
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
+class QuantizedEmbed(nnx.Module):
+    """nnx.Embed's lookup from an int8 table (V, D) with a float32 scale per row (token)."""
+
+    def __init__(self, embedding: nnx.Param, scale: nnx.Param, dtype: Any):
+        self.embedding, self.scale, self.dtype = embedding, scale, dtype
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        rows = jnp.take(self.embedding[...], ids, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(self.scale[...], ids, axis=0)[..., None]).astype(self.dtype)
+
+
+def quantized_embed_paths(model: nnx.Module) -> list[tuple[str, ...]]:
+    """Token tables quantized per row: the text encoder's (a tenth of Qwen3's bytes)."""
+    return [tuple(str(p) for p in path) for path, module in nnx.iter_modules(model)
+            if isinstance(module, nnx.Embed) and path and str(path[-1]) == "embed_tokens"]
+
+
+def quantized_linear_paths(model: nnx.Module) -> list[tuple[str, ...]]:
+    """Module paths of the linears `quantize_abstract` replaces, in graph order."""
+    return [tuple(str(p) for p in path) for path, module in nnx.iter_modules(model)
+            if isinstance(module, nnx.Linear) and path and str(path[0]) in QUANTIZED_STACKS]
+
+
+def quantize_abstract(model: nnx.Module, scheme: str | None) -> nnx.Module:
+    """An abstract model (from nnx.eval_shape) with its quantized linears swapped for
+    QuantizedLinear holding int8 kernel and float32 scale shapes (a stacked linear keeps its
+    leading layer axis on both). A no-op for scheme None / "none". Modifies `model` in place."""
+    if scheme in (None, "none"):
+        return model
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}")
+    modules = {tuple(str(p) for p in path): module for path, module in nnx.iter_modules(model)}
+    for path in quantized_linear_paths(model):
+        linear = modules[path]
+        kernel = linear.kernel.get_value()
+        parent = modules[path[:-1]] if len(path) > 1 else model
+        setattr(parent, path[-1], QuantizedLinear(
+            nnx.Param(jax.ShapeDtypeStruct(kernel.shape, jnp.int8)),
+            nnx.Param(jax.ShapeDtypeStruct((*kernel.shape[:-2], kernel.shape[-1]), SCALE_DTYPE)),
+            linear.bias if getattr(linear, "bias", None) is not None else None,
+        ))
+    for path in quantized_embed_paths(model):
+        table = modules[path].embedding.get_value()
+        parent = modules[path[:-1]] if len(path) > 1 else model
+        setattr(parent, path[-1], QuantizedEmbed(nnx.Param(jax.ShapeDtypeStruct(table.shape, jnp.int8)),
+                                                 nnx.Param(jax.ShapeDtypeStruct(table.shape[:1], SCALE_DTYPE)),
+                                                 modules[path].dtype))
+    return model
+
+
+def quantize_weights(w: Any) -> tuple[Any, Any]:
+    """Host-side (numpy) symmetric int8 of a float (in, out) block of rows, given nothing else:
+    (int8 values, float32 scale per output channel). Used by tests and small tools; convert
+    streams the same arithmetic (core/weights/quantize.py)."""
+    import numpy as np
+
+    w = np.asarray(w, np.float32)
+    scale = scale_from_absmax(np.abs(w).max(axis=-2))
+    return round_to_int8(w, scale), scale
+
+
+def scale_from_absmax(absmax: Any) -> Any:
+    import numpy as np
+
+    absmax = np.asarray(absmax, np.float32)
+    return np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
+
+
+def round_to_int8(w: Any, scale: Any) -> Any:
+    import numpy as np
+
+    return np.clip(np.rint(np.asarray(w, np.float32) / scale), -127, 127).astype(np.int8)

@@ -1,0 +1,89 @@
+"""What a program is traced for: one object instead of a switch per choice.
+
+The models pick their attention and convolution forms while being traced, from the
+TraceOptions in force: by default the local backend's (`TraceOptions.local()`), and inside
+`tracing(options)` the given ones. The program functions (core/pipeline) take the options
+explicitly and trace under them, so a TPU program compiled from a CPU host gets the TPU
+forms without touching anything global, and core/compile puts the options in its key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+
+GPU_ATTENTION_ENV = "FLUX2KLEIN_GPU_ATTENTION"  # "xla": keep XLA's form on NVIDIA GPUs
+# splash: Pallas's TPU kernel; splash-interpret: the same kernel interpreted (the TPU path on
+# any host, for tests); cudnn: cuDNN's fused kernel; blocked: the query-blocked CPU form;
+# xla: XLA's own form, which materialises every score.
+ATTENTION_KINDS = ("splash", "splash-interpret", "cudnn", "blocked", "xla")
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    platform: str  # the backend the program runs on: cpu, gpu, tpu
+    attention: str  # one of ATTENTION_KINDS
+    convs_as_matmuls: bool = False  # the VAE's 3x3 convolutions as one matmul each (models/vae.py)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_KINDS}")
+
+    @classmethod
+    def for_platform(cls, platform: str, *, convs_as_matmuls: bool = False) -> TraceOptions:
+        """The forms a run on `platform` takes (on a GPU, FLUX2KLEIN_GPU_ATTENTION may keep XLA's)."""
+        if platform == "tpu":
+            attention = "splash"
+        elif platform == "cpu":
+            attention = "blocked"
+        elif platform == "gpu" and os.environ.get(GPU_ATTENTION_ENV, "cudnn") == "cudnn":
+            attention = "cudnn"
+        else:
+            attention = "xla"
+        return cls(platform, attention, convs_as_matmuls)
+
+    @classmethod
+    def local(cls) -> TraceOptions:
+        return cls.for_platform(jax.default_backend())
+
+    def as_key(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_CURRENT: contextvars.ContextVar[TraceOptions | None] = contextvars.ContextVar("trace_options", default=None)
+
+
+def current() -> TraceOptions:
+    """The options the model code traces under now."""
+    return _CURRENT.get() or TraceOptions.local()
+
+
+@contextlib.contextmanager
+def tracing(options: TraceOptions | None) -> Iterator[None]:
+    """Trace under `options` within the block (None: leave them as they are)."""
+    if options is None:
+        yield
+        return
+    token = _CURRENT.set(options)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+def traced_under(fn: Callable[..., Any], options: TraceOptions | None) -> Callable[..., Any]:
+    """`fn` traced under `options` (itself when None): for the function a program jits."""
+    if options is None:
+        return fn
+
+    def traced(*args: Any) -> Any:
+        with tracing(options):
+            return fn(*args)
+
+    return traced

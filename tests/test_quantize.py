@@ -1,0 +1,172 @@
+"""`convert --quantize int8` (issue 21): what is stored, that it loads zero-copy, bytes on the
+real geometries, and fidelity against diffusers' unquantized float32 pipeline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from typer.testing import CliRunner
+
+from flux2klein_cli.cli.app import app
+from flux2klein_cli.core import random_checkpoint as rc
+from flux2klein_cli.core.models.quantized import QuantizedLinear, int8_matmul, quantize_weights
+from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.weights import flat_store
+from flux2klein_cli.core.weights.convert import _stored_bytes, convert
+from flux2klein_cli.core.weights.converted import abstract_component, load_component, read_manifest
+from tests.test_convert import mapped_ranges
+
+MIN_SSIM = 0.995
+runner = CliRunner()
+
+
+def leaves(model: nnx.Module) -> dict[str, np.ndarray]:
+    return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("src") / "snapshot", "tiny", seed=5)
+
+
+@pytest.fixture(scope="module")
+def pair(source: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The same snapshot converted to bf16, and to bf16 with int8 block linears."""
+    root = tmp_path_factory.mktemp("out")
+    convert(source, root / "bf16", dtype="bf16")
+    result = runner.invoke(app, ["convert", str(source), "--out", str(root / "int8"), "--quantize", "int8"])
+    assert result.exit_code == 0, result.stderr
+    return root / "bf16", root / "int8"
+
+
+def test_int8_matmul_is_the_dequantized_product() -> None:
+    rng = np.random.default_rng(0)
+    w, x = rng.normal(size=(48, 40)).astype(np.float32), rng.normal(size=(3, 5, 48)).astype(np.float32)
+    q, scale = quantize_weights(w)
+    assert q.dtype == np.int8 and np.abs(q).max() == 127 and scale.shape == (40,)
+    out = np.asarray(int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale)))
+    np.testing.assert_allclose(out, x @ (q.astype(np.float32) * scale), rtol=1e-5, atol=1e-5)
+    assert np.linalg.norm(out - x @ w) / np.linalg.norm(x @ w) < 0.01
+
+
+def test_manifest_stored_dtypes_and_kept_layers(pair: tuple[Path, Path]) -> None:
+    bf16, int8 = pair
+    manifest = read_manifest(int8)
+    assert manifest["quantize"]["scheme"] == "int8"
+    assert {n for n, c in manifest["components"].items() if c.get("quantize") == "int8"} == {"transformer",
+                                                                                            "text_encoder"}
+    for name in ("transformer", "text_encoder"):
+        plain, quant = load_component(name, bf16), load_component(name, int8)
+        a, b = leaves(plain), leaves(quant)
+        scales = {k for k in b if k.endswith(".scale")}
+        kernels = {k.removesuffix(".scale") + ".kernel" for k in scales} - {"embed_tokens.kernel"}
+        assert scales and set(b) - scales == set(a)
+        for key in a:
+            if key in kernels:  # int8, its scale per output channel, within rounding of the bf16 weights
+                assert b[key].dtype == np.int8 and b[key.removesuffix("kernel") + "scale"].dtype == np.float32
+                dequant = b[key].astype(np.float32) * b[key.removesuffix("kernel") + "scale"][..., None, :]
+                ref = a[key].astype(np.float32)
+                assert np.linalg.norm(dequant - ref) / np.linalg.norm(ref) < 0.01, key
+            elif key == "embed_tokens.embedding":  # int8 per row (token)
+                dequant = b[key].astype(np.float32) * b["embed_tokens.scale"][:, None]
+                ref = a[key].astype(np.float32)
+                assert np.linalg.norm(dequant - ref) / np.linalg.norm(ref) < 0.01
+            else:  # norms, modulation, embedders, final layers: the bf16 bits
+                assert b[key].dtype == a[key].dtype and np.array_equal(b[key].view(np.uint8), a[key].view(np.uint8))
+        swapped = [m for p, m in nnx.iter_modules(quant) if p and p[-1] in ("to_q", "q_proj")]
+        assert swapped and all(isinstance(m, QuantizedLinear) for m in swapped)
+
+
+def test_int8_kernels_are_views_of_the_mapped_file(pair: tuple[Path, Path]) -> None:
+    data = pair[1] / "transformer" / "flat" / "params.bin"
+    index = flat_store.read_index(data.parent)
+    model = load_component("transformer", pair[1])
+    ranges = mapped_ranges(data)
+    quantized = {k: v for k, v in leaves_arrays(model).items() if v.dtype == jnp.int8}
+    assert quantized
+    for key, array in quantized.items():
+        pointer = array.unsafe_buffer_pointer()
+        (start, _, file_offset), = [r for r in ranges if r[0] <= pointer < r[1]]
+        assert pointer - start + file_offset == index.tensors[key].offset, key
+
+
+def leaves_arrays(model: nnx.Module) -> dict:
+    return {".".join(map(str, p)): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+@pytest.mark.parametrize("size", ["4b", "9b"])
+def test_int8_bytes_of_the_real_geometries(size: str) -> None:
+    """On disk (what convert writes, from the same function): int8 at most 0.55x of bf16."""
+    geometry = rc.preset(size)
+    configs = {"transformer": rc.transformer_config_json(geometry),
+               "text_encoder": rc.text_encoder_config_json(geometry, geometry.text_encoder["vocab_size"])}
+    for name, config in configs.items():
+        model = abstract_component(name, config, jnp.bfloat16)
+        assert _stored_bytes(model, "int8") <= 0.55 * _stored_bytes(model, None), name
+
+
+def test_orbax_and_unknown_schemes_are_refused(source: Path, tmp_path: Path) -> None:
+    cases = ((["--layout", "orbax", "--quantize", "int8"], "--layout flat"), (["--quantize", "int4"], "int4"))
+    for args, words in cases:
+        result = runner.invoke(app, ["convert", str(source), "--out", str(tmp_path / "x"), *args])
+        assert result.exit_code == 2 and words in result.stderr, result.stderr
+        assert not (tmp_path / "x").exists()
+
+
+def test_executable_key_and_shapes_carry_the_scheme(pair: tuple[Path, Path]) -> None:
+    from flux2klein_cli.core.compile.specs import AbstractModels, configs_from_snapshot
+
+    plain, quant = (configs_from_snapshot(p) for p in pair)
+    assert (plain.quantize, quant.quantize) == (None, "int8")
+    models = AbstractModels.build(quant)
+    expected = {k: v.dtype for k, v in leaves_arrays(load_component("transformer", pair[1])).items()}
+    assert {k: v.dtype for k, v in leaves_arrays(models.transformer).items()} == expected
+
+
+# ----------------------------------------------------------------------------- fidelity (reference tier)
+
+
+@pytest.fixture(scope="module")
+def int8_fp32(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference fixture with int8 block linears and everything else in float32: the error
+    measured is the quantization's alone."""
+    out = tmp_path_factory.mktemp("q") / "tiny-int8"
+    convert(tiny_checkpoint, out, dtype="fp32", quantize="int8")
+    return out
+
+
+def _parity(tiny_checkpoint: Path, int8_fp32: Path, request, references=()) -> float:
+    from flux2klein_cli.core.images import postprocess, preprocess_reference
+    from flux2klein_cli.core.parity import compare, reference_pipeline, run_reference
+    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
+
+    ours = KleinPipeline.load(int8_fp32, dtype=jnp.float32)
+    plain = KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)
+    request.references = [preprocess_reference(i, multiple_of=ours.geometry.pixels_per_token) for i in references]
+    height, width = ours.output_size(request)
+    noise, _ = ours.initial_noise(request, ours.geometry.grid(height, width))
+    request.latents, request.height, request.width = noise, height, width
+    image = postprocess(ours(request).images)
+    reference = run_reference(reference_pipeline(plain, "fp32"), request, noise, list(references))
+    assert reference.std() > 10
+    return compare(image, reference).ssim
+
+
+def test_int8_text_to_image_against_diffusers_fp32(tiny_checkpoint: Path, int8_fp32: Path) -> None:
+    from flux2klein_cli.core.pipeline.pipeline import Request
+
+    request = Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=64, width=64, seed=3)
+    assert _parity(tiny_checkpoint, int8_fp32, request) >= MIN_SSIM
+
+
+def test_int8_two_reference_edit_against_diffusers_fp32(tiny_checkpoint: Path, int8_fp32: Path) -> None:
+    from flux2klein_cli.core.pipeline.pipeline import Request
+    from tests.test_pipeline_parity import synthetic_image
+
+    request = Request(prompts=["put them together"], steps=4, guidance=1.0, height=64, width=64, seed=7)
+    refs = [synthetic_image(96, 64, 1), synthetic_image(64, 80, 2)]
+    assert _parity(tiny_checkpoint, int8_fp32, request, refs) >= MIN_SSIM

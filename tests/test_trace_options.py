@@ -1,0 +1,49 @@
+"""One trace-options object decides the forms a program is traced in (core/models/trace.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from flux2klein_cli.core.models import layers, trace
+from flux2klein_cli.core.models.trace import TraceOptions
+
+
+def test_each_platform_gets_its_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(trace.GPU_ATTENTION_ENV, raising=False)
+    kinds = {p: TraceOptions.for_platform(p).attention for p in ("cpu", "gpu", "tpu", "rocm")}
+    assert kinds == {"cpu": "blocked", "gpu": "cudnn", "tpu": "splash", "rocm": "xla"}
+    monkeypatch.setenv(trace.GPU_ATTENTION_ENV, "xla")
+    assert TraceOptions.for_platform("gpu").attention == "xla"
+    assert TraceOptions.for_platform("tpu", convs_as_matmuls=True).as_key() == {
+        "platform": "tpu", "attention": "splash", "convs_as_matmuls": True}
+    with pytest.raises(ValueError, match="attention"):
+        TraceOptions("cpu", "flash")
+
+
+def test_a_program_traces_under_its_options_and_nothing_else_does() -> None:
+    """The options travel with the function: inside its trace they hold, outside (and for
+    jax.default_backend) nothing changed."""
+    seen: list[TraceOptions] = []
+
+    def record(x: jax.Array) -> jax.Array:
+        seen.append(trace.current())
+        return x + 1
+
+    tpu = TraceOptions.for_platform("tpu", convs_as_matmuls=True)
+    jax.jit(trace.traced_under(record, tpu)).lower(jnp.zeros(2))
+    assert seen == [tpu]
+    assert trace.current() == TraceOptions.local() and jax.default_backend() == "cpu"
+    jax.jit(trace.traced_under(record, None)).lower(jnp.zeros(2))
+    assert seen[-1] == TraceOptions.local()
+
+
+def test_attention_follows_the_options() -> None:
+    """Under a GPU's options the CPU host traces cuDNN's call; under the CPU's, the blocked form."""
+    q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    with trace.tracing(TraceOptions("gpu", "cudnn")):
+        assert layers.gpu_fused_attention(q)
+    with trace.tracing(TraceOptions("gpu", "xla")):
+        assert not layers.gpu_fused_attention(q)
+    assert not layers.gpu_fused_attention(q)  # the local CPU
