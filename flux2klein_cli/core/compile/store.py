@@ -45,6 +45,7 @@ from flux2klein_cli.core import choices, trust
 from flux2klein_cli.core.cache_paths import cache_root
 from flux2klein_cli.core.compile import treedefs
 from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.models import cpu_matmul
 from flux2klein_cli.core.temporaries import partial_name, temporary_dir, temporary_file
 
 STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
@@ -270,6 +271,8 @@ def key_parts(spec: ProgramSpec) -> dict[str, Any]:
         "flags": compile_flags(),
         "compiler_options": target.compiler_options,
     }
+    if target.platform == "cpu":  # which kernel a bf16 Linear's dot is (core/models/cpu_matmul.py)
+        parts["flags"]["cpu_matmul"] = cpu_matmul.backend()
     return json.loads(_canonical(parts))  # the form it has after a round trip through meta.json
 
 

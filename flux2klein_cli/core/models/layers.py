@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flux2klein_cli.core.models import tpu_attention, trace
+from flux2klein_cli.core.models import cpu_matmul, tpu_attention, trace
 
 B = TypeVar("B", bound=nnx.Module)
 Carry = TypeVar("Carry")
@@ -35,8 +35,10 @@ class ZeroInitRngs:
 
 def linear(d_in: int, d_out: int, *, dtype: Any, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
     """A torch-style Linear; the kernel is (in, out), loaded from torch's (out, in)."""
+    # cpu_matmul.dot_general: bf16 on AMX CPUs through oneMKL, XLA's dot everywhere else.
     return nnx.Linear(
-        d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs
+        d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs,
+        dot_general=cpu_matmul.dot_general,
     )
 
 

@@ -1,0 +1,154 @@
+"""CPU matmul and per-image figures beside torch and diffusers, interleaved in one process.
+
+On a loaded host absolute times drift; the forms are timed in turn, round after round (matmuls in
+one process; whole images each in its own process), so their ratios hold. Needs torch and
+diffusers (the [parity] extra).
+
+    python -m flux2klein_cli.core.bench_cpu matmul
+    python -m flux2klein_cli.core.bench_cpu image /tmp/medium --dtype bf16 --size 512 --steps 4
+`image` times ours with oneMKL's dots and with XLA's (FLUX2KLEIN_CPU_MATMUL=xla, core/models/cpu_matmul.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flux2klein_cli.core.models import cpu_matmul
+
+
+def interleave(forms: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Best seconds of each form; one warm-up call each, then `rounds` rounds in turn."""
+    for f in forms.values():
+        f()
+    best = {k: float("inf") for k in forms}
+    for _ in range(rounds):
+        for k, f in forms.items():
+            start = time.perf_counter()
+            f()
+            best[k] = min(best[k], time.perf_counter() - start)
+    return best
+
+
+def matmul(n: int, rounds: int) -> dict[str, Any]:
+    import torch
+
+    rng = np.random.default_rng(0)
+    a32 = rng.standard_normal((n, n), np.float32)
+    forms: dict[str, Callable[[], Any]] = {}
+    for name, dt in (("bf16", jnp.bfloat16), ("fp32", jnp.float32)):
+        a = jnp.asarray(a32, dt)
+        plain = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (0,)), ((), ()))))
+        hooked = jax.jit(lambda x, y: cpu_matmul.dot_general(x, y, (((1,), (0,)), ((), ()))))
+        t = torch.from_numpy(a32).to(torch.bfloat16 if name == "bf16" else torch.float32)
+        forms[f"jax xla {name}"] = lambda f=plain, a=a: f(a, a).block_until_ready()
+        if name == "bf16" and cpu_matmul.backend():
+            forms[f"jax onemkl {name}"] = lambda f=hooked, a=a: f(a, a).block_until_ready()
+        forms[f"torch {name}"] = lambda t=t: t @ t
+    best = interleave(forms, rounds)
+    return {k: round(2 * n**3 / s / 1e9) for k, s in best.items()}
+
+
+FORMS = ("flux2klein", "flux2klein-xla", "diffusers", "diffusers-latents")
+
+
+def one_form(form: str, model: str, dtype: str, size: int, steps: int, calls: int) -> dict[str, Any]:
+    """Best seconds of `calls` calls after a first one, in this process, of one form only: torch
+    and XLA in one process slow each other (idle workers of one spin on the cores the other
+    needs; diffusers' fp32 call took 3-4x longer beside a loaded JAX pipeline)."""
+    prompt = "a red fox in snow"
+    if form.startswith("flux2klein"):
+        from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+        pipe = KleinPipeline.load(model, dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
+        request = Request(prompts=[prompt], steps=steps, guidance=1.0, height=size, width=size)
+        phases: dict[str, float] = {}
+
+        def call() -> None:
+            for k, v in pipe(request).seconds.items():
+                phases[k] = min(v, phases.get(k, v))
+
+        best = interleave({form: call}, calls)[form]
+        return {"s": best, "phases": {k: round(v, 3) for k, v in phases.items() if v}}
+    import diffusers
+    import torch
+
+    torch.set_num_threads(2)
+    ref = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch.bfloat16 if dtype == "bf16"
+                                                       else torch.float32)
+    ref.set_progress_bar_config(disable=True)
+    kind = "latent" if form.endswith("latents") else "pil"
+
+    def theirs() -> Any:
+        return ref(prompt=prompt, height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
+                   generator=torch.Generator().manual_seed(0), output_type=kind)
+
+    return {"s": interleave({form: theirs}, calls)[form]}
+
+
+def image(model: str, dtype: str, size: int, steps: int, rounds: int, calls: int) -> dict[str, Any]:
+    """Per-image seconds of each form, each in its own process, the processes in turn for
+    `rounds` rounds; the median over rounds of each process's best call."""
+    import os
+    import statistics
+    import subprocess
+    import sys
+
+    runs: dict[str, list[dict[str, Any]]] = {f: [] for f in FORMS}
+    for _ in range(rounds):
+        for form in FORMS:
+            env = dict(os.environ)
+            if form == "flux2klein-xla":
+                env[cpu_matmul.ENV] = "xla"
+            cmd = [sys.executable, "-m", "flux2klein_cli.core.bench_cpu", "one", form, model, "--dtype", dtype,
+                   "--size", str(size), "--steps", str(steps), "--calls", str(calls)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            runs[form].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    median = {f: statistics.median(r["s"] for r in rs) for f, rs in runs.items()}
+    return {"per_image_s": {f: round(v, 3) for f, v in median.items()},
+            "ratio_to_diffusers": {f: round(v / median["diffusers"], 3) for f, v in median.items()},
+            "runs_s": {f: [round(r["s"], 3) for r in rs] for f, rs in runs.items()},
+            "phases_s": {f: rs[-1].get("phases") for f, rs in runs.items() if f.startswith("flux2klein")}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("matmul")
+    m.add_argument("--n", type=int, default=2048)
+    m.add_argument("--rounds", type=int, default=7)
+    i = sub.add_parser("image")
+    i.add_argument("model")
+    i.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    i.add_argument("--size", type=int, default=512)
+    i.add_argument("--steps", type=int, default=4)
+    i.add_argument("--rounds", type=int, default=3)
+    i.add_argument("--calls", type=int, default=3)
+    o = sub.add_parser("one")
+    o.add_argument("form", choices=FORMS)
+    o.add_argument("model")
+    o.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    o.add_argument("--size", type=int, default=512)
+    o.add_argument("--steps", type=int, default=4)
+    o.add_argument("--calls", type=int, default=3)
+    args = parser.parse_args()
+    status = cpu_matmul.status()
+    out = {"cpu_matmul": status.name, "why": status.reason}
+    if args.what == "matmul":
+        out["gflops"] = matmul(args.n, args.rounds)
+    elif args.what == "one":
+        out.update(one_form(args.form, args.model, args.dtype, args.size, args.steps, args.calls))
+    else:
+        out.update(image(args.model, args.dtype, args.size, args.steps, args.rounds, args.calls))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

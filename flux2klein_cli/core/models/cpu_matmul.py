@@ -1,0 +1,177 @@
+"""bf16 matmuls at the AMX rate on CPU: oneMKL's bf16 GEMM called from XLA as an FFI custom call.
+
+XLA's CPU backend converts every bf16 dot to float32 before its own kernels (and before oneDNN's,
+with `--xla_cpu_use_onednn`), so on an AMX CPU a bf16 linear layer runs at the float32 rate: about
+a tenth of torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the AMX tiles.
+
+Used only when all of these hold, else every dot stays XLA's own (today's path):
+  * the CPU reports `amx_bf16` and `amx_tile` (/proc/cpuinfo);
+  * oneMKL's runtime library is installed (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the
+    environment's lib/);
+  * the small shim in amx_gemm.cc builds: on first use, with the C++ compiler (`$CXX`, else g++ or
+    c++) against jaxlib's FFI headers, into a private cache folder keyed by its source and jaxlib;
+  * `FLUX2KLEIN_CPU_MATMUL` is not `xla`.
+The choice is made per process and names the executable-store key (`backend()`). In a traced
+program the custom call sits in the CPU branch of `lax.platform_dependent`: a program lowered for
+an accelerator never contains it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import site
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from flux2klein_cli.core import temporaries
+from flux2klein_cli.core.cache_paths import cache_root
+
+ENV = "FLUX2KLEIN_CPU_MATMUL"
+TARGET = "flux2klein_amx_bf16_gemm"
+SOURCE = Path(__file__).with_name("amx_gemm.cc")
+_MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+
+
+@dataclass(frozen=True)
+class Status:
+    """`name` goes into executable keys (None: XLA's dots); `reason` says why, for people."""
+
+    name: str | None
+    reason: str
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The feature flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
+
+
+def has_amx_bf16(flags: frozenset[str]) -> bool:
+    return {"amx_bf16", "amx_tile"} <= flags
+
+
+def find_mkl() -> str | None:
+    """libmkl_rt from the `mkl` wheel (it installs into the environment's lib/), else the loader's."""
+    dirs = dict.fromkeys(Path(p) / "lib" for p in (sys.prefix, sys.base_prefix, site.getuserbase()))
+    for d in dirs:
+        for name in _MKL_NAMES:
+            if (d / name).is_file():
+                return str(d / name)
+    return ctypes.util.find_library("mkl_rt")
+
+
+def _private(path: Path) -> bool:
+    """Ours and writable by nobody else: a shared library is loaded into this process."""
+    st = path.stat()
+    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def shim_path() -> Path:
+    tag = hashlib.sha256(SOURCE.read_bytes() + jaxlib.version.__version__.encode()).hexdigest()[:16]
+    return cache_root() / "native" / f"amx_gemm-{tag}.so"
+
+
+def build_shim(out: Path) -> str | None:
+    """Compile amx_gemm.cc to `out` unless it is there; None when done, else why not."""
+    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _private(out.parent):
+        return f"{out.parent} is not private to this user"
+    if out.is_file():
+        return None if _private(out) else f"{out} is not private to this user"
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        return "no C++ compiler to build the oneMKL shim"
+    with temporaries.temporary_file(out.parent, out.name, 0o700) as (fd, tmp):
+        os.close(fd)
+        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-I", jax.ffi.include_dir(),
+               str(SOURCE), "-o", str(tmp), "-ldl"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"the oneMKL shim did not build: {e}"
+        if done.returncode != 0:
+            return f"the oneMKL shim did not build: {done.stderr.strip()[-300:]}"
+        os.replace(tmp, out)
+    return None
+
+
+def _load(flags: frozenset[str]) -> Status:
+    if os.environ.get(ENV, "auto") == "xla":
+        return Status(None, f"{ENV}=xla")
+    if platform.machine().lower() not in ("x86_64", "amd64") or not has_amx_bf16(flags):
+        return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile)")
+    mkl = find_mkl()
+    if mkl is None:
+        return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
+    shim = shim_path()
+    why = build_shim(shim)
+    if why is not None:
+        return Status(None, why)
+    lib = ctypes.CDLL(str(shim))
+    if lib.flux2klein_amx_open(mkl.encode()) != 0:
+        return Status(None, f"{mkl} has no cblas_gemm_bf16bf16f32")
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_gemm), platform="cpu")
+    return Status(f"onemkl-amx-bf16:{shim.stem.rpartition('-')[2]}", f"oneMKL bf16 GEMM ({mkl})")
+
+
+@functools.cache
+def status() -> Status:
+    """Detects, builds and registers once per process."""
+    return _load(cpu_flags())
+
+
+def backend() -> str | None:
+    """What a CPU program's bf16 dots run on: part of the executable key; None for XLA's own."""
+    return status().name
+
+
+def _eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and rhs.ndim == 2 and lhs.ndim >= 1
+            and tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
+            and preferred_element_type in (None, jnp.bfloat16, jnp.float32)
+            and kwargs.get("out_sharding") is None and len(jax.devices("cpu")) == 1)
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
+                preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
+    """`lax.dot_general` for Linear layers: bf16 (..., K) x (K, N) through oneMKL on AMX CPUs."""
+
+    def xla(x: jax.Array, w: jax.Array) -> jax.Array:
+        return jax.lax.dot_general(x, w, dimension_numbers, precision=precision,
+                                   preferred_element_type=preferred_element_type, **kwargs)
+
+    if backend() is None or not _eligible(lhs, rhs, dimension_numbers, preferred_element_type, kwargs):
+        return xla(lhs, rhs)
+    out_dtype = preferred_element_type or lhs.dtype
+
+    def amx(x: jax.Array, w: jax.Array) -> jax.Array:
+        lead, k, n = x.shape[:-1], w.shape[0], w.shape[1]
+        rows = x.reshape(-1, k)
+        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
+                                vmap_method="sequential")
+        return call(rows, w).reshape(*lead, n).astype(out_dtype)
+
+    return jax.lax.platform_dependent(lhs, rhs, cpu=amx, default=xla)

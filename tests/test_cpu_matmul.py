@@ -1,0 +1,169 @@
+"""bf16 Linear dots through oneMKL on AMX CPUs (core/models/cpu_matmul.py), XLA's dot elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flux2klein_cli.core.compile import store
+from flux2klein_cli.core.models import cpu_matmul
+from flux2klein_cli.core.models.layers import linear
+
+CPUINFO_AMX = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n\nprocessor\t: 1\n"
+CPUINFO_AVX512 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n"
+DIMS = (((1,), (0,)), ((), ()))
+
+
+@pytest.fixture
+def fresh_status() -> Iterator[None]:
+    """Each test detects again; the process's real choice comes back afterwards."""
+    cpu_matmul.status.cache_clear()
+    yield
+    cpu_matmul.status.cache_clear()
+
+
+def bf16_linear(seed: int = 0) -> nnx.Linear:
+    layer = linear(64, 48, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), bias=True)
+    rng = np.random.default_rng(seed)
+    layer.kernel[...] = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
+    layer.bias[...] = jnp.asarray(rng.standard_normal(48), jnp.bfloat16)
+    return layer
+
+
+def hlo(fn, *args, platform: str = "cpu") -> str:
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_cpu_flags_read_the_first_processor() -> None:
+    assert cpu_matmul.has_amx_bf16(cpu_matmul.cpu_flags(CPUINFO_AMX))
+    assert not cpu_matmul.has_amx_bf16(cpu_matmul.cpu_flags(CPUINFO_AVX512))
+    assert cpu_matmul.cpu_flags("no flags here") == frozenset()
+
+
+def test_a_cpu_without_amx_keeps_xlas_dot(monkeypatch: pytest.MonkeyPatch, fresh_status: None) -> None:
+    flags = cpu_matmul.cpu_flags(CPUINFO_AVX512)
+    monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: flags)
+    monkeypatch.delenv(cpu_matmul.ENV, raising=False)
+    assert cpu_matmul.backend() is None
+    assert "AMX" in cpu_matmul.status().reason
+    layer = bf16_linear()
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 64)), jnp.bfloat16)
+    assert cpu_matmul.TARGET not in hlo(lambda x: layer(x), x)
+    plain = jax.lax.dot_general(x, layer.kernel[...], (((2,), (0,)), ((), ()))) + layer.bias[...]
+    np.testing.assert_array_equal(np.asarray(layer(x), np.float32), np.asarray(plain, np.float32))
+
+
+def test_opt_out_and_missing_pieces_fall_back(monkeypatch: pytest.MonkeyPatch, fresh_status: None,
+                                              tmp_path: Path) -> None:
+    flags = cpu_matmul.cpu_flags(CPUINFO_AMX)
+    monkeypatch.setattr(cpu_matmul.platform, "machine", lambda: "x86_64")
+    monkeypatch.setenv(cpu_matmul.ENV, "xla")
+    assert cpu_matmul._load(flags).name is None
+    monkeypatch.delenv(cpu_matmul.ENV)
+    monkeypatch.setattr(cpu_matmul, "find_mkl", lambda: None)
+    assert "oneMKL is not installed" in cpu_matmul._load(flags).reason
+    monkeypatch.setattr(cpu_matmul, "find_mkl", lambda: "/nowhere/libmkl_rt.so.3")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(cpu_matmul.shutil, "which", lambda name: None)
+    status = cpu_matmul._load(flags)
+    assert status.name is None and "no C++ compiler" in status.reason
+    assert not list((tmp_path / "flux2klein" / "native").iterdir())  # nothing half-built left
+
+
+def test_only_cpu_programs_hold_the_custom_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("fake", "test"))
+    x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 16), jnp.bfloat16)
+    dot = lambda x, w: cpu_matmul.dot_general(x, w, DIMS)  # noqa: E731
+    assert cpu_matmul.TARGET in hlo(dot, x, w)
+    assert cpu_matmul.TARGET not in hlo(dot, x, w, platform="tpu")
+    # float32 and batched dots are not its business.
+    assert cpu_matmul.TARGET not in hlo(dot, x.astype(jnp.float32), w.astype(jnp.float32))
+    batched = lambda x, w: cpu_matmul.dot_general(x, w, (((2,), (1,)), ((0,), (0,))))  # noqa: E731
+    assert cpu_matmul.TARGET not in hlo(batched, jnp.ones((2, 4, 8), jnp.bfloat16), jnp.ones((2, 8, 3), jnp.bfloat16))
+
+
+def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    spec = store.ProgramSpec("axpy", jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),))
+    keys = set()
+    for name in (None, "onemkl-amx-bf16:a", "onemkl-amx-bf16:b"):
+        monkeypatch.setattr(cpu_matmul, "status", lambda name=name: cpu_matmul.Status(name, "test"))
+        parts = store.key_parts(spec)
+        assert parts["flags"]["cpu_matmul"] == name
+        keys.add(store.key_of(parts))
+    assert len(keys) == 3
+
+
+amx = pytest.mark.skipif(cpu_matmul.backend() is None, reason=f"no oneMKL AMX path: {cpu_matmul.status().reason}")
+
+
+@amx
+def test_on_amx_a_bf16_linear_runs_onemkl_and_agrees_with_xla() -> None:
+    layer = bf16_linear()
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((2, 37, 64)), jnp.bfloat16)
+    assert cpu_matmul.TARGET in hlo(lambda x: layer(x), x)
+    got = np.asarray(nnx.jit(lambda m, x: m(x))(layer, x), np.float32)
+    exact = np.asarray(x, np.float32) @ np.asarray(layer.kernel[...], np.float32) + np.asarray(layer.bias[...],
+                                                                                                np.float32)
+    # One bf16 rounding of the product and one of the sum with the bias.
+    np.testing.assert_allclose(got, exact, rtol=2e-2, atol=2e-2 * np.abs(exact).max())
+
+
+@amx
+def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_checkpoint: Path) -> None:
+    from flux2klein_cli.core.images import postprocess
+    from flux2klein_cli.core.parity import reference_pipeline, run_reference
+    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+
+    pipeline = KleinPipeline.load(tiny_checkpoint, dtype=jnp.bfloat16)
+    request = Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=64, width=64, seed=3)
+    noise, _ = pipeline.initial_noise(request, pipeline.geometry.grid(64, 64))
+    request.latents = noise
+    ours = postprocess(pipeline(request).images).astype(np.float32)
+    f32 = run_reference(reference_pipeline(pipeline, "fp32"), request, noise, []).astype(np.float32)
+    bf16 = run_reference(reference_pipeline(pipeline, "bf16"), request, noise, []).astype(np.float32)
+    ours_err, their_err = np.abs(ours - f32).mean(), np.abs(bf16 - f32).mean()
+    assert their_err > 0  # bf16 does change diffusers' image, so the bound means something
+    assert ours_err <= 1.25 * their_err, (ours_err, their_err)
+
+
+def linear_spec() -> store.ProgramSpec:
+    """A bf16 Linear as a stored program (its kernel an argument, as the pipeline's are)."""
+    layer = bf16_linear()
+    graphdef, _ = nnx.split(layer)
+    fn = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    args = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.state(layer)),
+            jax.ShapeDtypeStruct((3, 64), jnp.bfloat16))
+    return store.ProgramSpec("amx_linear", fn, args)
+
+
+@amx
+def test_a_stored_executable_with_the_custom_call_loads_in_a_new_process(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    spec = linear_spec()
+    compiled, info = store.ExecutableStore(tmp_path).load_or_compile(spec)
+    assert info.status == "miss" and cpu_matmul.TARGET in compiled.as_text()
+    code = (
+        "import sys, numpy as np, jax.numpy as jnp; from flax import nnx;"
+        "from tests.test_cpu_matmul import linear_spec, bf16_linear;"
+        "from flux2klein_cli.core.compile.store import ExecutableStore;"
+        "c, info = ExecutableStore(sys.argv[1]).load_or_compile(linear_spec());"
+        "x = jnp.ones((3, 64), jnp.bfloat16);"
+        "print(info.status, info.key, float(np.asarray(c(nnx.state(bf16_linear()), x), np.float32).sum()))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(root)), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    status, key, total = done.stdout.split()
+    expected = float(np.asarray(compiled(nnx.state(bf16_linear()), jnp.ones((3, 64), jnp.bfloat16)), np.float32).sum())
+    assert status == "hit" and key == info.key and float(total) == expected
