@@ -224,17 +224,6 @@ def test_lora_on_a_kv_edit_equals_diffusers(tiny_kv_checkpoint: Path, tmp_path: 
 
 # ---- no recompiles ----------------------------------------------------------------------------
 
-class _CompileLog(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.compiled: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage()
-        if message.startswith("Compiling") or "XLA compilation" in message:
-            self.compiled.append(message[:120])
-
-
 @pytest.mark.slow
 def test_switching_loras_or_scales_compiles_nothing(tiny_checkpoint: Path, tmp_path: Path) -> None:
     transformer = tiny_checkpoint / "transformer"
@@ -252,7 +241,9 @@ def test_switching_loras_or_scales_compiles_nothing(tiny_checkpoint: Path, tmp_p
         return pipeline(request).images
 
     images = [run([LoraSpec(str(first))])]  # compiles and stores the programs
-    log = _CompileLog()
+    from tests.compile_counter_worker import CompileLog
+
+    log = CompileLog()
     logging.getLogger("jax").addHandler(log)
     jax.config.update("jax_log_compiles", True)
     try:

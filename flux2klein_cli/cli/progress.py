@@ -33,12 +33,15 @@ class StepBar:
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             self.pause()
-            # Steps are seconds apart: draw each one (tqdm's default skips updates within 0.1 s).
-            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, dynamic_ncols=True,
-                            leave=False, mininterval=0)
+            self.bar = self._new_bar(total)
         self.bar.update(done - self.bar.n)
         if done >= total:
             self.close()
+
+    def _new_bar(self, total: int) -> tqdm:
+        # Steps are seconds apart: draw each one (tqdm's default skips updates within 0.1 s).
+        return tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, dynamic_ncols=True, leave=False,
+                    mininterval=0)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -47,25 +50,12 @@ class StepBar:
             self.resume()
 
 
-class ByteBar:
+class ByteBar(StepBar):
     """`on_bytes(done, total)` for a copy of known size: bytes, rate and ETA."""
 
-    def __init__(self, desc: str):
-        self.desc = desc
-        self.bar: tqdm | None = None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            self.bar = tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024,
-                            file=sys.stderr, dynamic_ncols=True, leave=False)
-        self.bar.update(done - self.bar.n)
-        if done >= total:
-            self.close()
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+    def _new_bar(self, total: int) -> tqdm:
+        return tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                    dynamic_ncols=True, leave=False)
 
 
 def hub_tqdm(enabled: bool) -> Any:

@@ -20,34 +20,31 @@ PHASES = ("pipeline", "ttfi", "load", "transformer-compile", "steps", "lora", "d
 MESH_AXES = ("data", "fsdp", "tensor", "context")
 
 
-def check_dtype(name: str) -> str:
-    if name not in DTYPES:
-        raise UserInputError(f"unknown dtype {name!r}: use one of {', '.join(DTYPES)}")
+def _one_of(name: str, allowed: tuple[str, ...] | dict[str, str], message: str) -> str:
+    """`name` when it is one of `allowed`; else exit 2 with `message` (given {name} and {allowed})."""
+    if name not in allowed:
+        raise UserInputError(message.format(name=repr(name), allowed=", ".join(allowed)))
     return name
+
+
+def check_dtype(name: str) -> str:
+    return _one_of(name, DTYPES, "unknown dtype {name}: use one of {allowed}")
 
 
 def check_effort(name: str) -> str:
-    if name not in EFFORTS:
-        raise UserInputError(f"--effort must be one of {', '.join(EFFORTS)}, got {name!r}")
-    return name
+    return _one_of(name, EFFORTS, "--effort must be one of {allowed}, got {name}")
 
 
 def check_layout(name: str) -> str:
-    if name not in LAYOUTS:
-        raise UserInputError(f"unknown layout {name!r}: use one of {', '.join(LAYOUTS)}")
-    return name
+    return _one_of(name, LAYOUTS, "unknown layout {name}: use one of {allowed}")
 
 
 def check_quantize(name: str) -> str:
-    if name not in QUANTIZE:
-        raise UserInputError(f"unknown quantization {name!r}: use one of {', '.join(QUANTIZE)}")
-    return name
+    return _one_of(name, QUANTIZE, "unknown quantization {name}: use one of {allowed}")
 
 
 def check_phase(name: str) -> str:
-    if name not in PHASES:
-        raise UserInputError(f"unknown phase {name!r}: use one of {', '.join(PHASES)}")
-    return name
+    return _one_of(name, PHASES, "unknown phase {name}: use one of {allowed}")
 
 
 def jax_dtype(name: str) -> Any:
