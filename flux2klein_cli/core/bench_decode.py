@@ -22,7 +22,7 @@ def bench_decode(model_dir: Path, *, height: int, width: int, batch: int, reps: 
     from flux2klein_cli.core.bench import summarize
     from flux2klein_cli.core.images import validate_size
     from flux2klein_cli.core.models.vae import load_vae
-    from flux2klein_cli.core.pipeline.pipeline import _jit_module_call, decode_latents
+    from flux2klein_cli.core.pipeline.programs import decode_latents, jit_module_call
 
     start = time.perf_counter()
     vae = load_vae(Path(model_dir) / "vae", dtype=dtype)
@@ -33,7 +33,7 @@ def bench_decode(model_dir: Path, *, height: int, width: int, batch: int, reps: 
     validate_size(height, width, multiple_of=factor)
     shape = (batch, height // factor, width // factor, vae.config.patched_channels)
     latents = jax.numpy.asarray(np.random.default_rng(0).standard_normal(shape, np.float32))
-    decode = _jit_module_call(vae, decode_latents)
+    decode = jit_module_call(vae, decode_latents)
 
     def call() -> float:
         begin = time.perf_counter()
