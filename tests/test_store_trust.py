@@ -216,3 +216,21 @@ def test_an_xla_cache_others_can_write_stays_off(tmp_path: Path, monkeypatch: py
     configure_jax(messages.append)
     assert jax.config.jax_compilation_cache_dir == before
     assert len(messages) == 1 and "writable by other users" in messages[0]
+
+
+def test_concurrent_first_uses_agree_on_one_whole_key(tmp_path: Path) -> None:
+    import threading
+
+    barrier, keys = threading.Barrier(8), []
+
+    def first_use() -> None:
+        barrier.wait()
+        keys.append(trust.store_key(tmp_path))
+
+    threads = [threading.Thread(target=first_use) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(keys) == 8 and len(set(keys)) == 1 and len(keys[0]) == trust.KEY_BYTES
+    assert sorted(p.name for p in tmp_path.iterdir()) == [trust.KEY_FILE]  # no temporaries left

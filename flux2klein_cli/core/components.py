@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.registry import COMPONENT_REPOS
 from flux2klein_cli.core.snapshot import (
     CONVERTED_MANIFEST,
@@ -111,9 +111,6 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
     """`model_dir` with `sources` in place of its components (itself when there are none)."""
     if not sources:
         return model_dir
-    from flux2klein_cli.core.checkpoint import COMPONENTS
-    from flux2klein_cli.core.temporaries import temporary_dir
-
     model_dir = Path(model_dir).resolve()
     if (model_dir / CONVERTED_MANIFEST).is_file():
         raise UserInputError(f"{model_dir} is a converted directory: --transformer / --vae apply to a diffusers "
@@ -124,6 +121,16 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
     final = parent / _identity(model_dir, sources)
     if (final / _MANIFEST).is_file():
         return final
+    try:
+        return _write_composed(model_dir, sources, parent, final)
+    except OSError as e:  # a full or read-only cache: one line, exit 1
+        raise Flux2KleinError(f"cannot compose the model in {parent}: {e.strerror or e}") from None
+
+
+def _write_composed(model_dir: Path, sources: dict[str, ComponentSource], parent: Path, final: Path) -> Path:
+    from flux2klein_cli.core.checkpoint import COMPONENTS
+    from flux2klein_cli.core.temporaries import temporary_dir
+
     parent.mkdir(parents=True, exist_ok=True)
     with temporary_dir(parent, final.name) as tmp:
         shutil.copyfile(model_dir / "model_index.json", tmp / "model_index.json")

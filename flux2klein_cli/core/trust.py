@@ -85,12 +85,8 @@ def store_key(root: Path) -> bytes:
     """The store's HMAC key, created (0600, exclusively) on first use. Refused when another
     user could read or write it."""
     path = root / KEY_FILE
-    with contextlib.suppress(FileExistsError):
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, secrets.token_bytes(KEY_BYTES))
-        finally:
-            os.close(fd)
+    if not path.exists():
+        _publish_key(path)
     check_private_file(path, "store key")
     info = path.lstat()
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -100,6 +96,20 @@ def store_key(root: Path) -> bytes:
     if len(key) != KEY_BYTES:
         raise Untrusted(f"store key {path} has {len(key)} bytes, not {KEY_BYTES} (remove it to start afresh)")
     return key
+
+
+def _publish_key(path: Path) -> None:
+    """Write a new key whole, then link it into place: a concurrent first use sees either no
+    key or a complete one, and the first link wins (the loser reads the winner's key)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(KEY_BYTES))
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _canonical(record: dict[str, Any]) -> bytes:

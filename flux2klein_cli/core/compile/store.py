@@ -682,9 +682,9 @@ def _first_line(error: BaseException) -> str:
 
 
 def compiles_serially(specs: Sequence[ProgramSpec]) -> bool:
-    """TPU programs compile one at a time: libtpu crashed (SIGSEGV in its MLIR translation)
-    in 2 of 4 runs compiling the Pallas attention kernels of two programs at once for v7, and
-    threads gain nothing there anyway (its compiles in one process finish together)."""
+    """TPU programs compile one at a time: libtpu is not safe compiling the Pallas attention
+    kernels of two programs at once (it crashed in its MLIR translation), and threads gain
+    nothing there anyway (its compiles in one process finish together)."""
     return any((spec.target or Target.local()).platform == "tpu" for spec in specs)
 
 

@@ -1,8 +1,8 @@
 """bf16 matmuls at the AMX rate on CPU: oneMKL's bf16 GEMM called from XLA as an FFI custom call.
 
 XLA's CPU backend converts every bf16 dot to float32 before its own kernels (and before oneDNN's,
-with `--xla_cpu_use_onednn`), so on an AMX CPU a bf16 linear layer runs at the float32 rate: about
-a tenth of torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the AMX tiles.
+with `--xla_cpu_use_onednn`), so on an AMX CPU a bf16 linear layer runs at the float32 rate, far
+below torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the AMX tiles.
 
 Used only when all of these hold, else every dot stays XLA's own (today's path):
   * the CPU reports `amx_bf16` and `amx_tile` (/proc/cpuinfo);
@@ -26,7 +26,6 @@ import os
 import platform
 import shutil
 import site
-import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
-from flux2klein_cli.core import temporaries
+from flux2klein_cli.core import temporaries, trust
 from flux2klein_cli.core.cache_paths import cache_root
 
 ENV = "FLUX2KLEIN_CPU_MATMUL"
@@ -82,12 +81,6 @@ def find_mkl() -> str | None:
     return ctypes.util.find_library("mkl_rt")
 
 
-def _private(path: Path) -> bool:
-    """Ours and writable by nobody else: a shared library is loaded into this process."""
-    st = path.stat()
-    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
 def shim_path() -> Path:
     tag = hashlib.sha256(SOURCE.read_bytes() + jaxlib.version.__version__.encode()).hexdigest()[:16]
     return cache_root() / "native" / f"amx_gemm-{tag}.so"
@@ -95,11 +88,14 @@ def shim_path() -> Path:
 
 def build_shim(out: Path) -> str | None:
     """Compile amx_gemm.cc to `out` unless it is there; None when done, else why not."""
-    out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not _private(out.parent):
-        return f"{out.parent} is not private to this user"
-    if out.is_file():
-        return None if _private(out) else f"{out} is not private to this user"
+    try:
+        trust.make_private_dir(out.parent)
+        trust.check_private_dir(out.parent, "native code folder")
+        if out.exists():
+            trust.check_private_file(out, "oneMKL shim")  # it is loaded into this process
+            return None
+    except (trust.Untrusted, OSError) as e:
+        return str(e)
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         return "no C++ compiler to build the oneMKL shim"
@@ -113,6 +109,7 @@ def build_shim(out: Path) -> str | None:
             return f"the oneMKL shim did not build: {e}"
         if done.returncode != 0:
             return f"the oneMKL shim did not build: {done.stderr.strip()[-300:]}"
+        os.chmod(tmp, 0o700)  # the linker writes with the umask; a group-writable shim is refused
         os.replace(tmp, out)
     return None
 
@@ -129,9 +126,13 @@ def _load(flags: frozenset[str]) -> Status:
     why = build_shim(shim)
     if why is not None:
         return Status(None, why)
-    lib = ctypes.CDLL(str(shim))
-    if lib.flux2klein_amx_open(mkl.encode()) != 0:
-        return Status(None, f"{mkl} has no cblas_gemm_bf16bf16f32")
+    try:
+        trust.check_private_file(shim, "oneMKL shim")
+        lib = ctypes.CDLL(str(shim))
+        if lib.flux2klein_amx_open(mkl.encode()) != 0:
+            return Status(None, f"{mkl} has no cblas_gemm_bf16bf16f32")
+    except (trust.Untrusted, OSError, AttributeError) as e:  # a foreign, corrupt or old shim: XLA's path
+        return Status(None, f"the oneMKL shim does not load: {e}")
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_gemm), platform="cpu")
     return Status(f"onemkl-amx-bf16:{shim.stem.rpartition('-')[2]}", f"oneMKL bf16 GEMM ({mkl})")
 

@@ -140,8 +140,8 @@ def decode_latents(vae: Any, latents: jax.Array) -> jax.Array:
     Decoded one image per batch shard at a time (a `lax.map` over the images each device
     holds): the decoder's activations are the largest of the pipeline, so this divides its
     peak memory by the images per device, and libtpu compiles the one-image decoder in about
-    half the time (9B VAE, v6e-4, batch 8: 43 s -> 25 s). Each image is decoded alone either
-    way, so the result is the same."""
+    half the time (docs/benchmarks.md). Each image is decoded alone either way, so the result
+    is the same."""
     batch, *grid = latents.shape
     shards = batch_shards(batch)
     per_shard = batch // shards

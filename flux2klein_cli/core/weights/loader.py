@@ -276,8 +276,8 @@ def _merge_bands(out: np.ndarray, stored: np.ndarray, key: str, linear: bool, ro
                  bands: list[tuple[int, int]], deltas: Deltas) -> None:
     """For each band of stored rows: convert to float32 in a per-thread scratch, add the delta in
     place, and cast once into `out` (transposed for a linear kernel). The bands are the
-    parallelism: OpenBLAS runs one thread per band worker (its own threads, spinning beside ours,
-    made the band products 4x slower on a busy 2-core host)."""
+    parallelism: OpenBLAS runs one thread per band worker (its own threads would spin beside
+    ours and slow every band's product)."""
     setter = _blas_threads_setter()
     previous = setter(1) if setter else None
     try:
