@@ -8,8 +8,8 @@ from pathlib import Path
 
 # Tests measure float32 parity: keep XLA from using reduced-precision matmuls.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# The CLI's persistent XLA cache goes to a fresh folder per run, never the user's.
-os.environ.setdefault("FLUX2KLEIN_XLA_CACHE", tempfile.mkdtemp(prefix="flux2klein-xla-"))
+# jax's persistent XLA cache stays off (its default): the executable store is under test.
+os.environ.setdefault("FLUX2KLEIN_XLA_CACHE", "off")
 os.environ.setdefault("FLUX2KLEIN_COMPILE_CACHE", tempfile.mkdtemp(prefix="flux2klein-executables-"))
 
 import pytest  # noqa: E402

@@ -12,13 +12,16 @@ CACHE_ENV = "FLUX2KLEIN_XLA_CACHE"
 
 
 def xla_cache_dir() -> Path | None:
-    """Where compiled XLA programs persist between runs; FLUX2KLEIN_XLA_CACHE=off disables it."""
+    """Where jax's own persistent compilation cache lives, when FLUX2KLEIN_XLA_CACHE names a
+    folder (`on`: the default folder); off otherwise. Off by default: the executable store holds
+    every program of a run, and on CPU an executable that jax also wrote to its cache was
+    stored without its fused kernels (the next process recompiled it)."""
     value = os.environ.get(CACHE_ENV)
-    if value is not None and value.lower() in ("", "0", "off", "false", "no"):
+    if value is None or value.lower() in ("", "0", "off", "false", "no"):
         return None
-    if value:
-        return Path(value).expanduser()
-    return cache_root() / "xla"
+    if value.lower() in ("1", "on", "true", "yes"):
+        return cache_root() / "xla"
+    return Path(value).expanduser()
 
 
 def configure_jax(warn: Callable[[str], None] | None = None) -> None:
