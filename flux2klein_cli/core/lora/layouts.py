@@ -129,8 +129,8 @@ class Converted:
     text_terms: dict[str, list[Term]] = field(default_factory=dict)  # text-encoder weight key -> terms
 
     def terms_for(self, component: str) -> dict[str, list[Term]]:
-        """The terms of one model component ("transformer" or "text_encoder")."""
-        return self.text_terms if component == "text_encoder" else self.terms
+        """The terms of one model component (none for the VAE)."""
+        return {"transformer": self.terms, "text_encoder": self.text_terms}.get(component, {})
 
 
 def _undotted(names: set[str]) -> dict[str, str]:
