@@ -135,7 +135,8 @@ def test_convert_merges_the_lora_and_records_it(tiny_checkpoint: Path, tmp_path:
     deltas = LoraDeltas.read([spec]).for_component("text_encoder")  # type: ignore[union-attr]
     expected_text = load_qwen3(tiny_checkpoint / "text_encoder", dtype=jnp.float32, deltas=deltas)
     plain_text = load_qwen3(tiny_checkpoint / "text_encoder", dtype=jnp.float32)
-    got, want, plain = ([np.asarray(x) for x in jax.tree.leaves(nnx.state(m))] for m in (text, expected_text, plain_text))
+    got, want, plain = ([np.asarray(x) for x in jax.tree.leaves(nnx.state(m))]
+                        for m in (text, expected_text, plain_text))
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
     assert any(not np.array_equal(b, c) for b, c in zip(want, plain, strict=True))  # the text encoder's LoRA is in
