@@ -153,7 +153,7 @@ def _from_underscores(name: str, modules: tuple[set[str], set[str], set[str]], b
 def detect(keys: list[str]) -> str:
     """The layout of a file from its keys."""
     if any(".lokr_" in k for k in keys):
-        return "LoKr (LyCORIS)" if any(k.startswith("lycoris_") for k in keys) else "LoKr (BFL)"
+        return "LoKr (LyCORIS)" if any(k.startswith(("lycoris_", "lora_te")) for k in keys) else "LoKr (BFL)"
     if any(k.startswith(("lora_unet_", "lora_te")) for k in keys):
         return "kohya / musubi"
     if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
