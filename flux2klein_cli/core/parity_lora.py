@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.lora.layouts import TEXT_ENCODER_PREFIXES
 
 
@@ -51,11 +52,16 @@ def merge_text_encoder_lora(text_encoder: Any, tensors: dict[str, Any], scale: f
     names = {}
     for name, module in text_encoder.named_modules():
         if isinstance(module, torch.nn.Linear):
-            names.update({"lora_te_" + name.replace(".", "_"): name, "lora_te1_" + name.replace(".", "_"): name,
-                          f"text_encoder.{name}": name})
+            # Saved from Qwen3ForCausalLM (`model.layers...`) or from its inner Qwen3Model (`layers...`).
+            for saved in {name, name.removeprefix("model.")}:
+                names.update({"lora_te_" + saved.replace(".", "_"): name, "lora_te1_" + saved.replace(".", "_"): name,
+                              f"text_encoder.{saved}": name})
     grouped: dict[str, dict[str, Any]] = {}
+    longest_first = sorted(names, key=len, reverse=True)
     for key, value in tensors.items():
-        module = next(m for m in sorted(names, key=len, reverse=True) if key.startswith(m + "."))
+        module = next((m for m in longest_first if key.startswith(m + ".")), None)
+        if module is None:
+            raise Flux2KleinError(f"the reference text encoder has no module for LoRA key {key}")
         grouped.setdefault(module, {})[key[len(module) + 1:]] = value.float()
     linears = dict(text_encoder.named_modules())
     with torch.no_grad():
