@@ -225,7 +225,7 @@ def _peft_alpha(metadata: Mapping[str, str], component: str = "transformer") -> 
         config = json.loads(raw)
     except json.JSONDecodeError:
         return None
-    for key in ("lora_alpha", f"{component}.lora_alpha"):
+    for key in (f"{component}.lora_alpha", "lora_alpha"):  # the component's own first
         if isinstance(config.get(key), int | float):
             return float(config[key])
     return None
