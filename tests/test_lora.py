@@ -125,9 +125,21 @@ def test_convert_merges_the_lora_and_records_it(tiny_checkpoint: Path, tmp_path:
     from flux2klein_cli.core.weights.convert import convert
     from flux2klein_cli.core.weights.converted import load_component
 
-    path = write_random_lora(tmp_path / "l.safetensors", tiny_checkpoint / "transformer", "peft", rank=2, seed=3)
+    path = write_random_lora(tmp_path / "l.safetensors", tiny_checkpoint / "transformer", "peft", rank=2, seed=3,
+                             text_encoder_dir=tiny_checkpoint / "text_encoder")
     spec = LoraSpec(str(path), 0.5)
     manifest = convert(tiny_checkpoint, tmp_path / "conv", dtype="fp32", lora=LoraDeltas.read([spec]))
+    from flux2klein_cli.core.models.qwen3 import load_qwen3
+
+    text = load_component("text_encoder", tmp_path / "conv", dtype=jnp.float32)
+    deltas = LoraDeltas.read([spec]).for_component("text_encoder")  # type: ignore[union-attr]
+    expected_text = load_qwen3(tiny_checkpoint / "text_encoder", dtype=jnp.float32, deltas=deltas)
+    plain_text = load_qwen3(tiny_checkpoint / "text_encoder", dtype=jnp.float32)
+    got, want, plain = ([np.asarray(x) for x in jax.tree.leaves(nnx.state(m))]
+                        for m in (text, expected_text, plain_text))
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(b, c) for b, c in zip(want, plain, strict=True))  # the text encoder's LoRA is in
     assert manifest["lora"][0]["scale"] == 0.5
     converted = load_component("transformer", tmp_path / "conv", dtype=jnp.float32)
     ours = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(converted))}
@@ -152,7 +164,8 @@ def test_cli_exit_2_in_one_line_and_json_records_the_lora(tiny_checkpoint: Path,
     bad = {"diffusion_model.double_blocks.0.img_attn.qkvz.lora_A.weight": np.zeros((2, 4), np.float32),
            "diffusion_model.double_blocks.0.img_attn.qkvz.lora_B.weight": np.zeros((4, 2), np.float32)}
     write_float32_safetensors(tmp_path / "bad.safetensors", bad)
-    good = write_random_lora(tmp_path / "good.safetensors", transformer, "kohya", rank=2)
+    good = write_random_lora(tmp_path / "good.safetensors", transformer, "kohya", rank=2,
+                             text_encoder_dir=tiny_checkpoint / "text_encoder")  # text-encoder keys are recorded alike
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     base = [sys.executable, "-m", "flux2klein_cli", "generate", "a fox", "--model", str(tiny_checkpoint),
             "--height", "32", "--width", "32", "--steps", "1", "--dtype", "fp32", "--no-save", "--json"]
@@ -166,6 +179,7 @@ def test_cli_exit_2_in_one_line_and_json_records_the_lora(tiny_checkpoint: Path,
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout)
     assert report["lora"][0]["scale"] == 0.75 and len(report["lora"][0]["sha256"]) == 64
+    assert report["lora"][0]["layout"] == "kohya / musubi"
     from PIL import Image
 
     assert json.loads(Image.open(tmp_path / "good.png").text["lora"])[0]["path"] == str(good)
@@ -229,6 +243,8 @@ def test_switching_loras_or_scales_compiles_nothing(tiny_checkpoint: Path, tmp_p
     transformer = tiny_checkpoint / "transformer"
     first = write_random_lora(tmp_path / "a.safetensors", transformer, "bfl", rank=2, seed=1)
     second = write_random_lora(tmp_path / "b.safetensors", transformer, "lokr-bfl", rank=4, seed=2, alpha=1.0)
+    text = write_random_lora(tmp_path / "t.safetensors", None, "peft", rank=2, seed=3, std=0.2,
+                             text_encoder_dir=tiny_checkpoint / "text_encoder")  # the text encoder's weights change
     from flux2klein_cli.core.compile.attach import StoredExecutables
     from flux2klein_cli.core.compile.store import ExecutableStore
 
@@ -247,13 +263,14 @@ def test_switching_loras_or_scales_compiles_nothing(tiny_checkpoint: Path, tmp_p
     logging.getLogger("jax").addHandler(log)
     jax.config.update("jax_log_compiles", True)
     try:
-        for specs in ([LoraSpec(str(first), 0.3)], [LoraSpec(str(second)), LoraSpec(str(first), -1.0)]):
+        for specs in ([LoraSpec(str(first), 0.3)], [LoraSpec(str(second)), LoraSpec(str(first), -1.0)],
+                      [LoraSpec(str(first), 0.3), LoraSpec(str(text), 2.0)]):
             images.append(run(specs))
     finally:
         jax.config.update("jax_log_compiles", False)
         logging.getLogger("jax").removeHandler(log)
     assert log.compiled == []
-    assert np.abs(images[0] - images[1]).max() > 0 and np.abs(images[1] - images[2]).max() > 0
+    assert all(np.abs(images[i] - images[j]).max() > 0 for i, j in ((0, 1), (1, 2), (1, 3)))
 
 
 @pytest.mark.parametrize("layout", ["linear", "none"])

@@ -120,9 +120,9 @@ VaeOpt = Annotated[str | None, typer.Option(
 
 LoraOpt = Annotated[list[str], typer.Option(
     "--lora", metavar="PATH_OR_REPO[:SCALE]",
-    help="A LoRA merged into the transformer at load (repeatable): a .safetensors file, a folder holding one, or a "
-    "hub repo fetched with `flux2klein fetch --lora`; SCALE defaults to 1.0. Layouts: ai-toolkit / BFL, kohya / "
-    "musubi, diffusers / PEFT, LoKr.")]
+    help="A LoRA merged into the transformer (and text encoder) at load (repeatable): a .safetensors file, a folder "
+    "holding one, or a hub repo fetched with `flux2klein fetch --lora`; SCALE defaults to 1.0. Layouts: ai-toolkit / "
+    "BFL, kohya / musubi, diffusers / PEFT, LoKr.")]
 
 
 def compile_cache(new: Path | None, old: Path | None) -> Path | None:

@@ -103,7 +103,8 @@ def load_models(
 ) -> LoadedModels:
     """Load transformer, text encoder and VAE, each straight into `dtype` on the mesh: from the
     safetensors of a diffusers snapshot, or from a converted directory (flat or Orbax layout).
-    `lora` (core/lora/merge.py LoraDeltas) is merged into the transformer's weights as they load."""
+    `lora` (core/lora/merge.py LoraDeltas) is merged into the transformer's weights as they load,
+    and into the text encoder's when a file has text-encoder keys."""
     from flux2klein_cli.core.models.qwen3 import load_qwen3
     from flux2klein_cli.core.models.transformer import load_transformer
     from flux2klein_cli.core.models.vae import load_vae
@@ -118,6 +119,7 @@ def load_models(
         from functools import partial
 
         loaders["transformer"] = partial(load_transformer, deltas=lora)
+        loaders["text_encoder"] = partial(load_qwen3, deltas=lora.for_component("text_encoder"))
     if snapshot.converted:
         from functools import partial
 

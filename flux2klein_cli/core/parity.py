@@ -87,12 +87,23 @@ def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
     reference = cls.from_pretrained(pipeline.snapshot.root, dtype=dtype, **overrides)
     if pipeline.lora:  # the same files, through diffusers' own LoRA loading (PEFT)
         from flux2klein_cli.core.extras import require_extra
+        from flux2klein_cli.core.parity_lora import merge_text_encoder_lora, split_text_encoder
 
         require_extra("parity", ("peft",), "parity --lora")
-        names = [f"lora{i}" for i in range(len(pipeline.lora.files))]
-        for name, lora in zip(names, pipeline.lora.files, strict=True):
-            reference.load_lora_weights(str(lora.path), adapter_name=name)
-        reference.set_adapters(names, adapter_weights=[lora.spec.scale for lora in pipeline.lora.files])
+        names, scales = [], []
+        for i, lora in enumerate(pipeline.lora.files):
+            if not lora.converted.text_terms:
+                reference.load_lora_weights(str(lora.path), adapter_name=f"lora{i}")
+            else:  # diffusers loads a Flux2 LoRA's transformer keys only: the text encoder's are merged here
+                transformer, text = split_text_encoder(lora.path)
+                merge_text_encoder_lora(reference.text_encoder, text, lora.spec.scale)
+                if not transformer:
+                    continue
+                reference.load_lora_weights(transformer, adapter_name=f"lora{i}")
+            names.append(f"lora{i}")
+            scales.append(lora.spec.scale)
+        if names:
+            reference.set_adapters(names, adapter_weights=scales)
     return reference
 
 

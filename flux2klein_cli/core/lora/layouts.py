@@ -14,6 +14,13 @@ weight (`transformer_blocks.0.attn.to_q.weight`); a term yields any block of its
   alpha / rank only when a factor is decomposed (LyCORIS' rule); BFL keys or LyCORIS' `lycoris_` +
   the diffusers module path with `_` for `.`.
 
+Text-encoder keys (the klein text encoder is one Qwen3 causal LM, transformers' names) are read in
+the layouts that have them: kohya / musubi `lora_te_` (or `lora_te1_`) + the module path with `_` for
+`.`, and diffusers / PEFT `text_encoder.` + the module path; `model.` in front of `layers` is optional
+(saved from Qwen3ForCausalLM or Qwen3Model). Their LoRA or LoKr factors become terms keyed by the text
+encoder's checkpoint keys (`model.layers.0.self_attn.q_proj.weight`), merged like the transformer's.
+Keys for a second text encoder (`lora_te2_`, `text_encoder_2.`) are an error: klein has one.
+
 BFL names go through weights/bfl_names.py, the map single-file checkpoints use: a fused qkv LoRA
 shares its A across q, k, v and splits its B (or its Kronecker product) in three, and
 `final_layer.adaLN_modulation.1`'s delta has its two output halves swapped like the weight.
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,7 +42,10 @@ LORA_SUFFIXES = ("lora_A.weight", "lora_B.weight", "lora_down.weight", "lora_up.
 LOKR_SUFFIXES = ("lokr_w1", "lokr_w2", "lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b")
 SUFFIXES = (*LORA_SUFFIXES, *LOKR_SUFFIXES, "alpha")
 _DOWN, _UP = ("lora_A.weight", "lora_down.weight"), ("lora_B.weight", "lora_up.weight")
-_TEXT_ENCODER = ("lora_te", "text_encoder.", "text_encoder_2.", "te.", "lora_te1_", "lora_te2_")
+TEXT_ENCODER_PREFIXES = ("lora_te_", "lora_te1_", "text_encoder.")
+_SECOND_TEXT_ENCODER = ("lora_te2_", "text_encoder_2.")
+_QWEN3_PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+                      "mlp": ("gate_proj", "up_proj", "down_proj")}
 
 
 def _rows(x: np.ndarray, part: Part) -> np.ndarray:
@@ -115,7 +125,12 @@ Term = LowRank | Kronecker
 @dataclass(frozen=True)
 class Converted:
     layout: str
-    terms: dict[str, list[Term]]  # diffusers weight key -> terms
+    terms: dict[str, list[Term]]  # diffusers transformer weight key -> terms
+    text_terms: dict[str, list[Term]] = field(default_factory=dict)  # text-encoder weight key -> terms
+
+    def terms_for(self, component: str) -> dict[str, list[Term]]:
+        """The terms of one model component (none for the VAE)."""
+        return {"transformer": self.terms, "text_encoder": self.text_terms}.get(component, {})
 
 
 def _undotted(names: set[str]) -> dict[str, str]:
@@ -138,12 +153,12 @@ def _from_underscores(name: str, modules: tuple[set[str], set[str], set[str]], b
 def detect(keys: list[str]) -> str:
     """The layout of a file from its keys."""
     if any(".lokr_" in k for k in keys):
-        return "LoKr (LyCORIS)" if any(k.startswith("lycoris_") for k in keys) else "LoKr (BFL)"
+        return "LoKr (LyCORIS)" if any(k.startswith(("lycoris_", "lora_te")) for k in keys) else "LoKr (BFL)"
     if any(k.startswith(("lora_unet_", "lora_te")) for k in keys):
         return "kohya / musubi"
     if any(k.startswith(("diffusion_model.", "model.diffusion_model.")) for k in keys):
         return "ai-toolkit / BFL"
-    if any(k.startswith(("transformer.", "base_model.model.")) for k in keys):
+    if any(k.startswith(("transformer.", "base_model.model.", "text_encoder.")) for k in keys):
         return "diffusers / PEFT"
     return "unknown"
 
@@ -169,6 +184,20 @@ def _module_parts(module: str, layout: str) -> tuple[Part, ...] | None:
     return None
 
 
+def _text_encoder_module(module: str) -> str | None:
+    """`lora_te_model_layers_3_mlp_up_proj` or `text_encoder.model.layers.3.mlp.up_proj` ->
+    `model.layers.3.mlp.up_proj` (the Qwen3 checkpoint's module name), or None."""
+    prefix = next((p for p in TEXT_ENCODER_PREFIXES if module.startswith(p)), None)
+    if prefix is None:
+        return None
+    name = module.removeprefix(prefix)
+    dot = re.escape(prefix[-1])  # `_` (kohya) or `.` (PEFT)
+    match = re.fullmatch(rf"(?:model{dot})?layers{dot}(\d+){dot}(self_attn|mlp){dot}(\w+)", name)
+    if match and match.group(3) in _QWEN3_PROJECTIONS[match.group(2)]:
+        return f"model.layers.{match.group(1)}.{match.group(2)}.{match.group(3)}"
+    return "lm_head" if name == "lm_head" else None
+
+
 def _is_diffusers_name(name: str) -> bool:
     glob, double, single = diffusers_modules()
     match = re.fullmatch(r"(transformer_blocks|single_transformer_blocks)\.\d+\.(.+)", name)
@@ -184,8 +213,9 @@ def _split(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _peft_alpha(metadata: Mapping[str, str]) -> float | None:
-    """`lora_alpha` from the PEFT config diffusers' `save_lora_weights` stores in the header."""
+def _peft_alpha(metadata: Mapping[str, str], component: str = "transformer") -> float | None:
+    """`lora_alpha` from the PEFT config diffusers' `save_lora_weights` stores in the header (one
+    config per component, its keys prefixed with the component's name)."""
     import json
 
     raw = metadata.get("lora_adapter_metadata")
@@ -195,7 +225,7 @@ def _peft_alpha(metadata: Mapping[str, str]) -> float | None:
         config = json.loads(raw)
     except json.JSONDecodeError:
         return None
-    for key in ("lora_alpha", "transformer.lora_alpha"):
+    for key in (f"{component}.lora_alpha", "lora_alpha"):  # the component's own first
         if isinstance(config.get(key), int | float):
             return float(config[key])
     return None
@@ -211,10 +241,10 @@ def convert(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], wher
     is an error naming it: nothing is dropped."""
     keys = sorted(tensors)
     layout = detect(keys)
-    text = [k for k in keys if k.startswith(_TEXT_ENCODER)]
-    if text:
-        raise UserInputError(f"{where}: {layout} LoRA has text-encoder keys, which flux2klein does not apply: "
-                             f"{_first(text)}")
+    second = [k for k in keys if k.startswith(_SECOND_TEXT_ENCODER)]
+    if second:
+        raise UserInputError(f"{where}: {layout} LoRA has keys for a second text encoder, which FLUX.2 [klein] "
+                             f"does not have (it has one, Qwen3): {_first(second)}")
     modules: dict[str, dict[str, np.ndarray]] = {}
     unknown = []
     for key in keys:
@@ -226,10 +256,19 @@ def convert(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], wher
     if unknown:
         raise UserInputError(f"{where}: {layout} LoRA has keys flux2klein does not understand "
                              f"(not LoRA or LoKr factors): {_first(unknown)}")
-    peft_alpha = _peft_alpha(metadata)
+    peft_alpha, text_alpha = _peft_alpha(metadata), _peft_alpha(metadata, "text_encoder")
     terms: dict[str, list[Term]] = {}
-    unmatched = []
+    text_terms: dict[str, list[Term]] = {}
+    unmatched, text_unmatched = [], []
     for module, factors in modules.items():
+        if module.startswith(TEXT_ENCODER_PREFIXES):
+            name = _text_encoder_module(module)
+            if name is None:
+                text_unmatched.append(module)
+                continue
+            for part, term in _terms(module, factors, (Part(name),), text_alpha, where, layout):
+                text_terms.setdefault(f"{part.module}.weight", []).append(term)
+            continue
         parts = _module_parts(module, layout)
         if parts is None:
             unmatched.append(module)
@@ -239,9 +278,12 @@ def convert(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], wher
     if unmatched:
         raise UserInputError(f"{where}: {layout} LoRA names modules the FLUX.2 [klein] transformer does not "
                              f"have: {_first(unmatched)}")
-    if not terms:
+    if text_unmatched:
+        raise UserInputError(f"{where}: {layout} LoRA names text-encoder modules the FLUX.2 [klein] text encoder "
+                             f"(Qwen3) does not have: {_first(text_unmatched)}")
+    if not terms and not text_terms:
         raise UserInputError(f"{where}: no LoRA or LoKr factors in this file (layout: {layout})")
-    return Converted(layout, terms)
+    return Converted(layout, terms, text_terms)
 
 
 def _matrix(factors: dict[str, np.ndarray], name: str) -> tuple[np.ndarray | None, int | None]:

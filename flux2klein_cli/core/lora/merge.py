@@ -1,4 +1,5 @@
-"""The deltas of one or more LoRAs, merged into weights as the loader reads them.
+"""The deltas of one or more LoRAs, merged into weights as the loader reads them (the
+transformer's, and the text encoder's when a file has text-encoder keys).
 
 The loader reads one device slice of a changed key in bands of stored rows into a reused float32
 scratch, asks for the delta to be added to each band in place (computed from the factors for just
@@ -20,17 +21,26 @@ from flux2klein_cli.core.lora.layouts import Term
 
 @dataclass
 class LoraDeltas:
+    """The LoRAs' deltas for one model component: the transformer (the default) or the text encoder."""
+
     files: list[LoraFile]
     terms: dict[str, list[Term]] = field(default_factory=dict)  # checkpoint key -> terms, scales applied
+    component: str = "transformer"
 
     def __post_init__(self) -> None:
         for lora in self.files:
-            for key, terms in lora.converted.terms.items():
+            for key, terms in lora.converted.terms_for(self.component).items():
                 self.terms.setdefault(key, []).extend(t.scaled(lora.spec.scale) for t in terms)
 
     @classmethod
     def read(cls, specs: Sequence[LoraSpec]) -> LoraDeltas | None:
         return cls([read_lora(spec) for spec in specs]) if specs else None
+
+    def for_component(self, component: str) -> LoraDeltas | None:
+        """The same LoRAs' deltas for another component; None when none of them changes it."""
+        if not any(lora.converted.terms_for(component) for lora in self.files):
+            return None
+        return LoraDeltas(self.files, component=component)
 
     def records(self) -> list[dict[str, object]]:
         return [lora.record() for lora in self.files]
@@ -44,20 +54,21 @@ class LoraDeltas:
         else exit 2 naming the first unmatched file modules and the layout."""
         for lora in self.files:
             missing, wrong = [], []
-            for key, terms in lora.converted.terms.items():
+            for key, terms in lora.converted.terms_for(self.component).items():
                 if key not in shapes or len(shapes[key]) != 2:
                     missing.append(terms[0].source)
                 elif any(t.shape != shapes[key] for t in terms):
                     wrong.append(f"{terms[0].source} gives {terms[0].shape}, the model's {key} is {shapes[key]}")
             where = f"--lora {lora.spec.source} ({lora.converted.layout})"
+            model = "this model's text encoder" if self.component == "text_encoder" else "this model"
             if missing:
                 names = sorted(set(missing))
                 more = f" (and {len(names) - 5} more)" if len(names) > 5 else ""
-                raise UserInputError(f"{where}: modules that match no weight of this model: "
+                raise UserInputError(f"{where}: modules that match no weight of {model}: "
                                      f"{', '.join(names[:5])}{more}")
             if wrong:
                 more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
-                raise UserInputError(f"{where}: wrong shapes for this model (a LoRA for another size?): "
+                raise UserInputError(f"{where}: wrong shapes for {model} (a LoRA for another size?): "
                                      f"{'; '.join(wrong[:3])}{more}")
 
     def changes(self, key: str) -> bool:

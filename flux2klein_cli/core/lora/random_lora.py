@@ -1,4 +1,4 @@
-"""Random LoRA / LoKr files for a transformer checkpoint, in any layout and rank: for tests (the
+"""Random LoRA / LoKr files for a transformer (and text-encoder) checkpoint, in any layout and rank: for tests (the
 same factors written in every layout, so layouts can be compared with each other and with
 diffusers) and for `bench`-style timing of LoRA loading. Each layout is written by inverting the
 mapping layouts.py reads."""
@@ -6,6 +6,7 @@ mapping layouts.py reads."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -79,6 +80,35 @@ def lora_tensors(transformer_dir: Path, layout: str, *, rank: int = 4, seed: int
     return tensors
 
 
+TEXT_ENCODER_LAYOUTS = ("kohya", "peft", "lokr-lycoris")  # the layouts that have text-encoder keys
+_QWEN3_PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight")
+
+
+def text_encoder_lora_tensors(text_encoder_dir: Path, layout: str, *, rank: int = 4, seed: int = 0,
+                              alpha: float | None = None, std: float = 0.05) -> dict[str, np.ndarray]:
+    """Random factors for every attention and MLP projection of a Qwen3 text encoder, in the key
+    form `layout` uses for text encoders: kohya and LyCORIS `lora_te_model_layers_N_...`, PEFT
+    `text_encoder.model.layers.N....`."""
+    if layout not in TEXT_ENCODER_LAYOUTS:
+        raise ValueError(f"the {layout!r} layout has no text-encoder keys")
+    rng = np.random.default_rng((seed, 1))  # not the transformer's stream: both can be in one file
+    shapes = {k: v.shape for k, v in SafetensorsCheckpoint.open(text_encoder_dir).tensors.items()}
+    tensors: dict[str, np.ndarray] = {}
+    for key in sorted(k for k in shapes if _QWEN3_PROJECTION.fullmatch(k)):
+        (rows, cols), module = shapes[key], key.removesuffix(".weight")
+        name = f"text_encoder.{module}" if layout == "peft" else "lora_te_" + module.replace(".", "_")
+        if layout == "lokr-lycoris":
+            tensors.update(_lokr(rng, name, rows, cols, rank, alpha, std))
+            continue
+        down = rng.normal(0, std, (rank, cols)).astype(np.float32)
+        up = rng.normal(0, std, (rows, rank)).astype(np.float32)
+        a, b = ("lora_A", "lora_B") if layout == "peft" else ("lora_down", "lora_up")
+        tensors.update({f"{name}.{a}.weight": down, f"{name}.{b}.weight": up})
+        if alpha is not None:
+            tensors[f"{name}.alpha"] = np.array(alpha, np.float32)
+    return tensors
+
+
 def _lokr(rng: np.random.Generator, name: str, rows: int, cols: int, rank: int, alpha: float | None,
           std: float) -> dict[str, np.ndarray]:
     a, b = _factor(rows), _factor(cols)
@@ -91,10 +121,16 @@ def _lokr(rng: np.random.Generator, name: str, rows: int, cols: int, rank: int, 
             f"{name}.alpha": np.array(alpha, np.float32)}
 
 
-def write_random_lora(path: Path, transformer_dir: Path, layout: str = "bfl", **options: object) -> Path:
+def write_random_lora(path: Path, transformer_dir: Path | None, layout: str = "bfl", *,
+                      text_encoder_dir: Path | None = None, **options: object) -> Path:
     """`lora_tensors` saved as one .safetensors file at `path` (bf16 factors stay float32 here:
-    LoRA files are small)."""
-    write_float32_safetensors(path, lora_tensors(Path(transformer_dir), layout, **options))  # type: ignore[arg-type]
+    LoRA files are small); with `text_encoder_dir`, `text_encoder_lora_tensors` too (same rank,
+    seed, alpha and std). A None `transformer_dir` writes text-encoder keys only."""
+    tensors = {} if transformer_dir is None else lora_tensors(Path(transformer_dir), layout, **options)  # type: ignore[arg-type]
+    if text_encoder_dir is not None:
+        shared = {k: v for k, v in options.items() if k in ("rank", "seed", "alpha", "std")}
+        tensors.update(text_encoder_lora_tensors(Path(text_encoder_dir), layout, **shared))  # type: ignore[arg-type]
+    write_float32_safetensors(path, tensors)
     return path
 
 

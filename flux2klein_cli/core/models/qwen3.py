@@ -33,7 +33,7 @@ from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, stack_blocks
 from flux2klein_cli.core.sharding import model_rule
 from flux2klein_cli.core.weights.configs import pick, read_config
-from flux2klein_cli.core.weights.loader import KeyPlan, Layout, TensorSource, load_module, single, stacked
+from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, Layout, TensorSource, load_module, single, stacked
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -281,8 +281,10 @@ def load_qwen3(
     dtype: Any = jnp.bfloat16,
     mesh: Mesh | None = None,
     feature_layers: Sequence[int] = FEATURE_LAYERS,
+    deltas: Deltas | None = None,
 ) -> Qwen3TextEncoder:
-    """Load a text_encoder/ folder (config.json + safetensors) straight into `dtype`."""
+    """Load a text_encoder/ folder (config.json + safetensors) straight into `dtype`, with `deltas`
+    (text-encoder LoRA) merged on the way."""
     config = Qwen3Config.from_dict(read_config(directory), where=f"{directory}/config.json")
     return load_module(
         lambda: Qwen3TextEncoder(config, feature_layers=feature_layers, dtype=dtype, rngs=nnx.Rngs(0)),
@@ -290,6 +292,7 @@ def load_qwen3(
         directory,
         mesh,
         sharding_rule=model_rule(mesh),
+        deltas=deltas,
     )
 
 

@@ -144,8 +144,8 @@ class KleinPipeline:
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None,
              lora: Sequence[LoraSpec] = ()) -> KleinPipeline:
-        """`lora`: LoRAs merged into the transformer's weights at load (executables take the
-        weights as arguments, so other LoRAs or scales compile nothing new)."""
+        """`lora`: LoRAs merged into the transformer's (and text encoder's) weights at load
+        (executables take the weights as arguments, so other LoRAs or scales compile nothing new)."""
         from flux2klein_cli.core.lora.merge import LoraDeltas
 
         snapshot = Snapshot.open(model_dir)

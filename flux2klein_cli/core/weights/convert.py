@@ -85,8 +85,8 @@ def convert(
     manifest. `progress(component, bytes_done, bytes_total)` is called as parameters are written.
     `user_out`: `out` was given by the user, so an unwritable one is bad input (exit 2), not a
     failure of the default place (exit 1). A symlinked `out` is written where it points.
-    `lora` (core/lora/merge.py LoraDeltas) is merged into the transformer's weights as they are
-    written, and recorded in the manifest. `quantize` ("int8"; flat layout only) stores the
+    `lora` (core/lora/merge.py LoraDeltas) is merged into the transformer's (and text encoder's)
+    weights as they are written, and recorded in the manifest. `quantize` ("int8"; flat layout only) stores the
     transformer's and text encoder's block linears as int8 with scales (core/weights/quantize.py),
     LoRAs merged before rounding."""
     check_dtype(dtype)
@@ -109,7 +109,7 @@ def convert(
             for name in MODEL_COMPONENTS:
                 written[name] = convert_component(
                     name, source / name, tmp / name, jax_dtype(dtype), mesh, sharding_rule, group_bytes, progress,
-                    layout=layout, deltas=lora if name == "transformer" else None,
+                    layout=layout, deltas=lora.for_component(name) if lora is not None else None,
                     quantize=quantize if name in QUANTIZED_COMPONENTS else None,
                 )
             for name in COPIED_COMPONENTS:

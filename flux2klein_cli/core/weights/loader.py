@@ -363,8 +363,11 @@ def _read_slice(
 
 
 def weight_shapes(checkpoint: SafetensorsCheckpoint, plan: KeyPlan) -> dict[str, tuple[int, ...]]:
-    """Each planned checkpoint key's stored (torch layout) shape: what LoRA deltas must match."""
-    return {key: tuple(checkpoint.tensors[key].shape) for source in plan.sources.values() for key in source.keys}
+    """Each planned checkpoint key's stored (torch layout) shape: what LoRA deltas must match. Keys
+    the plan skips on purpose (the text encoder's layers past its last feature layer) count too: a
+    delta there is a real weight's, it just changes nothing the model computes."""
+    planned = {key for source in plan.sources.values() for key in source.keys}
+    return {key: tuple(info.shape) for key, info in checkpoint.tensors.items() if key in planned or plan.ignore(key)}
 
 
 def unique_shards(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
