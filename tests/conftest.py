@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,7 +12,10 @@ from pathlib import Path
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # jax's persistent XLA cache stays off (its default): the executable store is under test.
 os.environ.setdefault("FLUX2KLEIN_XLA_CACHE", "off")
-os.environ.setdefault("FLUX2KLEIN_COMPILE_CACHE", tempfile.mkdtemp(prefix="flux2klein-executables-"))
+if "FLUX2KLEIN_COMPILE_CACHE" not in os.environ:  # a private store for the session, removed at its end
+    _SESSION_STORE = tempfile.mkdtemp(prefix="flux2klein-executables-")
+    os.environ["FLUX2KLEIN_COMPILE_CACHE"] = _SESSION_STORE
+    atexit.register(shutil.rmtree, _SESSION_STORE, ignore_errors=True)
 
 import pytest  # noqa: E402
 
