@@ -48,14 +48,6 @@ def entry_dirs(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir()]
 
 
-def test_default_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("FLUX2KLEIN_COMPILE_CACHE", str(tmp_path / "x"))
-    assert store_mod.default_root() == tmp_path / "x"
-    monkeypatch.delenv("FLUX2KLEIN_COMPILE_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert store_mod.default_root() == tmp_path / "flux2klein" / "executables"
-
-
 def test_miss_then_hit_in_a_fresh_process(tmp_path: Path) -> None:
     store = ExecutableStore(tmp_path)
     compiled, info = store.load_or_compile(make_spec())

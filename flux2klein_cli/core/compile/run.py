@@ -25,7 +25,7 @@ class CompileOptions:
     kv: bool = False
     mesh: str | None = None  # "fsdp=4" or "data=2,fsdp=2" over this host's devices
     tpu: str | None = None  # a preset, e.g. v6e-4
-    compile_cache: Path | None = None  # the executable store [default: store.default_root()]
+    compile_cache: Path | None = None  # the executable store [default: cache_paths.executables_dir()]
     sequential: bool = False
     dtype: str = "bf16"
     max_sequence_length: int = 512

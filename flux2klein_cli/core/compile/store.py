@@ -42,13 +42,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from flux2klein_cli.core import choices, trust
-from flux2klein_cli.core.cache_paths import cache_root
+from flux2klein_cli.core.cache_paths import executables_dir
 from flux2klein_cli.core.compile import treedefs
 from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.models import cpu_matmul
 from flux2klein_cli.core.temporaries import partial_name, temporary_dir, temporary_file
 
-STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
 FORMAT = 2  # bump when the entry layout or the key's meaning changes
 EXECUTABLE, TREES, META, MANIFEST = "executable.bin", "trees.json", "meta.json", "manifest.json"
 # Source whose edits change what a program computes without changing any config or shape.
@@ -62,14 +61,6 @@ _FLAG_CONFIG = ("jax_default_matmul_precision", "jax_enable_x64")
 
 class StoreWarning(UserWarning):
     """A stored executable was not used (stale, corrupt or unloadable) and is being recompiled."""
-
-
-def default_root() -> Path:
-    """`$FLUX2KLEIN_COMPILE_CACHE`, else `$XDG_CACHE_HOME/flux2klein/executables`, else under ~/.cache."""
-    value = os.environ.get(STORE_ENV)
-    if value:
-        return Path(value).expanduser()
-    return cache_root() / "executables"
 
 
 # How hard XLA works on an executable's speed. "fast" trades run time for compile time
@@ -323,7 +314,7 @@ def cost_figures(compiled: jax.stages.Compiled) -> dict[str, float]:
 
 class ExecutableStore:
     def __init__(self, root: str | Path | None = None, *, on_warning: Callable[[str], None] | None = None):
-        self.root = Path(root).expanduser() if root is not None else default_root()
+        self.root = Path(root).expanduser() if root is not None else executables_dir()
         self._on_warning = on_warning
         self._ignored_options: set[str] = set()  # platforms already warned about an unknown option
         self._key: bytes | None = None
