@@ -19,6 +19,7 @@ from flux2klein_cli.core.checkpoint import Snapshot
 from flux2klein_cli.core.choices import check_effort, jax_dtype
 from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.image_files import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.images import (
     check_reference_count,
     load_reference,
@@ -26,7 +27,6 @@ from flux2klein_cli.core.images import (
     preprocess_reference,
     validate_size,
 )
-from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
