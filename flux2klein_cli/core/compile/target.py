@@ -106,5 +106,6 @@ class ProgramSpec:
 
 
 def mesh_desc(mesh: Mesh) -> dict[str, Any]:
+    """A mesh as JSON-able data (axis sizes, device ids), as targets and keys record it."""
     return {"axes": {str(k): int(v) for k, v in mesh.shape.items()},
             "devices": [int(d.id) for d in mesh.devices.flat]}
