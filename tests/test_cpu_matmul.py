@@ -70,12 +70,12 @@ def test_opt_out_and_missing_pieces_fall_back(monkeypatch: pytest.MonkeyPatch, f
     monkeypatch.setattr(cpu_matmul, "find_mkl", lambda: None)
     assert "oneMKL is not installed" in cpu_matmul._load(flags).reason
     monkeypatch.setattr(cpu_matmul, "find_mkl", lambda: "/nowhere/libmkl_rt.so.3")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_matmul.shutil, "which", lambda name: None)
     status = cpu_matmul._load(flags)
     assert status.name is None and "no C++ compiler" in status.reason
-    assert not list((tmp_path / "flux2klein" / "native").iterdir())  # nothing half-built left
+    assert not list((tmp_path / "native").iterdir())  # nothing half-built left
 
 
 def test_only_cpu_programs_hold_the_custom_call(monkeypatch: pytest.MonkeyPatch) -> None:
