@@ -136,7 +136,7 @@ def test_parity_features_name_the_extra_on_a_base_install(no_parity_extra: None,
 
 
 def test_bench_load_skips_diffusers_without_the_extra(no_parity_extra: None) -> None:
-    from flux2klein_cli.core.bench_load import KINDS, load_kinds
+    from flux2klein_cli.core.bench.load import KINDS, load_kinds
 
     notes: list[str] = []
     assert load_kinds(notes.append) == tuple(k for k in KINDS if k != "diffusers")

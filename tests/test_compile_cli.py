@@ -18,7 +18,8 @@ from typer.testing import CliRunner  # noqa: E402
 
 from flux2klein_cli.cli.app import app  # noqa: E402
 from flux2klein_cli.core.compile import specs as P  # noqa: E402
-from flux2klein_cli.core.compile.store import ExecutableStore, compile_all  # noqa: E402
+from flux2klein_cli.core.compile.compile_all import compile_all  # noqa: E402
+from flux2klein_cli.core.compile.store import ExecutableStore  # noqa: E402
 from flux2klein_cli.core.compile.tpu import parse_preset  # noqa: E402
 from flux2klein_cli.core.errors import UserInputError  # noqa: E402
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry  # noqa: E402
@@ -80,7 +81,7 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
     on the CPU, by counting the CPU among its platforms."""
     import dataclasses
 
-    from flux2klein_cli.core.compile.store import Target
+    from flux2klein_cli.core.compile.target import Target
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
     run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
@@ -126,7 +127,7 @@ def test_tiny_for_tpu_v6e_4_has_a_manifest_with_memory_figures(tiny_checkpoint: 
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["target"]["topology"] == "v6e:2x2" and report["target"]["device_count"] == 4
-    assert report["parallel"] is False  # TPU programs compile one at a time (store.compiles_serially)
+    assert report["parallel"] is False  # TPU programs compile one at a time (compile_all.compiles_serially)
     assert report["target"]["device_kind"] == "TPU v6 lite"
     assert {p["name"]: p["status"] for p in report["programs"]} == {
         "text_encoder": "miss", "noise": "miss", "denoise": "miss", "vae_decode": "miss"}
@@ -151,7 +152,7 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
     import dataclasses
     import re
 
-    from flux2klein_cli.core.compile.store import EFFORTS
+    from flux2klein_cli.core.compile.target import EFFORTS
     from flux2klein_cli.core.compile.tpu import parse_preset, preset_target
 
     target = dataclasses.replace(preset_target(parse_preset("v6e-4")), effort="fast")

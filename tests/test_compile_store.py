@@ -17,18 +17,11 @@ import numpy as np
 import pytest
 
 from flux2klein_cli.core import trust
-from flux2klein_cli.core.compile import store as store_mod
-from flux2klein_cli.core.compile.store import (
-    EXECUTABLE,
-    MANIFEST,
-    META,
-    ExecutableStore,
-    ProgramSpec,
-    StoreWarning,
-    compile_all,
-    key_of,
-    key_parts,
-)
+from flux2klein_cli.core.compile import keys as keys_mod
+from flux2klein_cli.core.compile.compile_all import compile_all
+from flux2klein_cli.core.compile.keys import key_of, key_parts
+from flux2klein_cli.core.compile.store import EXECUTABLE, MANIFEST, META, ExecutableStore, StoreWarning
+from flux2klein_cli.core.compile.target import ProgramSpec, Target
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,14 +39,6 @@ def run(compiled: jax.stages.Compiled, n: int = 8) -> np.ndarray:
 
 def entry_dirs(root: Path) -> list[Path]:
     return [p for p in root.iterdir() if p.is_dir()]
-
-
-def test_default_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("FLUX2KLEIN_COMPILE_CACHE", str(tmp_path / "x"))
-    assert store_mod.default_root() == tmp_path / "x"
-    monkeypatch.delenv("FLUX2KLEIN_COMPILE_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert store_mod.default_root() == tmp_path / "flux2klein" / "executables"
 
 
 def test_miss_then_hit_in_a_fresh_process(tmp_path: Path) -> None:
@@ -94,8 +79,8 @@ def test_config_change_is_recompiled_with_a_warning(tmp_path: Path) -> None:
 def test_effort_is_its_own_entry_and_reaches_the_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = ExecutableStore(tmp_path)
     default = store.load_or_compile(make_spec())[1]
-    mesh = store_mod.Target.local().mesh
-    fast_spec = dataclasses.replace(make_spec(), target=store_mod.Target(mesh, effort="fast"))
+    mesh = Target.local().mesh
+    fast_spec = dataclasses.replace(make_spec(), target=Target(mesh, effort="fast"))
     seen: list[Any] = []
     real_compile = jax.stages.Lowered.compile
 
@@ -119,7 +104,7 @@ def test_effort_a_backend_does_not_read_compiles_at_its_default(tmp_path: Path,
     the program is compiled without it, with a warning, and stored under its effort's key."""
     warnings: list[str] = []
     store = ExecutableStore(tmp_path, on_warning=warnings.append)
-    fast_spec = dataclasses.replace(make_spec(), target=store_mod.Target(store_mod.Target.local().mesh, effort="fast"))
+    fast_spec = dataclasses.replace(make_spec(), target=Target(Target.local().mesh, effort="fast"))
     real_compile = jax.stages.Lowered.compile
 
     def gpu_like(self: jax.stages.Lowered, *args: Any, **kwargs: Any) -> jax.stages.Compiled:
@@ -143,8 +128,8 @@ def test_effort_a_backend_does_not_read_compiles_at_its_default(tmp_path: Path,
 def test_version_change_is_recompiled_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = ExecutableStore(tmp_path)
     first = store.load_or_compile(make_spec())[1]
-    real = store_mod.library_versions
-    monkeypatch.setattr(store_mod, "library_versions", lambda platform: {**real(platform), "jaxlib": "9.9.9"})
+    real = keys_mod.library_versions
+    monkeypatch.setattr(keys_mod, "library_versions", lambda platform: {**real(platform), "jaxlib": "9.9.9"})
     with pytest.warns(StoreWarning, match=r"versions: jaxlib .* -> 9\.9\.9"):
         _, info = store.load_or_compile(make_spec())
     assert info.status == "recompiled" and info.key != first.key
@@ -201,7 +186,8 @@ def test_concurrent_writers_leave_one_valid_entry(tmp_path: Path) -> None:
         t.join()
     # Two processes writing the same key at once, too.
     code = ("import sys; from tests.test_compile_store import make_spec;"
-            "from flux2klein_cli.core.compile.store import ExecutableStore, key_parts;"
+            "from flux2klein_cli.core.compile.store import ExecutableStore;"
+            "from flux2klein_cli.core.compile.keys import key_parts;"
             "s = ExecutableStore(sys.argv[1]); spec = make_spec(); c, _, _ = s.compile(spec);"
             "[s.save(spec, c, key_parts(spec), compile_s=0.0, lower_s=0.0) for _ in range(5)]")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,

@@ -121,7 +121,7 @@ def test_generate_with_overrides_names_them_and_draws_the_folder_image(tiny: Pat
                                                                          tmp_path: Path) -> None:
     from PIL import Image
 
-    from flux2klein_cli.core.output import read_png_metadata
+    from flux2klein_cli.core.image_files import read_png_metadata
 
     small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))
     common = ("--height", 32, "--width", 32, "--steps", 2, "--dtype", "fp32", "--no-save")

@@ -490,7 +490,7 @@ def test_flat_files_written_in_small_pieces_are_the_same(source: Path, converted
 
 def test_bench_load_times_the_flat_layout_with_every_page_touched(source: Path, converted: Path) -> None:
     """bench_load's flat figures: load plus touch, with every parameter byte adopted from the mapping."""
-    from flux2klein_cli.core.bench_load import bench_load
+    from flux2klein_cli.core.bench.load import bench_load
 
     result = bench_load(source, converted_dir=converted, components=["vae"], reps=1, kinds=("flat", "cat"))
     vae = result["components"]["vae"]

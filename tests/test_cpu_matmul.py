@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flux2klein_cli.core.compile import store
+from flux2klein_cli.core.compile import keys as store_keys
+from flux2klein_cli.core.compile import store, target
 from flux2klein_cli.core.models import cpu_matmul
 from flux2klein_cli.core.models.layers import linear
 
@@ -69,12 +70,12 @@ def test_opt_out_and_missing_pieces_fall_back(monkeypatch: pytest.MonkeyPatch, f
     monkeypatch.setattr(cpu_matmul, "find_mkl", lambda: None)
     assert "oneMKL is not installed" in cpu_matmul._load(flags).reason
     monkeypatch.setattr(cpu_matmul, "find_mkl", lambda: "/nowhere/libmkl_rt.so.3")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_matmul.shutil, "which", lambda name: None)
     status = cpu_matmul._load(flags)
     assert status.name is None and "no C++ compiler" in status.reason
-    assert not list((tmp_path / "flux2klein" / "native").iterdir())  # nothing half-built left
+    assert not list((tmp_path / "native").iterdir())  # nothing half-built left
 
 
 def test_only_cpu_programs_hold_the_custom_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -90,13 +91,13 @@ def test_only_cpu_programs_hold_the_custom_call(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = store.ProgramSpec("axpy", jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),))
+    spec = target.ProgramSpec("axpy", jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),))
     keys = set()
     for name in (None, "onemkl-amx-bf16:a", "onemkl-amx-bf16:b"):
         monkeypatch.setattr(cpu_matmul, "status", lambda name=name: cpu_matmul.Status(name, "test"))
-        parts = store.key_parts(spec)
+        parts = store_keys.key_parts(spec)
         assert parts["flags"]["cpu_matmul"] == name
-        keys.add(store.key_of(parts))
+        keys.add(store_keys.key_of(parts))
     assert len(keys) == 3
 
 
@@ -133,14 +134,14 @@ def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_c
     assert ours_err <= 1.25 * their_err, (ours_err, their_err)
 
 
-def linear_spec() -> store.ProgramSpec:
+def linear_spec() -> target.ProgramSpec:
     """A bf16 Linear as a stored program (its kernel an argument, as the pipeline's are)."""
     layer = bf16_linear()
     graphdef, _ = nnx.split(layer)
     fn = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
     args = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.state(layer)),
             jax.ShapeDtypeStruct((3, 64), jnp.bfloat16))
-    return store.ProgramSpec("amx_linear", fn, args)
+    return target.ProgramSpec("amx_linear", fn, args)
 
 
 @amx

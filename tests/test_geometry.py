@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.compile import specs as P
-from flux2klein_cli.core.compile.store import key_of, key_parts
+from flux2klein_cli.core.compile.keys import key_of, key_parts
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.images import preprocess_reference
 from flux2klein_cli.core.parity import run_parity

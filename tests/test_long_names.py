@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core import temporaries
-from flux2klein_cli.core.output import write_png
+from flux2klein_cli.core.image_files import write_png
 from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.temporaries import MARK, partial_name, remove_stale, stem
 

@@ -85,7 +85,8 @@ def test_a_new_output_shape_is_a_new_key_not_a_stale_entry(tmp_path: Path) -> No
     import jax
     import jax.numpy as jnp
 
-    from flux2klein_cli.core.compile.store import ExecutableStore, ProgramSpec
+    from flux2klein_cli.core.compile.store import ExecutableStore
+    from flux2klein_cli.core.compile.target import ProgramSpec
 
     def spec(shape: tuple[int, int], scale: float = 1.0) -> ProgramSpec:
         fn = jax.jit(lambda x: jnp.zeros(shape) + x * scale)

@@ -126,7 +126,8 @@ def test_generate_draws_the_bar_only_for_a_terminal_without_json(tiny_checkpoint
 def test_compile_reports_each_program_once(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """compile_all's on_done counts every program, loaded or compiled, up to their number."""
     from flux2klein_cli.core.compile import specs as P
-    from flux2klein_cli.core.compile.store import ExecutableStore, compile_all
+    from flux2klein_cli.core.compile.compile_all import compile_all
+    from flux2klein_cli.core.compile.store import ExecutableStore
 
     run = P.RunShape(32, 32, LatentGeometry(16, 128), steps=2, max_sequence_length=16, dtype=jnp.float32)
     specs = P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run)

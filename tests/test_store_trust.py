@@ -17,7 +17,8 @@ import pytest
 
 from flux2klein_cli.core import trust
 from flux2klein_cli.core.compile import treedefs
-from flux2klein_cli.core.compile.store import EXECUTABLE, META, TREES, ExecutableStore, ProgramSpec
+from flux2klein_cli.core.compile.store import EXECUTABLE, META, TREES, ExecutableStore
+from flux2klein_cli.core.compile.target import ProgramSpec
 from flux2klein_cli.core.models.transformer import ReferenceKV
 
 OTHER_UID = 65534  # nobody

@@ -103,113 +103,22 @@ def bench(
       flux2klein bench --model 4b --phase decode --vae small-decoder --dtype fp32
     """
     with user_errors():
-        from flux2klein_cli.core.choices import jax_dtype
-        from flux2klein_cli.core.errors import UserInputError
-        from flux2klein_cli.core.extras import require_parity
-        from flux2klein_cli.core.images import validate_size
+        from flux2klein_cli.core.bench.run import BenchOptions, run_bench
 
-        _check_phase_flags(phase, {
-            "--diffusers": diffusers, "--mesh": bool(mesh), "--tpu": bool(tpu),
-            "--compile-cache": compile_cache is not None, "--no-save": no_save,
-            "--effort": effort != o.Effort.default, "--no-store": no_store, "--lora": bool(lora),
-            "--ranks": ranks is not None,
-        })
-        if diffusers:
-            require_parity("bench --diffusers")
-        validate_size(height, width, multiple_of=1)  # positive here; the model's pixels per token once known
-        if bs < 1 or reps < 1 or (steps is not None and steps < 1):
-            raise UserInputError("--bs, --reps and --steps must be at least 1")
-        target = jax_dtype(dtype)
-        if refs < 0 or refs > 4:
-            raise UserInputError(f"--refs must be between 0 and 4, got {refs}")
-        if kv and (phase != "pipeline" or refs < 1):
-            raise UserInputError("--kv times edits: use it with --phase pipeline and --refs 1..4")
-        store_flags = [flag for flag, given in (("--compile-cache", compile_cache is not None),
-                                                ("--no-save", no_save), ("--effort", effort != o.Effort.default))
-                       if given]
-        if no_store and store_flags:
-            raise UserInputError(f"--no-store uses no executable store: drop {' and '.join(store_flags)}")
-        from flux2klein_cli.core.components import resolve_composed
-
-        if phase == "transformer-compile":
-            result = _transformer_compile(model, height, width, bs, reps, unrolled, as_json)
-        elif phase == "load":
-            from flux2klein_cli.core.bench_load import bench_load, load_kinds
-
-            result = bench_load(resolve_composed(model, transformer, vae), convert=True, dtype=dtype, reps=reps,
-                                kinds=load_kinds(note),
-                                log=None if as_json else note)
-            result = dict(phase=phase, **result)
-        elif phase == "steps":  # what a progress bar costs the denoising loop
-            from flux2klein_cli.core.bench_steps import bench_steps
-            from flux2klein_cli.core.runtime import configure_jax
-
-            configure_jax()
-            with status(f"timing the denoising loop of {model}") if not as_json else nullcontext():
-                result = bench_steps(resolve_composed(model, transformer, vae), height=height, width=width,
-                                     steps=steps or 8, reps=reps,
-                                     dtype=target, per_call=(1, 2), compile_cache=compile_cache)
-            result = dict(model=model, phase=phase, dtype=dtype, **result)
-            if not as_json:
-                for name, form in result["forms"].items():
-                    output.result(f"{name}: {form['median']:.3f} s median "
-                                  f"({form['per_step']['median']:.3f} s/step), {form['cost']:+.1%}")
-                return
-        elif phase == "lora":
-            from flux2klein_cli.core.lora.bench_lora import bench_lora, parse_ranks
-
-            result = bench_lora(resolve_composed(model, transformer, vae), ranks=parse_ranks(ranks or "16,64"),
-                                dtype=dtype, reps=reps, log=None if as_json else note)
-            result = dict(phase=phase, **result)
-        elif phase == "decode":
-            from flux2klein_cli.core.bench_decode import bench_decode
-            from flux2klein_cli.core.runtime import configure_jax
-
-            configure_jax()
-            result = bench_decode(resolve_composed(model, transformer, vae), height=height, width=width, batch=bs,
-                                  reps=reps, dtype=target, log=None if as_json else note)
-            result = dict(model=model, phase=phase, dtype=dtype, **result)
-        elif phase == "ttfi":
-            from flux2klein_cli.core.bench import bench_ttfi
-            from flux2klein_cli.core.registry import sampling
-
-            path = resolve_composed(model, transformer, vae)
-            with status(f"timing first images of {model}") if not as_json else nullcontext():
-                ttfi = sampling(distilled=True, steps=steps)  # timed as the distilled models run
-                result = bench_ttfi(path, height=height, width=width, steps=ttfi.steps, guidance=ttfi.guidance,
-                                    reps=reps, dtype=dtype, diffusers=diffusers)
-            result = dict(model=model, phase=phase, **result)
-        elif tpu and not _on_tpu_host(tpu):  # what can be known here: compile, memory, cost
-            from flux2klein_cli.core.bench_plan import bench_without_slice
-
-            with status(f"compiling {model} for {tpu}") if not as_json else nullcontext():
-                result = bench_without_slice(model, tpu=tpu, height=height, width=width, batch=bs, steps=steps,
-                                             references=refs, kv=kv, dtype=dtype, compile_cache=compile_cache,
-                                             save=not (no_save or no_store), effort=effort, warn=output.warn)
-            result = dict(model=model, phase=phase, dtype=dtype, **result)
-        else:
-            from flux2klein_cli.core.bench import bench_pipeline
-            from flux2klein_cli.core.runtime import configure_jax
-
-            configure_jax()
-            from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, run_mesh
-
-            run_on = run_mesh(DeviceOptions(mesh=mesh, tpu=tpu))
-            path = resolve_composed(model, transformer, vae)
-            check_run_fits(run_on, path, bs)
-            if kv:
-                from flux2klein_cli.core.checkpoint import Snapshot
-                from flux2klein_cli.core.generate import check_kv_model
-
-                check_kv_model(Snapshot.open(path), model)
-            with status(f"benchmarking {model}") if not as_json else nullcontext():
-                result = bench_pipeline(path, height=height, width=width, batch=bs, steps=steps, reps=reps,
-                                        dtype=target, references=refs, kv=kv, mesh=run_on, store=not no_store,
-                                        compile_cache=compile_cache, save=not no_save, effort=effort.value,
-                                        warn=warn, lora=lora)
-            result = dict(model=model, phase=phase, dtype=dtype, **result)
+        opts = BenchOptions(
+            model=model, phase=phase.value, height=height, width=width, batch=bs, steps=steps, reps=reps,
+            dtype=dtype.value, references=refs, kv=kv, mesh=mesh, tpu=tpu, unrolled=unrolled, diffusers=diffusers,
+            compile_cache=compile_cache, effort=effort.value, save=not no_save, store=not no_store, lora=tuple(lora),
+            ranks=ranks, transformer=transformer, vae=vae,
+        )
+        result = run_bench(opts, note=note, progress=None if as_json else note, warn=warn,
+                           busy=nullcontext if as_json else status)
     if as_json:
         emit_json(result)
+    elif phase == "steps":
+        for name, form in result["forms"].items():
+            output.result(f"{name}: {form['median']:.3f} s median "
+                          f"({form['per_step']['median']:.3f} s/step), {form['cost']:+.1%}")
     elif phase == "transformer-compile":
         _compile_table(result)
     elif phase == "ttfi":
@@ -226,32 +135,6 @@ def bench(
         _plan_table(result)
     else:
         _pipeline_table(result)
-
-
-# Flags only some phases use, by phase; given with another phase they are exit 2.
-PHASE_FLAGS: dict[str, tuple[str, ...]] = {
-    "ttfi": ("--diffusers",),
-    "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store", "--lora"),
-    "lora": ("--ranks",),
-}
-
-
-def _check_phase_flags(phase: str, given: dict[str, bool]) -> None:
-    from flux2klein_cli.core.errors import UserInputError
-
-    for only, flags in PHASE_FLAGS.items():
-        wrong = [flag for flag in flags if given[flag]] if phase != only else []
-        if wrong:
-            raise UserInputError(f"{' and '.join(wrong)}: only with --phase {only}")
-
-
-def _on_tpu_host(tpu: str) -> bool:
-    """A host with TPU chips runs the timed phases (run_mesh checks it is the named slice);
-    any other compiles for the slice and reports what it can."""
-    from flux2klein_cli.core.compile.tpu import parse_preset, tpu_chips_present
-
-    parse_preset(tpu)
-    return tpu_chips_present()
 
 
 def _gib(n: int | None) -> str:
@@ -276,29 +159,6 @@ def _plan_table(result: dict[str, Any]) -> None:
     if estimate is not None:
         output.result(f"per image: {estimate['per_image_s'] * 1e3:.3g} ms, {estimate['kind']}")
     output.result(result["note"])
-
-
-def _transformer_compile(model: str, height: int, width: int, bs: int, reps: int, unrolled: bool,
-                         as_json: bool) -> dict[str, Any]:
-    from flux2klein_cli.core.bench import summarize, transformer_compile_seconds
-    from flux2klein_cli.core.compile.specs import configs_from_registry
-    from flux2klein_cli.core.images import validate_size
-    from flux2klein_cli.core.registry import spec_for
-
-    spec = spec_for(model)
-    geometry = configs_from_registry(spec.alias).geometry
-    validate_size(height, width, multiple_of=geometry.pixels_per_token)
-    runs = []
-    for i in range(reps):
-        runs.append(transformer_compile_seconds(spec.transformer, scan=not unrolled, batch=bs, height=height,
-                                                width=width, pixels_per_token=geometry.pixels_per_token))
-        if not as_json:
-            note(f"rep {i + 1}/{reps}: {runs[-1]['total_s']:.2f} s")
-    return dict(
-        model=spec.alias, phase="transformer-compile", layers="unrolled" if unrolled else "scan", height=height,
-        width=width, batch=bs,
-        **{key: summarize([r[key] for r in runs]) for key in ("lower_s", "compile_s", "total_s")},
-    )
 
 
 def _compile_table(result: dict[str, Any]) -> None:

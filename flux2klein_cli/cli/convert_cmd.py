@@ -63,7 +63,8 @@ def convert(
     Example: flux2klein convert 4b --lora style.safetensors:0.8 --out ~/models/klein-4b-style
     """
     with user_errors():
-        from flux2klein_cli.core.snapshot import flux2klein_cache_dir, resolve
+        from flux2klein_cli.core.cache_paths import converted_dir
+        from flux2klein_cli.core.snapshot import resolve
         from flux2klein_cli.core.weights.convert import convert_snapshot_to
 
         run_on, rule = None, None
@@ -88,7 +89,7 @@ def convert(
             resolved = replace(resolved, path=compose(resolved.path, sources))
         slug = _slug(model, resolved.repo_id, resolved.revision)
         suffix = dtype.value if quantize.value == "none" else f"{dtype.value}-{quantize.value}"
-        target = out or flux2klein_cache_dir() / "converted" / f"{slug}-{suffix}"
+        target = out or converted_dir() / f"{slug}-{suffix}"
         start = time.perf_counter()
         with _progress_bar(enabled=wanted(as_json)) as update:
             manifest = convert_snapshot_to(resolved, target, dtype=dtype.value, layout=layout.value, force=force,

@@ -1,7 +1,10 @@
-"""The one root of flux2klein's caches: `$XDG_CACHE_HOME/flux2klein`, else `~/.cache/flux2klein`.
+"""Where flux2klein keeps its caches: the root and every folder under it, computed here only.
 
-Each cache (the generated checkpoints, the executable store, the XLA cache) is a folder under it
-unless its own environment variable says otherwise; those variables are read where each cache lives.
+The root is `$FLUX2KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux2klein`, else `~/.cache/flux2klein`.
+Each cache is a folder under it; the executable store may be moved on its own
+(`$FLUX2KLEIN_COMPILE_CACHE`), and jax's persistent XLA cache is a folder here only when
+FLUX2KLEIN_XLA_CACHE says `on` (core/runtime.py reads that switch). Hub snapshots are not
+ours: huggingface_hub places them (HF_HOME, HF_HUB_CACHE).
 """
 
 from __future__ import annotations
@@ -9,7 +12,47 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+CACHE_ENV = "FLUX2KLEIN_CACHE"
+STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
+
 
 def cache_root() -> Path:
+    value = os.environ.get(CACHE_ENV)
+    if value:
+        return Path(value).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base).expanduser() / "flux2klein"
+
+
+def executables_dir() -> Path:
+    """The executable store's default: `$FLUX2KLEIN_COMPILE_CACHE`, else `executables/` under the root."""
+    value = os.environ.get(STORE_ENV)
+    if value:
+        return Path(value).expanduser()
+    return cache_root() / "executables"
+
+
+def generated_dir(name: str) -> Path:
+    """A checkpoint written locally (`tiny`, `tiny-kv`), by its versioned folder name."""
+    return cache_root() / name
+
+
+def composed_dir() -> Path:
+    """Snapshots with `--transformer` / `--vae` in place of their own components."""
+    return cache_root() / "composed"
+
+
+def converted_dir() -> Path:
+    """`flux2klein convert`'s output when no --out is given."""
+    return cache_root() / "converted"
+
+
+def xla_dir() -> Path:
+    """jax's persistent compilation cache, when FLUX2KLEIN_XLA_CACHE=on."""
+    return cache_root() / "xla"
+
+
+def native_dir() -> Path:
+    """Native code built on first use (the oneMKL shim)."""
+    return cache_root() / "native"
+

@@ -12,7 +12,7 @@ from flux2klein_cli.core.errors import UserInputError
 
 # Our name -> the name numpy (with ml_dtypes), jax and torch all give the dtype.
 DTYPES: dict[str, str] = {"bf16": "bfloat16", "fp32": "float32"}
-EFFORTS = ("default", "fast")  # XLA optimisation effort; what each means is in compile/store.py
+EFFORTS = ("default", "fast")  # XLA optimisation effort; what each means is in compile/target.py
 LAYOUTS = ("flat", "orbax")  # converted directories; see weights/converted.py
 DEFAULT_LAYOUT = "flat"
 QUANTIZE = ("none", "int8")  # `convert --quantize`: weight schemes; see models/quantized.py

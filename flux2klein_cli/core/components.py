@@ -23,18 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flux2klein_cli.core.cache_paths import composed_dir
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.registry import COMPONENT_REPOS
 from flux2klein_cli.core.snapshot import (
     CONVERTED_MANIFEST,
     component_folder,
-    flux2klein_cache_dir,
     resolve,
     resolve_model,
 )
 
 OVERRIDABLE = ("transformer", "vae")
-COMPOSED_DIR = "composed"
 _MANIFEST = "flux2klein-components.json"  # in a composed directory: what it was built from
 
 
@@ -117,7 +116,7 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
                              "snapshot (convert the overridden snapshot instead)")
     if not (model_dir / "model_index.json").is_file():
         raise UserInputError(f"{model_dir}: no model_index.json (not a FLUX.2 [klein] snapshot)")
-    parent = flux2klein_cache_dir() / COMPOSED_DIR
+    parent = composed_dir()
     final = parent / _identity(model_dir, sources)
     if (final / _MANIFEST).is_file():
         return final

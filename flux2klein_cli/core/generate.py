@@ -19,6 +19,7 @@ from flux2klein_cli.core.checkpoint import Snapshot
 from flux2klein_cli.core.choices import check_effort, jax_dtype
 from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.image_files import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.images import (
     check_reference_count,
     load_reference,
@@ -26,7 +27,6 @@ from flux2klein_cli.core.images import (
     preprocess_reference,
     validate_size,
 )
-from flux2klein_cli.core.output import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
@@ -55,7 +55,7 @@ class GenerateOptions:
     devices: DeviceOptions = field(default_factory=DeviceOptions)
     compile_cache: Path | None = None  # the executable store [default: FLUX2KLEIN_COMPILE_CACHE or the user cache]
     save_executables: bool = True  # --no-save: use stored executables, store nothing new
-    effort: str = "default"  # XLA optimisation effort of compiled executables (store.EFFORTS)
+    effort: str = "default"  # XLA optimisation effort of compiled executables (compile.target.EFFORTS)
     transformer: str | None = None  # --transformer: the transformer from elsewhere (core/components.py)
     vae: str | None = None  # --vae
     lora: list[str] = field(default_factory=list)  # --lora PATH_OR_REPO[:SCALE], merged at load
@@ -247,7 +247,7 @@ def run_generate(
                                              mesh=mesh, save=opts.save_executables,
                                              effort=opts.effort)
     if opts.kv_cache_dir is not None:
-        from flux2klein_cli.core.compile.store import code_fingerprint
+        from flux2klein_cli.core.compile.keys import code_fingerprint
         from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, cache_identity
 
         identity = cache_identity(snapshot.component("transformer"), snapshot.component("vae"), code_fingerprint())

@@ -24,6 +24,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.paths import check_input_file
 
 MIN_SIDE = 64
 MAX_ASPECT = 8
@@ -64,10 +65,7 @@ def load_reference(path: str | os.PathLike[str]) -> Image.Image:
     This is what `diffusers.utils.load_image(path)` returns, so both pipelines see the same pixels.
     """
     p = Path(path)
-    if not p.exists():
-        raise UserInputError(f"reference image {p} does not exist")
-    if p.is_dir():
-        raise UserInputError(f"reference image {p} is a directory, not an image file")
+    check_input_file(p, "reference image", "an image file")
     try:
         with _own_size_limit(), Image.open(p) as opened:
             width, height = opened.size

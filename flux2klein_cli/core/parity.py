@@ -174,8 +174,8 @@ def parity_check(
 ) -> dict[str, Any]:
     """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk."""
     from flux2klein_cli.core.choices import jax_dtype
+    from flux2klein_cli.core.image_files import plan_outputs, write_png
     from flux2klein_cli.core.images import load_reference, preprocess_reference
-    from flux2klein_cli.core.output import plan_outputs, write_png
 
     require_parity("parity")  # before anything is loaded or written
     out_dir = Path(out_dir)

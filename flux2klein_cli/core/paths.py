@@ -34,3 +34,12 @@ def check_name_length(path: str | os.PathLike[str], what: str) -> None:
         shown = os.fsdecode(longest)
         shown = shown if len(shown) <= 40 else f"{shown[:20]}...{shown[-12:]}"
         raise UserInputError(f"{what} {shown}: file name too long ({len(longest)} bytes; the limit is {limit})")
+
+
+def check_input_file(path: Path, what: str, kind: str = "a file") -> None:
+    """UserInputError unless `path` is there and is not a directory: `what` names it ("latents
+    file"), `kind` what it should be ("an image file")."""
+    if not path.exists():
+        raise UserInputError(f"{what} {path} does not exist")
+    if path.is_dir():
+        raise UserInputError(f"{what} {path} is a directory, not {kind}")

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from flux2klein_cli.core.cache_paths import cache_root
+from flux2klein_cli.core.cache_paths import xla_dir
 
 CACHE_ENV = "FLUX2KLEIN_XLA_CACHE"
 
@@ -20,7 +20,7 @@ def xla_cache_dir() -> Path | None:
     if value is None or value.lower() in ("", "0", "off", "false", "no"):
         return None
     if value.lower() in ("1", "on", "true", "yes"):
-        return cache_root() / "xla"
+        return xla_dir()
     return Path(value).expanduser()
 
 

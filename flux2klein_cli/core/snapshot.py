@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shutil
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.cache_paths import cache_root
+from flux2klein_cli.core.cache_paths import generated_dir
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.registry import COMPONENT_REPOS, MODELS, TINY_ALIAS, TINY_KV_ALIAS
@@ -54,13 +53,6 @@ class Resolved:
 
 def fetch_command(model: str, revision: str | None = None) -> str:
     return f"flux2klein fetch {model}" + (f" --revision {revision}" if revision else "")
-
-
-def flux2klein_cache_dir() -> Path:
-    """This package's own cache (the generated `tiny` checkpoint)."""
-    if os.environ.get("FLUX2KLEIN_CACHE"):
-        return Path(os.environ["FLUX2KLEIN_CACHE"]).expanduser()
-    return cache_root()
 
 
 def hub_offline() -> bool:
@@ -270,8 +262,8 @@ def ensure_tiny(progress: Callable[[str], None] | None = None, *, kv: bool = Fal
     removed next time."""
     alias = TINY_KV_ALIAS if kv else TINY_ALIAS
     dir_name, kv, seed = GENERATED[alias]
-    cache = flux2klein_cache_dir()
-    target = cache / dir_name
+    target = generated_dir(dir_name)
+    cache = target.parent
     if (target / "model_index.json").is_file():
         return target
     from flux2klein_cli.core.random_checkpoint import write_random_checkpoint

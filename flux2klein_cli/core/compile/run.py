@@ -25,12 +25,12 @@ class CompileOptions:
     kv: bool = False
     mesh: str | None = None  # "fsdp=4" or "data=2,fsdp=2" over this host's devices
     tpu: str | None = None  # a preset, e.g. v6e-4
-    compile_cache: Path | None = None  # the executable store [default: store.default_root()]
+    compile_cache: Path | None = None  # the executable store [default: cache_paths.executables_dir()]
     sequential: bool = False
     dtype: str = "bf16"
     max_sequence_length: int = 512
     save: bool = True
-    effort: str = "default"  # XLA optimisation effort, a key of store.EFFORTS
+    effort: str = "default"  # XLA optimisation effort, a key of target.EFFORTS
     transformer: str | None = None  # --transformer / --vae (core/components.py)
     vae: str | None = None
     quantize: str | None = None  # "int8": compile for a `convert --quantize int8` model of these configs
@@ -51,7 +51,7 @@ def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
 
 def local_mesh_target(spec: Any) -> Any:
     """The target of `--mesh`: the mesh a run with the same `--mesh` uses (core/mesh.py)."""
-    from flux2klein_cli.core.compile.store import Target
+    from flux2klein_cli.core.compile.target import Target
     from flux2klein_cli.core.mesh import make_mesh
 
     return Target(make_mesh(spec))
@@ -64,12 +64,9 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     `on_done(programs done, programs)` as each is ready."""
     from flux2klein_cli.core.choices import check_effort, jax_dtype
     from flux2klein_cli.core.compile import specs as P
-    from flux2klein_cli.core.compile.store import (
-        ExecutableStore,
-        Target,
-        compile_all,
-        compiles_serially,
-    )
+    from flux2klein_cli.core.compile.compile_all import compile_all, compiles_serially
+    from flux2klein_cli.core.compile.store import ExecutableStore
+    from flux2klein_cli.core.compile.target import Target
     from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
     from flux2klein_cli.core.pipeline.programs import RunShape
     from flux2klein_cli.core.registry import default_size, sampling

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flux2klein_cli.core.compile.store import ProgramSpec, Target
+from flux2klein_cli.core.compile.target import ProgramSpec, Target
 from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.models.trace import TraceOptions
 from flux2klein_cli.core.pipeline import programs

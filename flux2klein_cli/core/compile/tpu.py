@@ -178,7 +178,7 @@ def mesh_for_devices(devices: list[Any]) -> Any:
 def preset_target(preset: TpuPreset) -> Any:
     """The compile target of a preset: the real devices when this host has that slice, else
     libtpu's compile-only devices for its topology."""
-    from flux2klein_cli.core.compile.store import Target
+    from flux2klein_cli.core.compile.target import Target
 
     quiet_libtpu_without_tpu(preset.name)
     import jax

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import jaxlib
 
 from flux2klein_cli.core import temporaries, trust
-from flux2klein_cli.core.cache_paths import cache_root
+from flux2klein_cli.core.cache_paths import native_dir
 
 ENV = "FLUX2KLEIN_CPU_MATMUL"
 TARGET = "flux2klein_amx_bf16_gemm"
@@ -83,7 +83,7 @@ def find_mkl() -> str | None:
 
 def shim_path() -> Path:
     tag = hashlib.sha256(SOURCE.read_bytes() + jaxlib.version.__version__.encode()).hexdigest()[:16]
-    return cache_root() / "native" / f"amx_gemm-{tag}.so"
+    return native_dir() / f"amx_gemm-{tag}.so"
 
 
 def build_shim(out: Path) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from flux2klein_cli.core.bench import summarize
+from flux2klein_cli.core.bench.stats import summarize
 
 
 def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: int, dtype: Any = jnp.bfloat16,

@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
-from flux2klein_cli.core.paths import check_name_length
+from flux2klein_cli.core.paths import check_input_file, check_name_length
 from flux2klein_cli.core.temporaries import temporary_file
 
 PNG_SUFFIX = ".png"
@@ -208,10 +208,7 @@ def load_latents(path: str | os.PathLike[str], expected_shape: Sequence[int]) ->
     """
     p = Path(path).expanduser()
     expected = _shape(expected_shape)
-    if not p.exists():
-        raise UserInputError(f"latents file {p} does not exist")
-    if p.is_dir():
-        raise UserInputError(f"latents file {p} is a directory")
+    check_input_file(p, "latents file", "a .npy file")
     try:
         loaded = np.load(p, allow_pickle=False)
     except PermissionError:

@@ -19,7 +19,7 @@ def bench_decode(model_dir: Path, *, height: int, width: int, batch: int, reps: 
     import numpy as np
     from flax import nnx
 
-    from flux2klein_cli.core.bench import summarize
+    from flux2klein_cli.core.bench.stats import summarize
     from flux2klein_cli.core.images import validate_size
     from flux2klein_cli.core.models.vae import load_vae
     from flux2klein_cli.core.pipeline.programs import decode_latents, jit_module_call

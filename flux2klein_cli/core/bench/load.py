@@ -25,7 +25,7 @@ to the component's bytes. `build_seconds` is the part spent building the abstrac
 `zero_copy_bytes` counts the parameter bytes whose device buffer lies inside a mapped file of
 the layout (all of them, when JAX adopted every view).
 
-    python -m flux2klein_cli.core.bench_load /tmp/medium --convert --reps 5 --json
+    python -m flux2klein_cli.core.bench.load /tmp/medium --convert --reps 5 --json
 """
 
 from __future__ import annotations
@@ -242,7 +242,7 @@ def _cat_timed(files: Sequence[Path]) -> dict[str, Any]:
 
 
 def _child(args: Sequence[str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "flux2klein_cli.core.bench_load", "--child", *args],
+    done = subprocess.run([sys.executable, "-m", "flux2klein_cli.core.bench.load", "--child", *args],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"bench child {' '.join(args)} failed:\n{done.stderr[-2000:]}")

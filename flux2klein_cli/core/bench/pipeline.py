@@ -1,10 +1,10 @@
-"""Measurements behind `flux2klein bench`."""
+"""`bench --phase pipeline`: load, first call and steady-state phases of a text-to-image or edit
+run through the pipeline, with the executable store or plain jit; a KV edit beside a plain one."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,56 +13,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from flux2klein_cli.core.choices import DTYPES
-from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
-
-
-def transformer_compile_seconds(
-    config: dict[str, Any],
-    *,
-    scan: bool,
-    batch: int = 1,
-    height: int = 1024,
-    width: int = 1024,
-    text_tokens: int = 512,
-    dtype: Any = jnp.bfloat16,
-    pixels_per_token: int,
-) -> dict[str, float]:
-    """Lower and compile one transformer forward from abstract shapes only (no weights);
-    `pixels_per_token` is the model's (LatentGeometry).
-
-    Returns trace+lower seconds and XLA compile seconds, separately."""
-    jax.clear_caches()  # every repetition is a cold compile, as in a fresh process
-    cfg = TransformerConfig.from_dict(config)
-    model = nnx.eval_shape(lambda: Flux2Transformer(cfg, dtype=dtype, scan_layers=scan, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(model)
-    n_img = (height // pixels_per_token) * (width // pixels_per_token)
-    seq = text_tokens + n_img
-
-    def forward(state: nnx.State, img: jax.Array, txt: jax.Array, sigma: jax.Array, cos: jax.Array,
-                sin: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, state)(img, txt, sigma, (cos, sin))
-
-    args = (
-        state,
-        jax.ShapeDtypeStruct((batch, n_img, cfg.in_channels), dtype),
-        jax.ShapeDtypeStruct((batch, text_tokens, cfg.joint_attention_dim), dtype),
-        jax.ShapeDtypeStruct((batch,), jnp.float32),
-        jax.ShapeDtypeStruct((seq, cfg.attention_head_dim), jnp.float32),
-        jax.ShapeDtypeStruct((seq, cfg.attention_head_dim), jnp.float32),
-    )
-    start = time.perf_counter()
-    lowered = jax.jit(forward).lower(*args)
-    lowered_at = time.perf_counter()
-    lowered.compile()
-    done = time.perf_counter()
-    return {"lower_s": lowered_at - start, "compile_s": done - lowered_at, "total_s": done - start}
-
-
-def summarize(samples: list[float]) -> dict[str, float]:
-    return {"min": float(np.min(samples)), "median": float(np.median(samples)), "n": len(samples)}
+from flux2klein_cli.core.bench.stats import summarize
+from flux2klein_cli.core.models.transformer import TransformerConfig
 
 
 def kv_speedup_bound(cfg: TransformerConfig, *, text: int, image: int, refs: int, steps: int) -> float:
@@ -82,10 +35,6 @@ def kv_speedup_bound(cfg: TransformerConfig, *, text: int, image: int, refs: int
     return plain / (flops(refs, refs) + steps * flops(n, n + refs))
 
 
-def _warn_stderr(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
-
-
 def bench_pipeline(
     model_dir: Any,
     *,
@@ -102,7 +51,7 @@ def bench_pipeline(
     compile_cache: Path | None = None,
     save: bool = True,
     effort: str = "default",
-    warn: Callable[[str], None] = _warn_stderr,
+    warn: Callable[[str], None] | None = None,
     lora: list[str] | None = None,
 ) -> dict[str, Any]:
     """Load, first call and steady-state phases of a text-to-image (or edit) run.
@@ -134,8 +83,9 @@ def bench_pipeline(
         from flux2klein_cli.core.compile.attach import StoredExecutables
         from flux2klein_cli.core.compile.store import ExecutableStore
 
-        executable_store = ExecutableStore(compile_cache, on_warning=warn)
-        pipeline.warn = warn
+        executable_store = ExecutableStore(compile_cache, on_warning=warn)  # None: Python warnings
+        if warn is not None:
+            pipeline.warn = warn
         pipeline.executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save,
                                                  effort=effort)
         store_info = dict(root=str(executable_store.root), save=save, effort=effort)
@@ -242,75 +192,3 @@ def _time_reuse(pipeline: Any, request: Any, prompts: int) -> dict[str, Any]:
     series(True)  # compile for batch 1
     without, with_reuse = series(False), series(True)
     return dict(prompts=prompts, without_s=without, with_s=with_reuse, saving=1 - with_reuse / without)
-
-
-_DIFFUSERS_TTFI = """
-import sys, torch, diffusers
-torch.set_num_threads({threads})
-pipe = getattr(diffusers, {cls!r}).from_pretrained({model!r}, dtype=getattr(torch, {dtype!r}))
-out = pipe(prompt={prompt!r}, height={height}, width={width}, num_inference_steps={steps}, guidance_scale={guidance},
-           generator=torch.Generator().manual_seed(0))
-out.images[0].save({out!r})
-"""
-
-
-def _timed_process(args: list[str], env: dict[str, str], output: Any) -> float:
-    """Wall seconds from process start until it exits with the PNG on disk."""
-    import subprocess
-
-    Path(output).unlink(missing_ok=True)
-    start = time.perf_counter()
-    done = subprocess.run(args, env=env, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    if done.returncode != 0 or not Path(output).is_file():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        raise RuntimeError(f"{' '.join(args[:4])} ... failed: {' / '.join(tail)}")
-    return seconds
-
-
-def bench_ttfi(
-    model_dir: Any,
-    *,
-    height: int,
-    width: int,
-    steps: int,
-    guidance: float,
-    reps: int,
-    dtype: str,
-    diffusers: bool,
-) -> dict[str, Any]:
-    """Time to first image, process start to PNG on disk, each run a fresh process.
-
-    Ours cold (no stored XLA programs: an empty persistent cache and executable store each
-    run) and warm (both filled by a first run); with `diffusers`, the same image through
-    diffusers' pipeline, torch threads = 2."""
-    import os
-    import tempfile
-
-    from flux2klein_cli.core.checkpoint import Snapshot
-
-    snapshot = Snapshot.open(model_dir)
-    prompt = "a red fox in snow"
-    work = Path(tempfile.mkdtemp(prefix="flux2klein-ttfi-"))
-    out = work / "out.png"
-    ours = [sys.executable, "-m", "flux2klein_cli", "generate", prompt, "--model", str(model_dir), "-o", str(out),
-            "--height", str(height), "--width", str(width), "--steps", str(steps), "--guidance", str(guidance),
-            "--dtype", dtype, "--force", "--json"]
-    env = dict(os.environ)
-    cold = [_timed_process(ours, dict(env, FLUX2KLEIN_XLA_CACHE=str(work / f"cold-{i}"),
-                                      FLUX2KLEIN_COMPILE_CACHE=str(work / f"cold-{i}-executables")), out)
-            for i in range(reps)]
-    warm_env = dict(env, FLUX2KLEIN_XLA_CACHE=str(work / "warm"),
-                    FLUX2KLEIN_COMPILE_CACHE=str(work / "warm-executables"))
-    _timed_process(ours, warm_env, out)  # fills the cache
-    warm = [_timed_process(ours, warm_env, out) for _ in range(reps)]
-    result: dict[str, Any] = dict(ours_cold_s=summarize(cold), ours_warm_s=summarize(warm))
-    if diffusers:
-        code = _DIFFUSERS_TTFI.format(threads=2, cls=snapshot.pipeline_class, model=str(model_dir),
-                                      dtype=DTYPES[dtype], prompt=prompt,
-                                      height=height, width=width, steps=steps, guidance=guidance, out=str(out))
-        ref = [_timed_process([sys.executable, "-c", code], env, out) for _ in range(reps)]
-        result["diffusers_s"] = summarize(ref)
-        result["cold_ratio"] = result["ours_cold_s"]["median"] / result["diffusers_s"]["median"]
-        result["warm_ratio"] = result["ours_warm_s"]["median"] / result["diffusers_s"]["median"]
-    return dict(height=height, width=width, steps=steps, dtype=dtype, reps=reps, **result)

@@ -1,0 +1,1 @@
+"""What `flux2klein bench` measures: its options and dispatch (run.py), one module per phase."""
