@@ -17,7 +17,7 @@ def test_each_platform_gets_its_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(trace.GPU_ATTENTION_ENV, "xla")
     assert TraceOptions.for_platform("gpu").attention == "xla"
     assert TraceOptions.for_platform("tpu", convs_as_matmuls=True).as_key() == {
-        "platform": "tpu", "attention": "splash", "convs_as_matmuls": True}
+        "platform": "tpu", "attention": "splash", "convs_as_matmuls": True, "idle_axes": "auto"}
     with pytest.raises(ValueError, match="attention"):
         TraceOptions("cpu", "flash")
 
