@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 
+from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.sharding import IDLE_FORMS
 
 GPU_ATTENTION_ENV = "FLUX2KLEIN_GPU_ATTENTION"  # "xla": keep XLA's form on NVIDIA GPUs
@@ -55,7 +56,10 @@ class TraceOptions:
             attention = "cudnn"
         else:
             attention = "xla"
-        return cls(platform, attention, convs_as_matmuls, os.environ.get(IDLE_AXES_ENV, "auto"))
+        idle = os.environ.get(IDLE_AXES_ENV, "auto")
+        if idle not in IDLE_FORMS:
+            raise UserInputError(f"{IDLE_AXES_ENV}={idle!r}: use one of {', '.join(IDLE_FORMS)}")
+        return cls(platform, attention, convs_as_matmuls, idle)
 
     @classmethod
     def local(cls) -> TraceOptions:
