@@ -160,7 +160,8 @@ def tokens(batch: int) -> str | tuple[str, ...]:
 def joint_attention(q: jax.Array, k: jax.Array, v: jax.Array, mode: RefMode) -> tuple[jax.Array, KV | None]:
     """Attention under `mode`; returns (B, S, H*Dh) and, when extracting, the reference K / V."""
     t, r = mode.n_txt, mode.n_ref
-    # Queries keep their sequence shard (context parallel); keys and values are gathered.
+    # Queries keep their sequence shard (context parallel, and the idle batch axes in the
+    # sequence form); keys and values are gathered.
     q = constrain(q, BATCH_AXES, tokens(q.shape[0]), "tensor", None)
     k, v = (constrain(a, BATCH_AXES, None, "tensor", None) for a in (k, v))
     if mode.cached is not None:
