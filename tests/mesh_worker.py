@@ -5,19 +5,28 @@ requests on one device and on each mesh; prints one JSON line per (mesh, request
 `--cfg BASE_CKPT MESH...` runs classifier-free guidance on an undistilled checkpoint;
 `--any-batch CKPT BASE_CKPT KV_CKPT MESH...` runs batches that do not fill data x fsdp:
 text-to-image of 1 and 3 images, one guided image (a pair of 2 inside the program), and a
-one-image 2-reference edit and KV edit."""
+one-image 2-reference edit and KV edit (`--any-batch-64`: the same at 64 px, where the
+image tokens split over the axes the batch leaves idle);
+`--cfg-diffusers BASE_CKPT MESH...` runs one guided image on each mesh beside diffusers'
+Flux2KleinPipeline on the same weights and initial noise (needs torch and diffusers)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
 
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from flux2klein_cli.core import sharding
 from flux2klein_cli.core.images import postprocess, preprocess_reference
 from flux2klein_cli.core.mesh import MeshSpec, make_mesh
+from flux2klein_cli.core.models import transformer
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 from tests.test_pipeline_parity import synthetic_image
 
@@ -62,10 +71,13 @@ def main(runs: list[tuple[str, str]], meshes: list[str]) -> None:
                                       q_shards=len({str(s.index) for s in kernel.addressable_shards}))), flush=True)
 
 
-def any_batch(plain: str, base: str, kv: str, meshes: list[str]) -> None:
+def any_batch(plain: str, base: str, kv: str, meshes: list[str], size: int = 32) -> None:
+    """At 32 px (4 image tokens) no idle axis divides the tokens, so the batch is copied there;
+    at 64 px (16) the auto rule splits them over the idle axes (the sequence form). Each row
+    names the token axes the transformer was traced with."""
     refs = [preprocess_reference(synthetic_image(w, h, i), multiple_of=16)
             for i, (w, h) in enumerate([(64, 64), (96, 64)])]
-    common = dict(steps=1, guidance=1.0, height=32, width=32, seed=3, max_sequence_length=16)
+    common = dict(steps=1, guidance=1.0, height=size, width=size, seed=3, max_sequence_length=16)
     cases = {
         plain: {"text-to-image-1": Request(prompts=["a red fox"], **common),
                 "text-to-image-3": Request(prompts=["a red fox", "a lighthouse", "two cats"], **common),
@@ -80,16 +92,52 @@ def any_batch(plain: str, base: str, kv: str, meshes: list[str]) -> None:
             pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=make_mesh(MeshSpec.parse(text)))
             kernel = pipeline.models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
             for name, request in named.items():
-                images = postprocess(pipeline(request).images)
+                with recorded_token_axes() as seen:
+                    images = postprocess(pipeline(request).images)
                 diff = int(np.abs(images.astype(int) - expected[name].astype(int)).max())
                 print(json.dumps(dict(mesh=text, request=name, max_diff=diff, std=float(images.std()),
-                                      images=len(images), q_spec=[str(a) for a in kernel.sharding.spec])),
-                      flush=True)
+                                      images=len(images), q_spec=[str(a) for a in kernel.sharding.spec],
+                                      token_axes=sorted(seen))), flush=True)
+
+
+@contextlib.contextmanager
+def recorded_token_axes() -> Iterator[set[str]]:
+    """The token axes the transformer asks for while tracing (sharding.token_axes), as text."""
+    seen: set[str] = set()
+
+    def recording(batch: int, form: str = "auto") -> Any:
+        axes = sharding.token_axes(batch, form)
+        seen.add(str(axes))
+        return axes
+
+    with mock.patch.object(transformer, "token_axes", recording):
+        yield seen
+
+
+def cfg_against_diffusers(base: str, meshes: list[str]) -> None:
+    """The base model's guided image (its CFG pair a batch of 2 inside the program) on each mesh
+    against diffusers' run of the same request and noise, computed once."""
+    from flux2klein_cli.core.parity import compare, reference_pipeline, run_reference
+
+    request = Request(prompts=["a red fox in snow"], negative_prompt="blurry, low quality", steps=4, guidance=4.0,
+                      height=64, width=64, seed=1)
+    reference: np.ndarray | None = None
+    for text in meshes:
+        pipeline = KleinPipeline.load(base, dtype=jnp.float32, mesh=make_mesh(MeshSpec.parse(text)))
+        assert pipeline.uses_guidance(request.guidance)
+        if reference is None:
+            request.latents, _ = pipeline.initial_noise(request, pipeline.geometry.grid(64, 64))
+            reference = run_reference(reference_pipeline(pipeline, "fp32"), request, request.latents, [])
+        metrics = compare(postprocess(pipeline(request).images), reference)
+        print(json.dumps(dict(mesh=text, ssim=metrics.ssim, max_diff=metrics.max_diff,
+                              std=float(reference.std()))), flush=True)
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--any-batch":
-        any_batch(*sys.argv[2:5], sys.argv[5:])
+    if sys.argv[1] == "--cfg-diffusers":
+        cfg_against_diffusers(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] in ("--any-batch", "--any-batch-64"):
+        any_batch(*sys.argv[2:5], sys.argv[5:], size=64 if sys.argv[1] == "--any-batch-64" else 32)
     elif sys.argv[1] == "--cfg":
         main([(sys.argv[2], "cfg")], sys.argv[3:])
     else:

@@ -10,10 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from PIL import Image
 
+from flux2klein_cli.core import sharding
+from flux2klein_cli.core.choices import MESH_AXES
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.mesh import MeshSpec
 
@@ -59,6 +62,23 @@ def test_guidance_on_a_mesh_gives_the_single_device_images(tiny_base_checkpoint:
         assert row["request"] == "cfg" and row["max_diff"] <= 1 and row["std"] > 10, row
 
 
+@pytest.mark.slow
+def test_guidance_on_a_mesh_matches_diffusers(tiny_base_checkpoint: Path) -> None:
+    """A base model's guided image on fsdp=2 (the CFG pair fills it) and data=2 x fsdp=2 (the pair
+    split over one axis, copied over the other) against diffusers' Flux2KleinPipeline on the same
+    weights and noise, within the single-device parity bounds."""
+    from tests.test_pipeline_parity import MAX_DIFF, MIN_SSIM
+
+    meshes = ["fsdp=2", "data=2,fsdp=2"]
+    done = subprocess.run([sys.executable, "-m", "tests.mesh_worker", "--cfg-diffusers", str(tiny_base_checkpoint),
+                           *meshes], env=env_with_devices(4), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [r["mesh"] for r in rows] == meshes
+    for row in rows:
+        assert row["ssim"] >= MIN_SSIM and row["max_diff"] <= MAX_DIFF and row["std"] > 10, row
+
+
 ANY_BATCH_MESHES = ["fsdp=8", "data=2,fsdp=4", "tensor=2,fsdp=4"]
 ANY_BATCH_REQUESTS = {"text-to-image-1": 1, "text-to-image-3": 3, "cfg-1": 1, "edit-2-refs-1": 1, "kv-edit-1": 1}
 
@@ -80,6 +100,22 @@ def test_batches_that_do_not_fill_the_mesh_give_the_single_device_images(
         assert row["images"] == ANY_BATCH_REQUESTS[row["request"]], row
         assert row["max_diff"] <= 1 and row["std"] > 10, row
         assert row["q_spec"] == ["None", "fsdp", "tensor"], row  # the weights stay split
+
+
+@pytest.mark.slow
+def test_tokens_split_over_idle_axes_give_the_single_device_images(
+        tiny_checkpoint: Path, tiny_base_checkpoint: Path, tiny_kv_checkpoint: Path) -> None:
+    """The sequence form: at 64 px (16 image tokens) batch 1 and 3 on fsdp=8 leave fsdp idle, so
+    the image tokens are split over it (queries split, keys and values gathered, as `context`)."""
+    done = subprocess.run([sys.executable, "-m", "tests.mesh_worker", "--any-batch-64", str(tiny_checkpoint),
+                           str(tiny_base_checkpoint), str(tiny_kv_checkpoint), "fsdp=8"],
+                          env=env_with_devices(8), cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["request"] for r in rows) == sorted(ANY_BATCH_REQUESTS)
+    for row in rows:
+        assert row["token_axes"] == ["('context', 'fsdp')"], row
+        assert row["max_diff"] <= 1 and row["std"] > 10, row
 
 
 def free_port() -> int:
@@ -143,6 +179,20 @@ def test_mesh_spec_parsing() -> None:
     for bad in ("", "fsdp", "fsdp=0", "fsdp=2,fsdp=2", "fsdp=x"):
         with pytest.raises(UserInputError):
             MeshSpec.parse(bad)
+
+
+def test_idle_batch_axes_split_the_tokens_in_the_sequence_form() -> None:
+    """What a batch leaves idle of data=2 x fsdp=4, and the token axes of each form (no devices needed)."""
+    mesh = jax.sharding.AbstractMesh((2, 4, 1, 1), MESH_AXES)
+    with jax.sharding.use_abstract_mesh(mesh):
+        assert {b: sharding.idle_batch_axes(mesh, b) for b in (1, 2, 3, 4, 8)} == {
+            1: ("data", "fsdp"), 2: ("fsdp",), 3: ("data", "fsdp"), 4: ("data",), 8: ()}
+        assert sharding.token_axes(2, "sequence") == ("context", "fsdp")
+        assert sharding.token_axes(8, "sequence") == "context"  # the batch fills the mesh
+        assert sharding.token_axes(1, "replicate") == "context"
+        with pytest.raises(ValueError, match="idle"):
+            sharding.token_axes(1, "shard")
+    assert sharding.token_axes(1, "sequence") == "context"  # no mesh
 
 
 @pytest.mark.slow

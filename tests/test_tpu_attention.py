@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,23 +76,26 @@ def test_block_size_pads_less_than_a_lane_per_block(length: int, block: int) -> 
     assert tpu_attention.block_size(length) == block
 
 
-# (data, fsdp, tensor, context) meshes over 4 devices, and a batch / heads / lengths that each splits.
-MESHES = [(1, 2, 1, 2), (2, 1, 2, 1), (1, 4, 1, 1)]
+# (data, fsdp, tensor, context) meshes over 4 devices, and a batch / heads / lengths that each splits;
+# batch 1 leaves data and fsdp idle: the queries are split over them too (the sequence form).
+MESHES = [(1, 2, 1, 2), (2, 1, 2, 1), (1, 4, 1, 1), (1, 4, 1, 1), (2, 2, 1, 1)]
+BATCHES = [4, 4, 4, 1, 1]
 
 
 def mesh_worker() -> None:
     """In the subprocess: the kernel under each mesh (shard_map) against XLA's attention."""
     from jax.sharding import Mesh
 
-    for shape in MESHES:
+    for shape, batch in zip(MESHES, BATCHES, strict=True):
         mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor", "context"))
-        q, k, v = qkv(4, 200, 300, 2, 32, jnp.float32)
+        q, k, v = qkv(batch, 200, 300, 2, 32, jnp.float32)
         with jax.set_mesh(mesh):
             with tpu_attention.kernel_everywhere():
                 jaxpr = str(jax.make_jaxpr(dot_product_attention)(q, k, v))
                 out = np.asarray(jax.jit(dot_product_attention)(q, k, v))
         error = float(np.abs(out - reference(q, k, v)).max())
-        print(json.dumps(dict(mesh=shape, error=error, shard_map="shard_map" in jaxpr)), flush=True)
+        print(json.dumps(dict(mesh=shape, error=error, shard_map="shard_map" in jaxpr,
+                              split_queries=bool(re.search(r"\('context', '(data|fsdp)'", jaxpr)))), flush=True)
 
 
 @pytest.mark.slow
@@ -102,8 +106,9 @@ def test_kernel_under_a_mesh_runs_in_shard_map() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [tuple(r["mesh"]) for r in rows] == MESHES
-    for row in rows:
+    for row, batch in zip(rows, BATCHES, strict=True):
         assert row["shard_map"] and row["error"] <= 1e-5, row
+        assert row["split_queries"] == (batch == 1), row
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.models import layers, trace
 from flux2klein_cli.core.models.trace import TraceOptions
 
@@ -17,9 +18,14 @@ def test_each_platform_gets_its_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(trace.GPU_ATTENTION_ENV, "xla")
     assert TraceOptions.for_platform("gpu").attention == "xla"
     assert TraceOptions.for_platform("tpu", convs_as_matmuls=True).as_key() == {
-        "platform": "tpu", "attention": "splash", "convs_as_matmuls": True}
+        "platform": "tpu", "attention": "splash", "convs_as_matmuls": True, "idle_axes": "auto"}
     with pytest.raises(ValueError, match="attention"):
         TraceOptions("cpu", "flash")
+    monkeypatch.setenv(trace.IDLE_AXES_ENV, "replicate")
+    assert TraceOptions.for_platform("tpu").idle_axes == "replicate"
+    monkeypatch.setenv(trace.IDLE_AXES_ENV, "copies")
+    with pytest.raises(UserInputError, match="FLUX2KLEIN_IDLE_AXES"):
+        TraceOptions.for_platform("tpu")
 
 
 def test_a_program_traces_under_its_options_and_nothing_else_does() -> None:

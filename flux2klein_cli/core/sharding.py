@@ -13,7 +13,9 @@ One mesh, axes (data, fsdp, tensor, context) (core/mesh.py). The rules:
   A batch (classifier-free guidance's pair counted) that (data, fsdp) does not divide is
   split over the largest part of them that does, and the rest of those axes hold copies
   of it (`fitting_axes`): batch 1 on fsdp=8 runs whole on every device, with the weights
-  still split as above. Any batch runs on any mesh.
+  still split as above. Any batch runs on any mesh. The axes a batch leaves idle either hold
+  copies of it or split its image tokens as `context` does (`token_axes`: queries split,
+  keys and values gathered); `IDLE_FORMS` names the forms, the trace options pick one.
 
 The same rules drive loading (each host reads only its devices' slices), conversion,
 ahead-of-time compilation and running. Under jit, GSPMD inserts the collectives; a
@@ -127,6 +129,37 @@ def batch_shards(batch: int) -> int:
     if mesh.empty:
         return 1
     return axis_size(mesh, fitting_axes(mesh, batch, BATCH_AXES))
+
+
+# What the batch axes a batch leaves idle do: "sequence" splits the image-token sequence over
+# them (as `context`), "replicate" holds copies of the batch; "auto" is the rule of
+# `idle_form` (docs/multi-device.md has the measurements behind it).
+IDLE_FORMS = ("auto", "sequence", "replicate")
+
+
+def idle_batch_axes(mesh: Mesh | jax.sharding.AbstractMesh, batch: int) -> tuple[str, ...]:
+    """The batch axes (of size > 1) that a batch of `batch` is not split over."""
+    used = fitting_axes(mesh, batch, BATCH_AXES)
+    used = () if used is None else (used,) if isinstance(used, str) else used
+    return tuple(a for a in BATCH_AXES if a not in used and mesh.shape.get(a, 1) > 1)
+
+
+def idle_form(mesh: Mesh | jax.sharding.AbstractMesh, batch: int, form: str = "auto") -> str:
+    """The form the idle batch axes take for a batch of `batch`: `form` unless "auto". Auto
+    splits the tokens at every shape: of the shapes measured (9B on v6e-4 at batch 1 and 2 by
+    XLA's analysis, 8 virtual CPU devices by wall time; docs/benchmarks.md) none favoured copies."""
+    if form not in IDLE_FORMS:
+        raise ValueError(f"idle-axes form {form!r} is not one of {IDLE_FORMS}")
+    return form if form != "auto" else "sequence"
+
+
+def token_axes(batch: int, form: str = "auto") -> Axes:
+    """The axes that split the image-token sequence of a batch of `batch` under the mesh set
+    with `jax.set_mesh`: `context`, and in the sequence form also the batch axes the batch
+    leaves idle. The batch itself stays on `fitting_axes`, so no axis is used twice."""
+    mesh = jax.sharding.get_abstract_mesh()
+    idle = () if mesh.empty or idle_form(mesh, batch, form) != "sequence" else idle_batch_axes(mesh, batch)
+    return ("context", *idle) if idle else "context"
 
 
 def constrain(x: jax.Array, *axes: Axes) -> jax.Array:

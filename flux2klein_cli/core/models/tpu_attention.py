@@ -9,8 +9,8 @@ queries and keys of different lengths; both need block-multiple lengths, so inpu
 and padded keys are masked out through segment ids.
 
 A pallas_call cannot be partitioned by XLA, so under a mesh the kernel runs inside
-`jax.shard_map`, split as `joint_attention` constrains its operands: queries over
-(batch, context, heads), keys and values over (batch, heads).
+`jax.shard_map`, split as `joint_attention` constrains its operands: queries over (batch,
+context and, in the sequence form, the idle batch axes, heads), keys and values over (batch, heads).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from flux2klein_cli.core.models import trace
-from flux2klein_cli.core.sharding import BATCH_AXES, fitting_spec
+from flux2klein_cli.core.sharding import BATCH_AXES, fitting_spec, token_axes
 
 LANES = 128  # the kernel's key blocks are multiples of the TPU lane width
 MAX_BLOCK = 512  # larger blocks amortise the per-step overhead; 512 x 512 f32 scores is 1 MiB of VMEM
@@ -66,7 +66,8 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         mesh = jax.sharding.get_abstract_mesh()
         if mesh.empty or mesh.size == 1:
             return local(q, k, v)
-        q_spec = _fitting_spec(mesh, q.shape, (BATCH_AXES, "context", "tensor", None))
+        seq = token_axes(q.shape[0], trace.current().idle_axes)
+        q_spec = _fitting_spec(mesh, q.shape, (BATCH_AXES, seq, "tensor", None))
         kv_spec = _fitting_spec(mesh, k.shape, (BATCH_AXES, None, q_spec[2], None))
         # check_vma off: the kernel's pallas_call carries no varying-axes annotations.
         sharded = jax.shard_map(local, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec, check_vma=False)

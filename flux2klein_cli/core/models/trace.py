@@ -18,11 +18,17 @@ from typing import Any
 
 import jax
 
+from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.sharding import IDLE_FORMS
+
 GPU_ATTENTION_ENV = "FLUX2KLEIN_GPU_ATTENTION"  # "xla": keep XLA's form on NVIDIA GPUs
 # splash: Pallas's TPU kernel; splash-interpret: the same kernel interpreted (the TPU path on
 # any host, for tests); cudnn: cuDNN's fused kernel; blocked: the query-blocked CPU form;
 # xla: XLA's own form, which materialises every score.
 ATTENTION_KINDS = ("splash", "splash-interpret", "cudnn", "blocked", "xla")
+# What the batch axes a batch leaves idle do (core/sharding.py, IDLE_FORMS): "auto" (the rule),
+# or "sequence" / "replicate" forced, for measuring one against the other.
+IDLE_AXES_ENV = "FLUX2KLEIN_IDLE_AXES"
 
 
 @dataclass(frozen=True)
@@ -30,14 +36,18 @@ class TraceOptions:
     platform: str  # the backend the program runs on: cpu, gpu, tpu
     attention: str  # one of ATTENTION_KINDS
     convs_as_matmuls: bool = False  # the VAE's 3x3 convolutions as one matmul each (models/vae.py)
+    idle_axes: str = "auto"  # one of sharding.IDLE_FORMS
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_KINDS}")
+        if self.idle_axes not in IDLE_FORMS:
+            raise ValueError(f"idle axes {self.idle_axes!r} is not one of {IDLE_FORMS}")
 
     @classmethod
     def for_platform(cls, platform: str, *, convs_as_matmuls: bool = False) -> TraceOptions:
-        """The forms a run on `platform` takes (on a GPU, FLUX2KLEIN_GPU_ATTENTION may keep XLA's)."""
+        """The forms a run on `platform` takes (on a GPU, FLUX2KLEIN_GPU_ATTENTION may keep XLA's;
+        FLUX2KLEIN_IDLE_AXES may force the idle axes' form)."""
         if platform == "tpu":
             attention = "splash"
         elif platform == "cpu":
@@ -46,7 +56,10 @@ class TraceOptions:
             attention = "cudnn"
         else:
             attention = "xla"
-        return cls(platform, attention, convs_as_matmuls)
+        idle = os.environ.get(IDLE_AXES_ENV, "auto")
+        if idle not in IDLE_FORMS:
+            raise UserInputError(f"{IDLE_AXES_ENV}={idle!r}: use one of {', '.join(IDLE_FORMS)}")
+        return cls(platform, attention, convs_as_matmuls, idle)
 
     @classmethod
     def local(cls) -> TraceOptions:

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.layers import (
     RMSNorm,
     dot_product_attention,
@@ -27,7 +28,7 @@ from flux2klein_cli.core.models.layers import (
     run_blocks,
     stack_blocks,
 )
-from flux2klein_cli.core.sharding import BATCH_AXES, constrain, model_rule
+from flux2klein_cli.core.sharding import BATCH_AXES, constrain, model_rule, token_axes
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
 
@@ -150,11 +151,18 @@ def _with_batch(x: jax.Array, batch: int) -> jax.Array:
     return jnp.broadcast_to(x, (batch, *x.shape[1:]))
 
 
+def tokens(batch: int) -> str | tuple[str, ...]:
+    """The axes the token sequence is split over: `context`, plus the idle batch axes in the
+    sequence form the trace options pick (sharding.token_axes)."""
+    return token_axes(batch, trace.current().idle_axes)
+
+
 def joint_attention(q: jax.Array, k: jax.Array, v: jax.Array, mode: RefMode) -> tuple[jax.Array, KV | None]:
     """Attention under `mode`; returns (B, S, H*Dh) and, when extracting, the reference K / V."""
     t, r = mode.n_txt, mode.n_ref
-    # Queries keep their sequence shard (context parallel); keys and values are gathered.
-    q = constrain(q, BATCH_AXES, "context", "tensor", None)
+    # Queries keep their sequence shard (context parallel, and the idle batch axes in the
+    # sequence form); keys and values are gathered.
+    q = constrain(q, BATCH_AXES, tokens(q.shape[0]), "tensor", None)
     k, v = (constrain(a, BATCH_AXES, None, "tensor", None) for a in (k, v))
     if mode.cached is not None:
         k_ref, v_ref = (_with_batch(a, q.shape[0]) for a in mode.cached)
@@ -388,12 +396,13 @@ class Flux2Transformer(nnx.Module):
                           for r, m in zip(ref_single, mod_single, strict=True)]
             img = jnp.concatenate([refs.astype(img.dtype), img], axis=1)
 
-        img = constrain(self.x_embedder(img.astype(dt)), BATCH_AXES, "context", None)
+        seq = tokens(img.shape[0])
+        img = constrain(self.x_embedder(img.astype(dt)), BATCH_AXES, seq, None)
         txt = constrain(self.context_embedder(txt.astype(dt)), BATCH_AXES, None, None)
 
         def double_step(block: DoubleBlock, carry: tuple[jax.Array, jax.Array], kv: KV | None = None) -> Any:
             img, txt, ref_kv = block(*carry, mod_img, mod_txt, rope, RefMode(n_txt, n_ref, kv))
-            return (constrain(img, BATCH_AXES, "context", None), constrain(txt, BATCH_AXES, None, None)), ref_kv
+            return (constrain(img, BATCH_AXES, seq, None), constrain(txt, BATCH_AXES, None, None)), ref_kv
 
         double_xs = None if cache is None else (cache.double_k, cache.double_v)
         (img, txt), double_kv = run_blocks(
@@ -402,7 +411,7 @@ class Flux2Transformer(nnx.Module):
 
         def single_step(block: SingleBlock, x: jax.Array, kv: KV | None = None) -> Any:
             x, ref_kv = block(x, mod_single, rope, RefMode(n_txt, n_ref, kv))
-            return constrain(x, BATCH_AXES, "context", None), ref_kv
+            return constrain(x, BATCH_AXES, seq, None), ref_kv
 
         single_xs = None if cache is None else (cache.single_k, cache.single_v)
         x, single_kv = run_blocks(
