@@ -96,14 +96,15 @@ def quantize_abstract(model: nnx.Module, scheme: str | None) -> nnx.Module:
 
 
 def quantize_weights(w: Any) -> tuple[Any, Any]:
-    """Host-side (numpy) symmetric int8 of a float (in, out) block of rows, given nothing else:
-    (int8 values, float32 scale per output channel). Used by tests and small tools; convert
-    streams the same arithmetic (core/weights/quantize.py)."""
+    """Host-side (numpy) symmetric int8 of a float kernel (..., in, out) (a stacked one has
+    leading layer axes), given nothing else: (int8 values, float32 scale (..., out) per output
+    channel). Used by tests and small tools; convert streams the same arithmetic
+    (core/weights/quantize.py)."""
     import numpy as np
 
     w = np.asarray(w, np.float32)
     scale = scale_from_absmax(np.abs(w).max(axis=-2))
-    return round_to_int8(w, scale), scale
+    return round_to_int8(w, scale[..., None, :]), scale
 
 
 def scale_from_absmax(absmax: Any) -> Any:

@@ -1,0 +1,215 @@
+"""Per-layer error of bf16 and int8 weights on the real 4B / 9B transformer geometries (issue 21).
+
+One double-stream block, one single-stream block and the final layer (norm_out + proj_out) of
+the real width, with random weights drawn as the random checkpoint writer draws them (uniform
+within +-1/sqrt(fan in), norms near 1), so it needs no download and no whole model in memory
+(the 9B transformer in float32 is 36 GB; one double block is 1.7 GB). Each layer gets the same
+float32 inputs in every variant (the float32 outputs of the layer before), so each error is the
+layer's own:
+
+- bf16: weights and activations in bf16, as `--dtype bf16` runs;
+- int8 / fp32 act.: int8 weights (weight-only, `convert --quantize int8`'s rule of which linears)
+  with float32 activations: the rounding of the weights alone;
+- int8 / bf16 act.: the same int8 weights in a bf16 model, as a bf16 run of an int8 model computes.
+
+Errors are ||y - y_fp32|| / ||y_fp32|| of the layer's output, and of its update (output minus
+input) for the residual blocks, whose output is mostly their input: with random weights the
+update is about 1% of the residual stream, far less than in a trained model, so the output's
+error understates what a layer adds and the update's overstates it for bf16, whose output is
+rounded to bf16 as a whole (the residual stream's rounding, not the layer's arithmetic).
+
+    python -m flux2klein_cli.core.quantize_error --model 4b --height 512 --width 512 --text-tokens 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flux2klein_cli.core import random_checkpoint as rc
+from flux2klein_cli.core.models.layers import layer_norm, linear
+from flux2klein_cli.core.models.quantized import QuantizedLinear, quantize_abstract, quantize_weights
+from flux2klein_cli.core.models.transformer import (
+    DoubleBlock,
+    Linear2,
+    RefMode,
+    SingleBlock,
+    TransformerConfig,
+    rope_tables,
+    timestep_embedding,
+)
+from flux2klein_cli.core.pipeline.tokens import image_ids, text_ids
+
+VARIANTS = {"bf16": (jnp.bfloat16, None), "int8 / fp32 act.": (jnp.float32, "int8"),
+            "int8 / bf16 act.": (jnp.bfloat16, "int8")}
+
+
+class Layers(nnx.Module):
+    """The transformer's parts that one layer of each kind needs, under Flux2Transformer's names
+    (so `quantize_abstract` picks the same linears): embedders and modulation (float32 only, to
+    make the inputs), one block of each kind (unstacked) and the final layer."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        d = cfg.dim
+        self.timestep_embedder = Linear2(cfg.timestep_channels, d, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_img = linear(d, 6 * d, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_txt = linear(d, 6 * d, dtype=dtype, rngs=rngs)
+        self.single_stream_modulation = linear(d, 3 * d, dtype=dtype, rngs=rngs)
+        self.x_embedder = linear(cfg.in_channels, d, dtype=dtype, rngs=rngs)
+        self.context_embedder = linear(cfg.joint_attention_dim, d, dtype=dtype, rngs=rngs)
+        self.transformer_blocks = DoubleBlock(cfg, dtype=dtype, rngs=rngs)
+        self.single_transformer_blocks = SingleBlock(cfg, dtype=dtype, rngs=rngs)
+        self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
+        self.proj_out = linear(d, cfg.out_channels, dtype=dtype, rngs=rngs)
+
+
+def random_weights(cfg: TransformerConfig, seed: int) -> dict[tuple[str, ...], np.ndarray]:
+    """float32 values of every parameter, drawn as core/random_checkpoint.py draws them."""
+    abstract = nnx.eval_shape(lambda: Layers(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(seed)
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(abstract)):
+        shape, leaf = var.get_value().shape, str(path[-1])
+        low, high = {"kernel": (-(shape[0] ** -0.5), shape[0] ** -0.5), "weight": (0.9, 1.1),
+                     "bias": (-0.02, 0.02)}[leaf]
+        out[tuple(map(str, path))] = rng.uniform(low, high, shape).astype(np.float32)
+    return out
+
+
+def build(cfg: TransformerConfig, weights: dict[tuple[str, ...], np.ndarray], dtype: Any,
+          scheme: str | None, quantized: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]]) -> nnx.Module:
+    """`Layers` in `dtype` from the float32 `weights`, its block linears int8 with `scheme`
+    (their int8 values and scales computed once into `quantized`)."""
+    model = quantize_abstract(nnx.eval_shape(lambda: Layers(cfg, dtype=dtype, rngs=nnx.Rngs(0))), scheme)
+    modules = {tuple(map(str, p)) for p, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)}
+    graphdef, state = nnx.split(model)
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        key = tuple(map(str, path))
+        if key[:-1] in modules:
+            if key[:-1] not in quantized:
+                quantized[key[:-1]] = quantize_weights(weights[(*key[:-1], "kernel")])
+            value = quantized[key[:-1]][0 if key[-1] == "kernel" else 1]
+        else:
+            value = weights[key]
+        flat.append((path, var.replace(jnp.asarray(value, var.get_value().dtype))))
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+@dataclass
+class Inputs:
+    img: np.ndarray  # (1, N, D) float32: the image stream entering the double block
+    txt: np.ndarray  # (1, T, D)
+    mod_img: list[np.ndarray]
+    mod_txt: list[np.ndarray]
+    mod_single: list[np.ndarray]
+    final: list[np.ndarray]  # norm_out's scale and shift
+    rope: tuple[np.ndarray, np.ndarray]
+
+
+def make_inputs(cfg: TransformerConfig, model: nnx.Module, tokens: tuple[int, int], text: int, seed: int,
+                sigma: float) -> Inputs:
+    """The float32 model's embedders and modulation on Gaussian latents and text features, as
+    Flux2Transformer._forward computes them (timestep `sigma`)."""
+    rng = np.random.default_rng(seed + 1)
+    latents = rng.standard_normal((1, tokens[0] * tokens[1], cfg.in_channels), np.float32)
+    features = rng.standard_normal((1, text, cfg.joint_attention_dim), np.float32)
+    t = jnp.full((1,), sigma * 1000, jnp.float32)
+    temb = jax.nn.silu(model.timestep_embedder(timestep_embedding(t, cfg.timestep_channels)))
+
+    def chunks(x: jax.Array, n: int) -> list[np.ndarray]:
+        return [np.asarray(c) for c in jnp.split(x[:, None, :], n, axis=-1)]
+
+    ids = np.concatenate([text_ids(text), image_ids(*tokens)])
+    return Inputs(np.asarray(model.x_embedder(jnp.asarray(latents))), np.asarray(model.context_embedder(
+        jnp.asarray(features))), chunks(model.double_stream_modulation_img(temb), 6),
+        chunks(model.double_stream_modulation_txt(temb), 6), chunks(model.single_stream_modulation(temb), 3),
+        chunks(model.norm_out(temb), 2), rope_tables(ids, cfg.axes_dims_rope, cfg.rope_theta))
+
+
+def layer_functions(eps: float, text: int) -> dict[str, Callable[..., Any]]:
+    """Each layer as f(model, its inputs in the model dtype) -> output (float32); `text` tokens
+    lead the joint sequence."""
+    def double(m: Layers, img: Any, txt: Any, mod_img: Any, mod_txt: Any, rope: Any) -> jax.Array:
+        img, txt, _ = m.transformer_blocks(img, txt, mod_img, mod_txt, rope, RefMode(text, 0, None))
+        return jnp.concatenate([txt, img], axis=1).astype(jnp.float32)
+
+    def single(m: Layers, x: Any, mod: Any, rope: Any) -> jax.Array:
+        return m.single_transformer_blocks(x, mod, rope, RefMode(text, 0, None))[0].astype(jnp.float32)
+
+    def final(m: Layers, x: Any, scale_shift: Any) -> jax.Array:
+        scale, shift = scale_shift  # as Flux2Transformer._forward's last lines
+        return m.proj_out(layer_norm(x, eps) * (1 + scale) + shift).astype(jnp.float32)
+
+    return {"double": double, "single": single, "final": final}
+
+
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm((a - b).ravel()) / np.linalg.norm(b.ravel()))
+
+
+def measure(size: str, height: int, width: int, text: int, seed: int = 0, sigma: float = 0.5) -> dict[str, Any]:
+    """Relative errors per layer and variant (see the module docstring)."""
+    cfg = TransformerConfig.from_dict(rc.transformer_config_json(rc.preset(size)))
+    tokens = (height // 16, width // 16)
+    weights = random_weights(cfg, seed)
+    quantized: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
+    fns = layer_functions(cfg.eps, text)
+
+    def run(model: nnx.Module, name: str, dtype: Any, args: tuple[Any, ...]) -> np.ndarray:
+        graphdef, state = nnx.split(model)
+        fn = jax.jit(lambda s, *a: fns[name](nnx.merge(graphdef, s), *a))
+        rope, rest = args[-1] if name != "final" else None, args[:-1] if name != "final" else args
+        cast = jax.tree.map(lambda x: jnp.asarray(x, dtype), rest)
+        # RoPE tables stay float32 in every variant (apply_rope computes in float32), as in a run.
+        return np.asarray(fn(state, *cast, *(() if rope is None else (tuple(map(jnp.asarray, rope)),))))
+
+    reference = build(cfg, weights, jnp.float32, None, quantized)
+    inputs = make_inputs(cfg, reference, tokens, text, seed, sigma)
+    args: dict[str, tuple[Any, ...]] = {
+        "double": (inputs.img, inputs.txt, inputs.mod_img, inputs.mod_txt, inputs.rope)}
+    fp32 = {"double": run(reference, "double", jnp.float32, args["double"])}
+    args["single"] = (fp32["double"], inputs.mod_single, inputs.rope)  # each layer takes float32's outputs
+    fp32["single"] = run(reference, "single", jnp.float32, args["single"])
+    args["final"] = (fp32["single"][:, text:], inputs.final)
+    fp32["final"] = run(reference, "final", jnp.float32, args["final"])
+    residual_in = {"double": np.concatenate([inputs.txt, inputs.img], axis=1), "single": fp32["double"]}
+    del reference
+    rows: dict[str, dict[str, float]] = {name: {} for name in fp32}
+    for variant, (dtype, scheme) in VARIANTS.items():
+        model = build(cfg, weights, dtype, scheme, quantized)
+        for name, expected in fp32.items():
+            out = run(model, name, dtype, args[name])
+            rows[name][f"{variant} output"] = relative(out, expected)
+            if name in residual_in:
+                # Against the variant's own (rounded) input: bf16's rounding of the input is not the layer's.
+                x = residual_in[name]
+                own = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+                rows[name][f"{variant} update"] = relative(out - own, expected - x)
+        del model
+    return {"model": size, "height": height, "width": width, "image_tokens": tokens[0] * tokens[1],
+            "text_tokens": text, "seed": seed, "sigma": sigma, "dim": cfg.dim, "errors": rows}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("4b", "9b"), default="4b")
+    parser.add_argument("--height", type=int, default=512)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sigma", type=float, default=0.5, help="the timestep (noise level) of the modulation")
+    args = parser.parse_args(argv)
+    print(json.dumps(measure(args.model, args.height, args.width, args.text_tokens, args.seed, args.sigma)))
+
+
+if __name__ == "__main__":
+    main()

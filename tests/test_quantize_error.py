@@ -1,0 +1,21 @@
+"""core/quantize_error.py: the per-layer error tool behind docs/models.md's table, on the medium
+geometry (the real geometries are the same code at a larger width)."""
+
+from __future__ import annotations
+
+from flux2klein_cli.core.quantize_error import VARIANTS, measure
+
+
+def test_per_layer_errors_of_int8_and_bf16() -> None:
+    report = measure("medium", 64, 64, 16)
+    errors = report["errors"]
+    assert set(errors) == {"double", "single", "final"}
+    for name in ("double", "single"):
+        row = errors[name]
+        assert set(row) == {f"{v} {k}" for v in VARIANTS for k in ("output", "update")}
+        # Weight rounding alone: well under 1% of what the block adds, and not nothing.
+        assert 0 < row["int8 / fp32 act. update"] < 0.02, row
+        assert row["int8 / fp32 act. output"] < row["bf16 output"], row
+    # The final projection is kept in the model dtype: int8 changes nothing there.
+    assert errors["final"]["int8 / fp32 act. output"] == 0.0
+    assert errors["final"]["int8 / bf16 act. output"] == errors["final"]["bf16 output"] > 0
