@@ -52,10 +52,8 @@ VARIANTS = {"bf16": (jnp.bfloat16, None), "int8 / fp32 act.": (jnp.float32, "int
             "int8 / bf16 act.": (jnp.bfloat16, "int8")}
 
 
-class Layers(nnx.Module):
-    """The transformer's parts that one layer of each kind needs, under Flux2Transformer's names
-    (so `quantize_abstract` picks the same linears): embedders and modulation (float32 only, to
-    make the inputs), one block of each kind (unstacked) and the final layer."""
+class Embedders(nnx.Module):
+    """What makes the layers' inputs (float32 only), under Flux2Transformer's names."""
 
     def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
         d = cfg.dim
@@ -65,15 +63,22 @@ class Layers(nnx.Module):
         self.single_stream_modulation = linear(d, 3 * d, dtype=dtype, rngs=rngs)
         self.x_embedder = linear(cfg.in_channels, d, dtype=dtype, rngs=rngs)
         self.context_embedder = linear(cfg.joint_attention_dim, d, dtype=dtype, rngs=rngs)
+        self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
+
+
+class Layers(nnx.Module):
+    """One block of each kind (unstacked) and the final projection, under Flux2Transformer's
+    names, so `quantize_abstract` picks the same linears as for the whole model."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
         self.transformer_blocks = DoubleBlock(cfg, dtype=dtype, rngs=rngs)
         self.single_transformer_blocks = SingleBlock(cfg, dtype=dtype, rngs=rngs)
-        self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
-        self.proj_out = linear(d, cfg.out_channels, dtype=dtype, rngs=rngs)
+        self.proj_out = linear(cfg.dim, cfg.out_channels, dtype=dtype, rngs=rngs)
 
 
-def random_weights(cfg: TransformerConfig, seed: int) -> dict[tuple[str, ...], np.ndarray]:
-    """float32 values of every parameter, drawn as core/random_checkpoint.py draws them."""
-    abstract = nnx.eval_shape(lambda: Layers(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+def random_weights(make: Callable[[], nnx.Module], seed: int) -> dict[tuple[str, ...], np.ndarray]:
+    """float32 values of every parameter of `make()`, drawn as core/random_checkpoint.py draws them."""
+    abstract = nnx.eval_shape(make)
     rng = np.random.default_rng(seed)
     out = {}
     for path, var in nnx.to_flat_state(nnx.state(abstract)):
@@ -84,11 +89,11 @@ def random_weights(cfg: TransformerConfig, seed: int) -> dict[tuple[str, ...], n
     return out
 
 
-def build(cfg: TransformerConfig, weights: dict[tuple[str, ...], np.ndarray], dtype: Any,
+def build(make: Callable[[Any], nnx.Module], weights: dict[tuple[str, ...], np.ndarray], dtype: Any,
           scheme: str | None, quantized: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]]) -> nnx.Module:
-    """`Layers` in `dtype` from the float32 `weights`, its block linears int8 with `scheme`
-    (their int8 values and scales computed once into `quantized`)."""
-    model = quantize_abstract(nnx.eval_shape(lambda: Layers(cfg, dtype=dtype, rngs=nnx.Rngs(0))), scheme)
+    """`make(dtype)` from the float32 `weights`, its block linears int8 with `scheme` (their int8
+    values and scales computed once into `quantized`)."""
+    model = quantize_abstract(nnx.eval_shape(lambda: make(dtype)), scheme)
     modules = {tuple(map(str, p)) for p, m in nnx.iter_modules(model) if isinstance(m, QuantizedLinear)}
     graphdef, state = nnx.split(model)
     flat = []
@@ -115,7 +120,7 @@ class Inputs:
     rope: tuple[np.ndarray, np.ndarray]
 
 
-def make_inputs(cfg: TransformerConfig, model: nnx.Module, tokens: tuple[int, int], text: int, seed: int,
+def make_inputs(cfg: TransformerConfig, model: Embedders, tokens: tuple[int, int], text: int, seed: int,
                 sigma: float) -> Inputs:
     """The float32 model's embedders and modulation on Gaussian latents and text features, as
     Flux2Transformer._forward computes them (timestep `sigma`)."""
@@ -160,8 +165,17 @@ def measure(size: str, height: int, width: int, text: int, seed: int = 0, sigma:
     """Relative errors per layer and variant (see the module docstring)."""
     cfg = TransformerConfig.from_dict(rc.transformer_config_json(rc.preset(size)))
     tokens = (height // 16, width // 16)
-    weights = random_weights(cfg, seed)
     quantized: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}
+    embedders = build(lambda dt: Embedders(cfg, dtype=dt, rngs=nnx.Rngs(0)),
+                      random_weights(lambda: Embedders(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)), seed + 2),
+                      jnp.float32, None, quantized)
+    inputs = make_inputs(cfg, embedders, tokens, text, seed, sigma)
+    del embedders
+
+    def make(dtype: Any) -> Layers:
+        return Layers(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+
+    weights = random_weights(lambda: make(jnp.float32), seed)
     fns = layer_functions(cfg.eps, text)
 
     def run(model: nnx.Module, name: str, dtype: Any, args: tuple[Any, ...]) -> np.ndarray:
@@ -172,8 +186,7 @@ def measure(size: str, height: int, width: int, text: int, seed: int = 0, sigma:
         # RoPE tables stay float32 in every variant (apply_rope computes in float32), as in a run.
         return np.asarray(fn(state, *cast, *(() if rope is None else (tuple(map(jnp.asarray, rope)),))))
 
-    reference = build(cfg, weights, jnp.float32, None, quantized)
-    inputs = make_inputs(cfg, reference, tokens, text, seed, sigma)
+    reference = build(make, weights, jnp.float32, None, quantized)
     args: dict[str, tuple[Any, ...]] = {
         "double": (inputs.img, inputs.txt, inputs.mod_img, inputs.mod_txt, inputs.rope)}
     fp32 = {"double": run(reference, "double", jnp.float32, args["double"])}
@@ -185,7 +198,7 @@ def measure(size: str, height: int, width: int, text: int, seed: int = 0, sigma:
     del reference
     rows: dict[str, dict[str, float]] = {name: {} for name in fp32}
     for variant, (dtype, scheme) in VARIANTS.items():
-        model = build(cfg, weights, dtype, scheme, quantized)
+        model = build(make, weights, dtype, scheme, quantized)
         for name, expected in fp32.items():
             out = run(model, name, dtype, args[name])
             rows[name][f"{variant} output"] = relative(out, expected)
