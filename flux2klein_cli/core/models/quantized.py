@@ -6,6 +6,11 @@ kernel is ever held), the dot accumulates in float32, and the per-channel scale 
 output, not the weight. int8 values (|q| <= 127) are exact in bf16, so the only error is the
 rounding of the weights themselves.
 
+With FLUX2KLEIN_INT8_COMPUTE=dynamic (an opt-in trace option, core/models/trace.py)
+`int8_dynamic_matmul` is used instead: each token's activations are rounded to int8 with their
+own scale (max |x| / 127), the dot is int8 x int8 accumulated in int32 (the chips with fast
+int8 run it natively), and both scales multiply the output.
+
 Which linears are quantized is `QUANTIZED_STACKS` (one home, used by convert, load and compile):
 every linear inside the scanned blocks of the transformer and the text encoder; the text
 encoder's token table is int8 per row (`QuantizedEmbed`: a lookup, then its row's scale).
@@ -21,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flux2klein_cli.core.choices import QUANTIZE
+from flux2klein_cli.core.models import trace
 
 SCHEMES = tuple(s for s in QUANTIZE if s != "none")  # "none" leaves every weight in the model dtype
 QUANTIZED_STACKS = ("transformer_blocks", "single_transformer_blocks", "layers")
@@ -34,6 +40,17 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
+def int8_dynamic_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    """x (..., in) rounded to int8 per token (symmetric, scale max |x| / 127 over `in`), times
+    the int8 kernel (in, out) accumulated in int32, times both scales; in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    x_scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    xq = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+    y = jax.lax.dot_general(xq, kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    return (y.astype(jnp.float32) * x_scale * scale.astype(jnp.float32)).astype(x.dtype)
+
+
 class QuantizedLinear(nnx.Module):
     """nnx.Linear's call with an int8 kernel (in, out) and a float32 scale (out,)."""
 
@@ -41,7 +58,8 @@ class QuantizedLinear(nnx.Module):
         self.kernel, self.scale, self.bias = kernel, scale, bias
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = int8_matmul(x, self.kernel[...], self.scale[...])
+        matmul = int8_dynamic_matmul if trace.current().int8_compute == "dynamic" else int8_matmul
+        y = matmul(x, self.kernel[...], self.scale[...])
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
