@@ -10,7 +10,9 @@ layer's own:
 - bf16: weights and activations in bf16, as `--dtype bf16` runs;
 - int8 / fp32 act.: int8 weights (weight-only, `convert --quantize int8`'s rule of which linears)
   with float32 activations: the rounding of the weights alone;
-- int8 / bf16 act.: the same int8 weights in a bf16 model, as a bf16 run of an int8 model computes.
+- int8 / bf16 act.: the same int8 weights in a bf16 model, as a bf16 run of an int8 model computes;
+- int8 dynamic / fp32, / bf16: those two models with FLUX2KLEIN_INT8_COMPUTE=dynamic
+  (activations rounded to int8 per token, int8 x int8 dots).
 
 Errors are ||y - y_fp32|| / ||y_fp32|| of the layer's output, and of its update (output minus
 input) for the residual blocks, whose output is mostly their input: with random weights the
@@ -24,6 +26,7 @@ rounded to bf16 as a whole (the residual stream's rounding, not the layer's arit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -37,6 +40,7 @@ from flax import nnx
 from flux2klein_cli.core import random_checkpoint as rc
 from flux2klein_cli.core.models.layers import layer_norm, linear
 from flux2klein_cli.core.models.quantized import QuantizedLinear, quantize_abstract, quantize_weights
+from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.models.transformer import (
     DoubleBlock,
     Linear2,
@@ -48,8 +52,11 @@ from flux2klein_cli.core.models.transformer import (
 )
 from flux2klein_cli.core.pipeline.tokens import image_ids, text_ids
 
-VARIANTS = {"bf16": (jnp.bfloat16, None), "int8 / fp32 act.": (jnp.float32, "int8"),
-            "int8 / bf16 act.": (jnp.bfloat16, "int8")}
+# name: (model dtype, scheme, int8 compute)
+VARIANTS = {"bf16": (jnp.bfloat16, None, "weight-only"), "int8 / fp32 act.": (jnp.float32, "int8", "weight-only"),
+            "int8 / bf16 act.": (jnp.bfloat16, "int8", "weight-only"),
+            "int8 dynamic / fp32": (jnp.float32, "int8", "dynamic"),
+            "int8 dynamic / bf16": (jnp.bfloat16, "int8", "dynamic")}
 
 
 class Embedders(nnx.Module):
@@ -178,9 +185,11 @@ def measure(size: str, height: int, width: int, text: int, seed: int = 0, sigma:
     weights = random_weights(lambda: make(jnp.float32), seed)
     fns = layer_functions(cfg.eps, text)
 
-    def run(model: nnx.Module, name: str, dtype: Any, args: tuple[Any, ...]) -> np.ndarray:
+    def run(model: nnx.Module, name: str, dtype: Any, args: tuple[Any, ...], compute: str = "weight-only"
+            ) -> np.ndarray:
         graphdef, state = nnx.split(model)
-        fn = jax.jit(lambda s, *a: fns[name](nnx.merge(graphdef, s), *a))
+        options = dataclasses.replace(TraceOptions.local(), int8_compute=compute)
+        fn = jax.jit(traced_under(lambda s, *a: fns[name](nnx.merge(graphdef, s), *a), options))
         rope, rest = args[-1] if name != "final" else None, args[:-1] if name != "final" else args
         cast = jax.tree.map(lambda x: jnp.asarray(x, dtype), rest)
         # RoPE tables stay float32 in every variant (apply_rope computes in float32), as in a run.
@@ -197,10 +206,10 @@ def measure(size: str, height: int, width: int, text: int, seed: int = 0, sigma:
     residual_in = {"double": np.concatenate([inputs.txt, inputs.img], axis=1), "single": fp32["double"]}
     del reference
     rows: dict[str, dict[str, float]] = {name: {} for name in fp32}
-    for variant, (dtype, scheme) in VARIANTS.items():
+    for variant, (dtype, scheme, compute) in VARIANTS.items():
         model = build(make, weights, dtype, scheme, quantized)
         for name, expected in fp32.items():
-            out = run(model, name, dtype, args[name])
+            out = run(model, name, dtype, args[name], compute)
             rows[name][f"{variant} output"] = relative(out, expected)
             if name in residual_in:
                 # Against the variant's own (rounded) input: bf16's rounding of the input is not the layer's.
