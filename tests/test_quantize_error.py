@@ -1,5 +1,6 @@
 """core/quantize_error.py: the per-layer error tool behind docs/models.md's table, on the medium
-geometry (the real geometries are the same code at a larger width)."""
+geometry (the real geometries are the same code at a larger width), and its velocity-per-step
+measure on a tiny checkpoint."""
 
 from __future__ import annotations
 
@@ -21,3 +22,13 @@ def test_per_layer_errors_of_int8_and_bf16() -> None:
     # The final projection is kept in the model dtype: int8 changes nothing there.
     assert errors["final"]["int8 / fp32 act. output"] == 0.0
     assert errors["final"]["int8 / bf16 act. output"] == errors["final"]["bf16 output"] > 0
+
+
+def test_velocity_errors_per_step_on_a_tiny_checkpoint() -> None:
+    from flux2klein_cli.core.quantize_error import velocity_errors
+
+    report = velocity_errors("tiny", 32, 32, steps=2)
+    rows = report["velocity"]
+    assert set(rows) == set(VARIANTS) and all(len(r) == 2 for r in rows.values())
+    assert all(0 < e < 1e-3 for e in rows["int8 / fp32 act."]), rows  # the weights' rounding alone
+    assert all(e > 1e-3 for e in rows["bf16"]), rows  # bf16 arithmetic costs more than int8 weights

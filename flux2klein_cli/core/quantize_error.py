@@ -21,6 +21,13 @@ error understates what a layer adds and the update's overstates it for bf16, who
 rounded to bf16 as a whole (the residual stream's rounding, not the layer's arithmetic).
 
     python -m flux2klein_cli.core.quantize_error --model 4b --height 512 --width 512 --text-tokens 512
+
+`--velocity PRESET` measures the whole transformer instead, on a random checkpoint of that preset
+(tiny, medium) converted to float32 with and without `--quantize int8`: at each step of the
+float32 run's trajectory, the velocity of each variant from the same latents and the same
+(float32) text features, against float32's.
+
+    python -m flux2klein_cli.core.quantize_error --velocity medium --height 256 --width 256 --steps 4
 """
 
 from __future__ import annotations
@@ -221,6 +228,61 @@ def measure(size: str, height: int, width: int, text: int, seed: int = 0, sigma:
             "text_tokens": text, "seed": seed, "sigma": sigma, "dim": cfg.dim, "errors": rows}
 
 
+def velocity_errors(preset: str, height: int, width: int, steps: int, seed: int = 0) -> dict[str, Any]:
+    """Per step, ||v - v_fp32|| / ||v_fp32|| of each VARIANTS model on float32's trajectory."""
+    import tempfile
+    from pathlib import Path
+
+    from flux2klein_cli.core.pipeline.denoise import denoise_fn
+    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+    from flux2klein_cli.core.weights.convert import convert
+
+    with tempfile.TemporaryDirectory(prefix="quantize-error-") as tmp:
+        root = Path(tmp)
+        rc.write_random_checkpoint(root / "src", preset, seed=seed)
+        dirs = {None: root / "fp32", "int8": root / "int8"}
+        for scheme, out in dirs.items():
+            convert(root / "src", out, dtype="fp32", quantize=scheme)
+        reference = KleinPipeline.load(dirs[None], dtype=jnp.float32)
+        captured: dict[str, Any] = {}
+        run_loop = reference.denoise
+
+        def capture(inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            captured["inputs"] = inputs
+            return run_loop(inputs, *args, **kwargs)
+
+        reference.denoise = capture  # type: ignore[method-assign]
+        reference(Request(prompts=["a red fox in the snow"], steps=steps, guidance=1.0, height=height,
+                          width=width, seed=seed))
+        inputs = captured["inputs"]
+        sigmas = np.asarray(inputs.sigmas)
+
+        def velocities(pipeline: KleinPipeline, compute: str, trajectory: list[Any]) -> list[np.ndarray]:
+            """The velocity at each step from `trajectory[i]` (float32's latents; appended to
+            while it is float32's own run)."""
+            options = dataclasses.replace(TraceOptions.local(), int8_compute=compute)
+            graphdef, state = nnx.split(pipeline.models.transformer)
+            one_step = denoise_fn(graphdef, 1, options)
+            out = []
+            for i in range(steps):
+                after = one_step(state, dataclasses.replace(inputs, latents=trajectory[i]), np.int32(i))
+                out.append(np.asarray(after - trajectory[i]) / (sigmas[i + 1] - sigmas[i]))
+                if len(trajectory) == i + 1:
+                    trajectory.append(after)
+            return out
+
+        trajectory = [inputs.latents]
+        expected = velocities(reference, "weight-only", trajectory)
+        del reference
+        rows: dict[str, list[float]] = {}
+        for variant, (dtype, scheme, compute) in VARIANTS.items():
+            pipeline = KleinPipeline.load(dirs[scheme], dtype=dtype)
+            got = velocities(pipeline, compute, trajectory)
+            rows[variant] = [relative(g, e) for g, e in zip(got, expected, strict=True)]
+            del pipeline
+    return {"preset": preset, "height": height, "width": width, "steps": steps, "seed": seed, "velocity": rows}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("4b", "9b"), default="4b")
@@ -229,7 +291,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--text-tokens", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sigma", type=float, default=0.5, help="the timestep (noise level) of the modulation")
+    parser.add_argument("--velocity", metavar="PRESET", help="the whole transformer's velocity per step on a "
+                        "random checkpoint of this preset (tiny, medium) instead")
+    parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
+    if args.velocity:
+        print(json.dumps(velocity_errors(args.velocity, args.height, args.width, args.steps, args.seed)))
+        return
     print(json.dumps(measure(args.model, args.height, args.width, args.text_tokens, args.seed, args.sigma)))
 
 
