@@ -84,7 +84,7 @@ def test_dynamic_int8_compute_is_opt_in_traced_and_in_the_key(monkeypatch: pytes
     q, scale = quantize_weights(np.ones((8, 4), np.float32))
     layer = QuantizedLinear(nnx.Param(jnp.asarray(q)), nnx.Param(jnp.asarray(scale)), None)
     x = jnp.ones((2, 8), jnp.bfloat16)
-    for options, accumulate in ((plain, "float32"), (dynamic, "int32")):
+    for options, accumulate in ((plain, "bfloat16"), (dynamic, "int32")):
         with tracing(options):
             text = str(jax.make_jaxpr(lambda v: layer(v))(x))
         assert f"preferred_element_type={accumulate}" in text, text
