@@ -66,7 +66,10 @@ class TraceOptions:
         return cls.for_platform(jax.default_backend())
 
     def as_key(self) -> dict[str, Any]:
-        return asdict(self)
+        key = asdict(self)
+        if self.int8_compute == "weight-only":  # the default leaves the keys as they were before it
+            del key["int8_compute"]
+        return key
 
 
 _CURRENT: contextvars.ContextVar[TraceOptions | None] = contextvars.ContextVar("trace_options", default=None)
