@@ -2,10 +2,10 @@
 
 `int8_matmul` is the whole computation: the int8 kernel is converted to the activation dtype
 inside the dot (XLA fuses the convert into the dot's operand, so no dequantized copy of the
-kernel is ever held: libtpu's dot reads the int8 kernel itself), the dot accumulates in float32
-and gives the activation dtype, and the per-channel scale multiplies the output, not the
-weight. int8 values (|q| <= 127) are exact in bf16, so the error is the rounding of the weights
-(and, in a bf16 model, one more rounding of each product).
+kernel is ever held: libtpu's dot reads the int8 kernel itself), the dot accumulates in float32,
+and the per-channel scale multiplies the output, not the weight. int8 values (|q| <= 127) are
+exact in bf16, so the error is the rounding of the weights (and, in a bf16 model on TPU, one
+more rounding of each product).
 
 With FLUX2KLEIN_INT8_COMPUTE=dynamic (an opt-in trace option, core/models/trace.py)
 `int8_dynamic_matmul` is used instead: each token's activations are rounded to int8 with their
@@ -34,16 +34,20 @@ QUANTIZED_STACKS = ("transformer_blocks", "single_transformer_blocks", "layers")
 SCALE_DTYPE = jnp.float32
 
 
-def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    """x (..., in) @ (kernel (in, out) int8 * scale (out,)) in x's dtype.
+# The dot's result dtype per platform. TPU: the activation dtype (the MXU accumulates in float32
+# inside), then the float32 scale; asked for a float32 result, libtpu wrote the whole float32
+# product to memory before scaling it (an FSDP linear of the 9B width on v6e-4: 14% more bytes
+# than bf16 and 11x the temporaries; with bf16, 14% fewer bytes than bf16, docs/benchmarks.md).
+# Elsewhere float32: on this CPU the bf16-result dot made the medium model's denoise loop 2x slower.
+_DOT_IN_ACTIVATION_DTYPE = frozenset({"tpu"})
 
-    The dot gives x's dtype, as a plain linear's does (the MXU / XLA accumulate in float32
-    inside it), and the float32 scale multiplies that: asked for a float32 result, libtpu
-    wrote the whole float32 product to memory before scaling it (an FSDP linear of the 9B
-    geometry on v6e-4: 14% more bytes than bf16 and 11x the temporaries; with x's dtype, 14%
-    fewer bytes than bf16, docs/benchmarks.md). One more bf16 rounding than a plain linear."""
+
+def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    """x (..., in) @ (kernel (in, out) int8 * scale (out,)) in x's dtype, accumulated in float32
+    (on TPU the dot rounds to x's dtype before the scale: one more rounding in a bf16 model)."""
+    result = x.dtype if trace.current().platform in _DOT_IN_ACTIVATION_DTYPE else jnp.float32
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
-                            preferred_element_type=x.dtype)
+                            preferred_element_type=result)
     return (y.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
 
 
