@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core import random_checkpoint as rc
-from flux2klein_cli.core.models.quantized import QuantizedLinear, int8_matmul, quantize_weights
+from flux2klein_cli.core.models.quantized import QuantizedLinear, int8_dynamic_matmul, int8_matmul, quantize_weights
 from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.weights import flat_store
 from flux2klein_cli.core.weights.convert import _stored_bytes, convert
@@ -51,6 +51,43 @@ def test_int8_matmul_is_the_dequantized_product() -> None:
     out = np.asarray(int8_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale)))
     np.testing.assert_allclose(out, x @ (q.astype(np.float32) * scale), rtol=1e-5, atol=1e-5)
     assert np.linalg.norm(out - x @ w) / np.linalg.norm(x @ w) < 0.01
+
+
+def test_int8_dynamic_matmul_rounds_each_token_and_accumulates_in_int32() -> None:
+    rng = np.random.default_rng(1)
+    w, x = rng.normal(size=(48, 40)).astype(np.float32), rng.normal(size=(3, 5, 48)).astype(np.float32)
+    x[0, 0] *= 100  # one loud token: per-token scales keep the others' resolution
+    q, scale = quantize_weights(w)
+    out = np.asarray(int8_dynamic_matmul(jnp.asarray(x), jnp.asarray(q), jnp.asarray(scale)))
+    x_scale = np.abs(x).max(axis=-1, keepdims=True) / 127
+    xq = np.clip(np.rint(x / x_scale), -127, 127)
+    np.testing.assert_allclose(out, (xq @ q.astype(np.float32)) * x_scale * scale, rtol=1e-5, atol=1e-4)
+    for i in np.ndindex(*x.shape[:-1]):  # every token within about 1% of its float product, the loud one too
+        assert np.linalg.norm(out[i] - x[i] @ w) / np.linalg.norm(x[i] @ w) < 0.02, i
+
+
+def test_dynamic_int8_compute_is_opt_in_traced_and_in_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    import jax
+
+    from flux2klein_cli.core.errors import UserInputError
+    from flux2klein_cli.core.models.trace import INT8_COMPUTE_ENV, TraceOptions, tracing
+
+    monkeypatch.delenv(INT8_COMPUTE_ENV, raising=False)
+    plain = TraceOptions.for_platform("tpu")
+    monkeypatch.setenv(INT8_COMPUTE_ENV, "dynamic")
+    dynamic = TraceOptions.for_platform("tpu")
+    assert (plain.int8_compute, dynamic.int8_compute) == ("weight-only", "dynamic")
+    assert plain.as_key() != dynamic.as_key()  # part of every program's store key
+    monkeypatch.setenv(INT8_COMPUTE_ENV, "int4")
+    with pytest.raises(UserInputError, match=INT8_COMPUTE_ENV):
+        TraceOptions.for_platform("cpu")
+    q, scale = quantize_weights(np.ones((8, 4), np.float32))
+    layer = QuantizedLinear(nnx.Param(jnp.asarray(q)), nnx.Param(jnp.asarray(scale)), None)
+    x = jnp.ones((2, 8), jnp.bfloat16)
+    for options, accumulate in ((plain, "bfloat16"), (dynamic, "int32")):
+        with tracing(options):
+            text = str(jax.make_jaxpr(lambda v: layer(v))(x))
+        assert f"preferred_element_type={accumulate}" in text, text
 
 
 def test_manifest_stored_dtypes_and_kept_layers(pair: tuple[Path, Path]) -> None:
@@ -169,4 +206,18 @@ def test_int8_two_reference_edit_against_diffusers_fp32(tiny_checkpoint: Path, i
 
     request = Request(prompts=["put them together"], steps=4, guidance=1.0, height=64, width=64, seed=7)
     refs = [synthetic_image(96, 64, 1), synthetic_image(64, 80, 2)]
+    assert _parity(tiny_checkpoint, int8_fp32, request, refs) >= MIN_SSIM
+
+
+@pytest.mark.parametrize("references", [0, 2])
+def test_int8_dynamic_compute_against_diffusers_fp32(tiny_checkpoint: Path, int8_fp32: Path, references: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUX2KLEIN_INT8_COMPUTE=dynamic: activations rounded per token too; the same bound."""
+    from flux2klein_cli.core.models.trace import INT8_COMPUTE_ENV
+    from flux2klein_cli.core.pipeline.pipeline import Request
+    from tests.test_pipeline_parity import synthetic_image
+
+    monkeypatch.setenv(INT8_COMPUTE_ENV, "dynamic")
+    request = Request(prompts=["put them together"], steps=4, guidance=1.0, height=64, width=64, seed=7)
+    refs = [synthetic_image(96, 64, 1), synthetic_image(64, 80, 2)][:references]
     assert _parity(tiny_checkpoint, int8_fp32, request, refs) >= MIN_SSIM

@@ -2,9 +2,15 @@
 
 `int8_matmul` is the whole computation: the int8 kernel is converted to the activation dtype
 inside the dot (XLA fuses the convert into the dot's operand, so no dequantized copy of the
-kernel is ever held), the dot accumulates in float32, and the per-channel scale multiplies the
-output, not the weight. int8 values (|q| <= 127) are exact in bf16, so the only error is the
-rounding of the weights themselves.
+kernel is ever held: libtpu's dot reads the int8 kernel itself), the dot accumulates in float32,
+and the per-channel scale multiplies the output, not the weight. int8 values (|q| <= 127) are
+exact in bf16, so the error is the rounding of the weights (and, in a bf16 model on TPU, one
+more rounding of each product).
+
+With FLUX2KLEIN_INT8_COMPUTE=dynamic (an opt-in trace option, core/models/trace.py)
+`int8_dynamic_matmul` is used instead: each token's activations are rounded to int8 with their
+own scale (max |x| / 127), the dot is int8 x int8 accumulated in int32 (the chips with fast
+int8 run it natively), and both scales multiply the output.
 
 Which linears are quantized is `QUANTIZED_STACKS` (one home, used by convert, load and compile):
 every linear inside the scanned blocks of the transformer and the text encoder; the text
@@ -21,17 +27,39 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flux2klein_cli.core.choices import QUANTIZE
+from flux2klein_cli.core.models import trace
 
 SCHEMES = tuple(s for s in QUANTIZE if s != "none")  # "none" leaves every weight in the model dtype
 QUANTIZED_STACKS = ("transformer_blocks", "single_transformer_blocks", "layers")
 SCALE_DTYPE = jnp.float32
 
 
+# The dot's result dtype per platform. TPU: the activation dtype (the MXU accumulates in float32
+# inside), then the float32 scale; asked for a float32 result, libtpu wrote the whole float32
+# product to memory before scaling it (an FSDP linear of the 9B width on v6e-4: 14% more bytes
+# than bf16 and 11x the temporaries; with bf16, 14% fewer bytes than bf16, docs/benchmarks.md).
+# Elsewhere float32: on this CPU the bf16-result dot made the medium model's denoise loop 2x slower.
+_DOT_IN_ACTIVATION_DTYPE = frozenset({"tpu"})
+
+
 def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
-    """x (..., in) @ (kernel (in, out) int8 * scale (out,)) in x's dtype, accumulated in float32."""
+    """x (..., in) @ (kernel (in, out) int8 * scale (out,)) in x's dtype, accumulated in float32
+    (on TPU the dot rounds to x's dtype before the scale: one more rounding in a bf16 model)."""
+    result = x.dtype if trace.current().platform in _DOT_IN_ACTIVATION_DTYPE else jnp.float32
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
-                            preferred_element_type=jnp.float32)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+                            preferred_element_type=result)
+    return (y.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def int8_dynamic_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    """x (..., in) rounded to int8 per token (symmetric, scale max |x| / 127 over `in`), times
+    the int8 kernel (in, out) accumulated in int32, times both scales; in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    x_scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    xq = jnp.clip(jnp.round(x32 / x_scale), -127, 127).astype(jnp.int8)
+    y = jax.lax.dot_general(xq, kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+    return (y.astype(jnp.float32) * x_scale * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 class QuantizedLinear(nnx.Module):
@@ -41,7 +69,8 @@ class QuantizedLinear(nnx.Module):
         self.kernel, self.scale, self.bias = kernel, scale, bias
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = int8_matmul(x, self.kernel[...], self.scale[...])
+        matmul = int8_dynamic_matmul if trace.current().int8_compute == "dynamic" else int8_matmul
+        y = matmul(x, self.kernel[...], self.scale[...])
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
@@ -96,14 +125,15 @@ def quantize_abstract(model: nnx.Module, scheme: str | None) -> nnx.Module:
 
 
 def quantize_weights(w: Any) -> tuple[Any, Any]:
-    """Host-side (numpy) symmetric int8 of a float (in, out) block of rows, given nothing else:
-    (int8 values, float32 scale per output channel). Used by tests and small tools; convert
-    streams the same arithmetic (core/weights/quantize.py)."""
+    """Host-side (numpy) symmetric int8 of a float kernel (..., in, out) (a stacked one has
+    leading layer axes), given nothing else: (int8 values, float32 scale (..., out) per output
+    channel). Used by tests and small tools; convert streams the same arithmetic
+    (core/weights/quantize.py)."""
     import numpy as np
 
     w = np.asarray(w, np.float32)
     scale = scale_from_absmax(np.abs(w).max(axis=-2))
-    return round_to_int8(w, scale), scale
+    return round_to_int8(w, scale[..., None, :]), scale
 
 
 def scale_from_absmax(absmax: Any) -> Any:

@@ -22,6 +22,10 @@ from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.sharding import IDLE_FORMS
 
 GPU_ATTENTION_ENV = "FLUX2KLEIN_GPU_ATTENTION"  # "xla": keep XLA's form on NVIDIA GPUs
+# "dynamic": an int8 model's linears as int8 x int8 dots with per-token activation scales
+# (models/quantized.py); "weight-only" (the default) keeps the activations in the model dtype.
+INT8_COMPUTE_ENV = "FLUX2KLEIN_INT8_COMPUTE"
+INT8_COMPUTE_KINDS = ("weight-only", "dynamic")
 # splash: Pallas's TPU kernel; splash-interpret: the same kernel interpreted (the TPU path on
 # any host, for tests); cudnn: cuDNN's fused kernel; blocked: the query-blocked CPU form;
 # xla: XLA's own form, which materialises every score.
@@ -37,17 +41,21 @@ class TraceOptions:
     attention: str  # one of ATTENTION_KINDS
     convs_as_matmuls: bool = False  # the VAE's 3x3 convolutions as one matmul each (models/vae.py)
     idle_axes: str = "auto"  # one of sharding.IDLE_FORMS
+    int8_compute: str = "weight-only"  # one of INT8_COMPUTE_KINDS (int8 models only)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_KINDS}")
         if self.idle_axes not in IDLE_FORMS:
             raise ValueError(f"idle axes {self.idle_axes!r} is not one of {IDLE_FORMS}")
+        if self.int8_compute not in INT8_COMPUTE_KINDS:
+            raise ValueError(f"int8_compute {self.int8_compute!r} is not one of {INT8_COMPUTE_KINDS}")
 
     @classmethod
     def for_platform(cls, platform: str, *, convs_as_matmuls: bool = False) -> TraceOptions:
         """The forms a run on `platform` takes (on a GPU, FLUX2KLEIN_GPU_ATTENTION may keep XLA's;
-        FLUX2KLEIN_IDLE_AXES may force the idle axes' form)."""
+        FLUX2KLEIN_IDLE_AXES may force the idle axes' form; FLUX2KLEIN_INT8_COMPUTE=dynamic opts an
+        int8 model into int8 x int8 dots)."""
         if platform == "tpu":
             attention = "splash"
         elif platform == "cpu":
@@ -59,14 +67,20 @@ class TraceOptions:
         idle = os.environ.get(IDLE_AXES_ENV, "auto")
         if idle not in IDLE_FORMS:
             raise UserInputError(f"{IDLE_AXES_ENV}={idle!r}: use one of {', '.join(IDLE_FORMS)}")
-        return cls(platform, attention, convs_as_matmuls, idle)
+        int8_compute = os.environ.get(INT8_COMPUTE_ENV) or "weight-only"
+        if int8_compute not in INT8_COMPUTE_KINDS:
+            raise UserInputError(f"{INT8_COMPUTE_ENV}={int8_compute!r}: use one of {', '.join(INT8_COMPUTE_KINDS)}")
+        return cls(platform, attention, convs_as_matmuls, idle_axes=idle, int8_compute=int8_compute)
 
     @classmethod
     def local(cls) -> TraceOptions:
         return cls.for_platform(jax.default_backend())
 
     def as_key(self) -> dict[str, Any]:
-        return asdict(self)
+        key = asdict(self)
+        if self.int8_compute == "weight-only":  # the default leaves the keys as they were before it
+            del key["int8_compute"]
+        return key
 
 
 _CURRENT: contextvars.ContextVar[TraceOptions | None] = contextvars.ContextVar("trace_options", default=None)
