@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.compile.target import ProgramSpec, Target
 from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.models.layers import is_word_leaf
 from flux2klein_cli.core.models.trace import TraceOptions
 from flux2klein_cli.core.pipeline import programs
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn
@@ -150,10 +151,14 @@ class AbstractModels:
 
         rule = model_rule(mesh) if mesh.size > 1 and name != "vae" else replicated_rule
 
+        platform = mesh.devices.flat[0].platform
+
         def place(path: tuple[Any, ...], var: Any) -> Any:
             leaf = var.get_value()
             sharding = NamedSharding(mesh, rule(tuple(path), tuple(leaf.shape)))
-            return path, var.replace(jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding))
+            # as the pipeline passes it: on CPU, stacked bf16 weights as words (models/layers.py)
+            dtype = jnp.uint16 if name != "vae" and is_word_leaf(tuple(path), leaf.dtype, platform) else leaf.dtype
+            return path, var.replace(jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding))
 
         flat = nnx.to_flat_state(nnx.state(getattr(self, name)))
         return nnx.from_flat_state([place(path, var) for path, var in flat])

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from flux2klein_cli.core.models import cpu_matmul, tpu_attention, trace
@@ -91,9 +92,14 @@ def run_blocks(
     per-layer inputs `xs`, stacked on a leading layer axis) returns (new carry, per-layer
     output); the outputs come back stacked on a leading layer axis."""
     graphdef, state = nnx.split(blocks)
+    # On CPU the stacked bf16 weights are sliced as raw 16-bit words (see `as_words`); words
+    # not already given that way are made here, a copy for the call but not a float32 one.
+    if trace.current().platform == "cpu":
+        state = jax.tree.map(_to_words, state)
 
     def body(c: Carry, layer: tuple[nnx.State, Any]) -> tuple[Carry, Any]:
         layer_state, x = layer
+        layer_state = jax.tree.map(_from_words, layer_state)
         block = nnx.merge(graphdef, layer_state)
         return step(block, c) if xs is None else step(block, c, x)
 
@@ -105,6 +111,42 @@ def run_blocks(
         carry, out = body(carry, jax.tree.map(lambda a, i=i: a[i], (state, xs)))
         outputs.append(out)
     return carry, jax.tree.map(lambda *xs: jnp.stack(xs), *outputs)
+
+
+# XLA's CPU backend cannot slice bf16: it widens a bf16 operand to float32 first, and the
+# widening of a stacked (scanned) weight then moves out of the loop, a float32 copy of every
+# block's weights, twice their bytes, held for the whole call (and made again by every call).
+# So on CPU the programs take the stacked bf16 weights as uint16 words (the same bytes, no
+# parameter of the models is uint16) and each layer's slice becomes bf16 inside the loop.
+STACKED_BLOCKS = frozenset({"transformer_blocks", "single_transformer_blocks", "layers"})
+
+
+def _to_words(a: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype == jnp.bfloat16 else a
+
+
+def _from_words(a: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(a, jnp.bfloat16) if a.dtype == jnp.uint16 else a
+
+
+def is_word_leaf(path: tuple[Any, ...], dtype: Any, platform: str) -> bool:
+    """Whether a model state leaf travels into a CPU program as uint16 words."""
+    return platform == "cpu" and dtype == jnp.bfloat16 and bool(path) and str(path[0]) in STACKED_BLOCKS
+
+
+def as_words(state: nnx.State) -> nnx.State:
+    """`state` with its stacked bf16 weights on CPU devices as uint16 arrays over the same
+    buffers (zero-copy views), for a CPU program's arguments; other leaves unchanged."""
+
+    def view(path: tuple[Any, ...], var: Any) -> tuple[tuple[Any, ...], Any]:
+        leaf = var.get_value()
+        platform = next(iter(leaf.sharding.device_set)).platform if isinstance(leaf, jax.Array) else ""
+        if not is_word_leaf(path, leaf.dtype, platform):
+            return path, var
+        shards = [jax.device_put(np.asarray(s.data).view(np.uint16), s.device) for s in leaf.addressable_shards]
+        return path, var.replace(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards))
+
+    return nnx.from_flat_state([view(tuple(path), var) for path, var in nnx.to_flat_state(state)])
 
 
 CPU_QUERY_BLOCK = 512

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flux2klein_cli.core.checkpoint import LoadedModels, Snapshot, load_models
 from flux2klein_cli.core.errors import NonFiniteError, UserInputError
 from flux2klein_cli.core.mesh import check_divides
+from flux2klein_cli.core.models.layers import as_words
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import programs, tokens
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn, steps_per_call
@@ -121,8 +122,9 @@ class KleinPipeline:
         tcfg = models.transformer.cfg
         self.geometry = LatentGeometry.of(models.vae.config, tcfg.in_channels, tcfg.out_channels)
         self.mesh = mesh  # None: one device, arrays where JAX puts them
-        self.transformer_state = nnx.state(models.transformer)
-        self.text_state = nnx.state(models.text_encoder)
+        # The programs' arguments: on CPU the stacked bf16 weights as words (models/layers.py).
+        self.transformer_state = as_words(nnx.state(models.transformer))
+        self.text_state = as_words(nnx.state(models.text_encoder))
         self.vae_state = nnx.state(models.vae)
         self._text = programs.jit_module_call(models.text_encoder)
         self._encode = programs.jit_module_call(models.vae, programs.encode_tokens)
