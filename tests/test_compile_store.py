@@ -255,3 +255,23 @@ def test_environment_that_changes_the_program_is_in_the_key(monkeypatch: pytest.
             monkeypatch.setenv(name, value)
         keys.add(key_of(key_parts(make_spec())))
     assert len(keys) == 4
+
+
+def test_a_program_the_compiler_cannot_fit_is_one_line_naming_it(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """libtpu refuses a program larger than the chip with RESOURCE_EXHAUSTED at compile time."""
+    from flux2klein_cli.core.errors import Flux2KleinError
+
+    store = ExecutableStore(tmp_path / "store")
+
+    def exhausted(spec: ProgramSpec, lowered: Any = None) -> Any:
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
+                                         "memory in memory space hbm.\n  details...")
+
+    monkeypatch.setattr(store, "compile", exhausted)
+    with pytest.raises(Flux2KleinError) as caught:
+        compile_all([make_spec(name="denoise")], store, parallel=False)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("denoise does not fit the target's memory (RESOURCE_EXHAUSTED:")
+    assert "convert --quantize int8" in message

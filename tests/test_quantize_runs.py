@@ -122,8 +122,8 @@ def test_lora_on_an_int8_model_at_run_time_is_exit_2(plain_int8: tuple[Path, Pat
 def test_bf16_and_int8_never_share_a_stored_executable(plain_int8: tuple[Path, Path]) -> None:
     """Same geometry, same run: every program that reads the transformer or the text encoder has
     its own store key per scheme; the VAE's and the noise's (never quantized) are shared."""
-    from flux2klein_cli.core.compile.specs import configs_from_snapshot, pipeline_programs
     from flux2klein_cli.core.compile.keys import key_of, key_parts
+    from flux2klein_cli.core.compile.specs import configs_from_snapshot, pipeline_programs
     from flux2klein_cli.core.pipeline.programs import RunShape
 
     keys = {}
