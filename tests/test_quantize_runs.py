@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2klein_cli.core.parity import compare
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.runs.parity import compare
 from flux2klein_cli.core.weights.convert import convert
 from tests.test_generate_cli import image_file, run
 from tests.test_mesh import ROOT, env_with_devices
@@ -122,8 +122,8 @@ def test_lora_on_an_int8_model_at_run_time_is_exit_2(plain_int8: tuple[Path, Pat
 def test_bf16_and_int8_never_share_a_stored_executable(plain_int8: tuple[Path, Path]) -> None:
     """Same geometry, same run: every program that reads the transformer or the text encoder has
     its own store key per scheme; the VAE's and the noise's (never quantized) are shared."""
-    from flux2klein_cli.core.compile.specs import configs_from_snapshot, pipeline_programs
     from flux2klein_cli.core.compile.keys import key_of, key_parts
+    from flux2klein_cli.core.compile.specs import configs_from_snapshot, pipeline_programs
     from flux2klein_cli.core.pipeline.programs import RunShape
 
     keys = {}

@@ -38,7 +38,7 @@ class Target:
 
     @classmethod
     def local(cls) -> Target:
-        from flux2klein_cli.core.mesh import default_mesh
+        from flux2klein_cli.core.devices.mesh import default_mesh
 
         return cls(default_mesh())
 
@@ -92,7 +92,7 @@ class ProgramSpec:
     def lower(self) -> jax.stages.Lowered:
         target = self.target or Target.local()
         # The pipeline calls its programs under `jax.set_mesh` when it has a mesh: the model's
-        # sharding constraints and shard_maps (core/sharding.py) must see the same mesh here.
+        # sharding constraints and shard_maps (core/devices/sharding.py) must see the same mesh here.
         mesh = jax.set_mesh(target.mesh) if target.mesh.size > 1 else contextlib.nullcontext()
         # The function carries its trace options (core/compile/specs.trace_options): a TPU
         # program lowered on a CPU host is traced in the TPU forms, nothing global is patched.

@@ -169,7 +169,7 @@ def quiet_libtpu_without_tpu(accelerator: str | None = None) -> None:
 def mesh_for_devices(devices: list[Any]) -> Any:
     """All devices on the fsdp axis of the four named axes: parameters and the batch are
     split over chips, as maxdiffusion's FSDP runs of the 9B model on v6e-4 do."""
-    from flux2klein_cli.core.mesh import MeshSpec, make_mesh
+    from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 
     # As a run with `--tpu` lays them out (distributed.run_mesh), so its executables are found.
     return make_mesh(MeshSpec(fsdp=len(devices)), devices)
