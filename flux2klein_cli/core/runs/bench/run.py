@@ -129,7 +129,7 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
                             log=progress)
         return dict(phase=opts.phase, **result)
     if opts.phase == "lora":
-        from flux2klein_cli.core.lora.bench_lora import bench_lora, parse_ranks
+        from flux2klein_cli.core.runs.bench.lora import bench_lora, parse_ranks
 
         result = bench_lora(path, ranks=parse_ranks(opts.ranks or DEFAULT_RANKS), dtype=opts.dtype, reps=opts.reps,
                             log=progress)
