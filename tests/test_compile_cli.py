@@ -152,10 +152,10 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
     import dataclasses
     import re
 
-    from flux2klein_cli.core.compile.target import EFFORTS
-    from flux2klein_cli.core.devices.tpu import parse_preset, preset_target
+    from flux2klein_cli.core.compile.target import EFFORTS, Target
+    from flux2klein_cli.core.devices.tpu import parse_preset
 
-    target = dataclasses.replace(preset_target(parse_preset("v6e-4")), effort="fast")
+    target = dataclasses.replace(Target.for_preset(parse_preset("v6e-4")), effort="fast")
     run = P.RunShape(32, 32, KLEIN, batch=4, prompts=1, steps=2, references=(), max_sequence_length=16,
                      dtype=jnp.bfloat16)
     spec = next(s for s in P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run, target)

@@ -102,10 +102,8 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         kv=opts.kv,
     )
     if preset is not None:
-        from flux2klein_cli.core.devices.tpu import preset_target
-
         progress(f"target {preset.name} (topology {preset.topology_name})")
-        target = preset_target(preset)
+        target = Target.for_preset(preset)
     elif mesh_spec is not None:
         target = local_mesh_target(mesh_spec)
     else:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh
 
 from flux2klein_cli.core import choices
+
+if TYPE_CHECKING:
+    from flux2klein_cli.core.devices.tpu import TpuPreset
 
 # How hard XLA works on an executable's speed. "fast" trades run time for compile time
 # (figures in docs/benchmarks.md); XLA reads -1.0 as its least effort. At "fast" for TPU targets
@@ -41,6 +44,15 @@ class Target:
         from flux2klein_cli.core.devices.mesh import default_mesh
 
         return cls(default_mesh())
+
+    @classmethod
+    def for_preset(cls, preset: TpuPreset) -> Target:
+        """A `--tpu` preset's target: the real devices when this host has that slice, else
+        libtpu's compile-only devices for its topology (devices/tpu.py)."""
+        from flux2klein_cli.core.devices.tpu import preset_mesh
+
+        mesh, topology = preset_mesh(preset)
+        return cls(mesh, topology=topology)
 
     @property
     def devices(self) -> list[Any]:
