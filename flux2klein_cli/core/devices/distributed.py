@@ -15,7 +15,6 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from jax.sharding import Mesh
 
@@ -91,18 +90,6 @@ def run_mesh(options: DeviceOptions) -> Mesh | None:
     if spec is None and jax.process_count() > 1:
         spec = MeshSpec(fsdp=jax.device_count())
     return None if spec is None else make_mesh(spec)
-
-
-def check_run_fits(mesh: Mesh | None, model_dir: str | Path, batch: int) -> None:
-    """The mesh's divisibility checks for a model directory's transformer, before loading it."""
-    if mesh is None:
-        return
-    from flux2klein_cli.core.devices.mesh import check_divides
-    from flux2klein_cli.core.hub.checkpoint import Snapshot
-    from flux2klein_cli.core.weights.configs import read_config
-
-    config = read_config(Snapshot.open(model_dir).component("transformer"))
-    check_divides(mesh, batch=batch, heads=int(config.get("num_attention_heads", 1)))
 
 
 @contextmanager

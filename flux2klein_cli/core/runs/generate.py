@@ -16,7 +16,7 @@ from typing import Any
 
 from flux2klein_cli import __version__
 from flux2klein_cli.core.choices import check_effort, jax_dtype
-from flux2klein_cli.core.devices.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
+from flux2klein_cli.core.devices.distributed import DeviceOptions, is_writer, run_mesh
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.hub.checkpoint import Snapshot
 from flux2klein_cli.core.hub.registry import default_size, sampling
@@ -31,6 +31,7 @@ from flux2klein_cli.core.runs.images import (
     preprocess_reference,
     validate_size,
 )
+from flux2klein_cli.core.runs.run_cost import check_run_fits
 
 
 @dataclass

@@ -159,9 +159,10 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
 def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | None,
               busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
-    from flux2klein_cli.core.devices.distributed import DeviceOptions, check_run_fits, run_mesh
+    from flux2klein_cli.core.devices.distributed import DeviceOptions, run_mesh
     from flux2klein_cli.core.hub.components import resolve_composed
     from flux2klein_cli.core.runs.bench.pipeline import bench_pipeline
+    from flux2klein_cli.core.runs.run_cost import check_run_fits
 
     run_on = run_mesh(DeviceOptions(mesh=opts.mesh, tpu=opts.tpu))
     path = resolve_composed(opts.model, opts.transformer, opts.vae)
