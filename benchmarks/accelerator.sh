@@ -40,7 +40,7 @@ print("jax", jax.__version__, "flax", flax.__version__, jax.devices())
 PY
 if [ ! -f "$CK/model_index.json" ]; then
   start=$SECONDS
-  "$PY" -m flux2klein_cli.core.random_checkpoint "$CK" --preset "$PRESET" --kv --workers "$(nproc)" || exit 1
+  "$PY" -m flux2klein_cli.core.hub.random_checkpoint "$CK" --preset "$PRESET" --kv --workers "$(nproc)" || exit 1
   echo "== checkpoint $PRESET written in $((SECONDS - start)) s: $(du -sh "$CK" | cut -f1)"
 fi
 "$PY" - <<'PY' >"$OUT/attention.txt" 2>&1 || export FLUX2KLEIN_GPU_ATTENTION=xla

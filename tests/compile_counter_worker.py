@@ -15,7 +15,7 @@ import numpy as np
 
 from flux2klein_cli.core.compile.attach import StoredExecutables
 from flux2klein_cli.core.compile.store import ExecutableStore
-from flux2klein_cli.core.distributed import DeviceOptions, run_mesh
+from flux2klein_cli.core.devices.distributed import DeviceOptions, run_mesh
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
 PROGRAMS = ("jit(call)", "jit(run)", "jit(draw)")  # the pipeline's programs (pipeline.py, denoise.py)

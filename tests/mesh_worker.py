@@ -23,11 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from flux2klein_cli.core import sharding
-from flux2klein_cli.core.images import postprocess, preprocess_reference
-from flux2klein_cli.core.mesh import MeshSpec, make_mesh
+from flux2klein_cli.core.devices import sharding
+from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 from flux2klein_cli.core.models import transformer
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
 from tests.test_pipeline_parity import synthetic_image
 
 
@@ -117,7 +117,7 @@ def recorded_token_axes() -> Iterator[set[str]]:
 def cfg_against_diffusers(base: str, meshes: list[str]) -> None:
     """The base model's guided image (its CFG pair a batch of 2 inside the program) on each mesh
     against diffusers' run of the same request and noise, computed once."""
-    from flux2klein_cli.core.parity import compare, reference_pipeline, run_reference
+    from flux2klein_cli.core.runs.parity import compare, reference_pipeline, run_reference
 
     request = Request(prompts=["a red fox in snow"], negative_prompt="blurry, low quality", steps=4, guidance=4.0,
                       height=64, width=64, seed=1)

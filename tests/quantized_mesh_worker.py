@@ -14,10 +14,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from flux2klein_cli.core.images import postprocess
-from flux2klein_cli.core.mesh import MeshSpec, make_mesh
+from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 from flux2klein_cli.core.models.quantized import QuantizedLinear
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
+from flux2klein_cli.core.runs.images import postprocess
 from tests.mesh_worker import requests
 
 

@@ -90,7 +90,7 @@ def test_help_keeps_its_box() -> None:
 def test_inspect_checks_the_tokenizer_as_generate_does(env: Path, cache: Path) -> None:
     import shutil
 
-    from flux2klein_cli.core.snapshot import resolve_model
+    from flux2klein_cli.core.hub.snapshot import resolve_model
 
     copy = env / "snapshot"
     shutil.copytree(resolve_model("tiny"), copy)

@@ -136,7 +136,7 @@ def test_parity_features_name_the_extra_on_a_base_install(no_parity_extra: None,
 
 
 def test_bench_load_skips_diffusers_without_the_extra(no_parity_extra: None) -> None:
-    from flux2klein_cli.core.bench.load import KINDS, load_kinds
+    from flux2klein_cli.core.runs.bench.load import KINDS, load_kinds
 
     notes: list[str] = []
     assert load_kinds(notes.append) == tuple(k for k in KINDS if k != "diffusers")
@@ -144,9 +144,9 @@ def test_bench_load_skips_diffusers_without_the_extra(no_parity_extra: None) -> 
 
 
 def test_tiny_kv_is_a_generated_kv_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from flux2klein_cli.core.checkpoint import Snapshot
     from flux2klein_cli.core.errors import UserInputError
-    from flux2klein_cli.core.snapshot import TINY_KV_DIR_NAME, resolve
+    from flux2klein_cli.core.hub.checkpoint import Snapshot
+    from flux2klein_cli.core.hub.snapshot import TINY_KV_DIR_NAME, resolve
 
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     resolved = resolve("tiny-kv")

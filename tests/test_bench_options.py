@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from flux2klein_cli.core.bench.run import PHASE_FLAGS, BenchOptions
 from flux2klein_cli.core.choices import PHASES
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.runs.bench.run import PHASE_FLAGS, BenchOptions
 
 # One value per flag that makes it "given".
 GIVEN = {"--diffusers": {"diffusers": True}, "--mesh": {"mesh": "fsdp=1"}, "--tpu": {"tpu": "v6-4"},

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
-from flux2klein_cli.core.random_checkpoint import preset, with_small_decoder, write_random_checkpoint
+from flux2klein_cli.core.hub.random_checkpoint import preset, with_small_decoder, write_random_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.weights.bfl_names import Part, diffusers_parameters, diffusers_parts, strip_prefix
 from tests.fixtures.reference import lazy
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from flux2klein_cli.core import cache_paths, runtime
+from flux2klein_cli.core import cache_paths
 from flux2klein_cli.core.compile.store import ExecutableStore
+from flux2klein_cli.core.devices import runtime
 
 PACKAGE = Path(__file__).resolve().parents[1] / "flux2klein_cli"
 SUB_ROOTS = [f for name, f in inspect.getmembers(cache_paths, inspect.isfunction)

@@ -20,7 +20,7 @@ from flux2klein_cli.cli.app import app  # noqa: E402
 from flux2klein_cli.core.compile import specs as P  # noqa: E402
 from flux2klein_cli.core.compile.compile_all import compile_all  # noqa: E402
 from flux2klein_cli.core.compile.store import ExecutableStore  # noqa: E402
-from flux2klein_cli.core.compile.tpu import parse_preset  # noqa: E402
+from flux2klein_cli.core.devices.tpu import parse_preset  # noqa: E402
 from flux2klein_cli.core.errors import UserInputError  # noqa: E402
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry  # noqa: E402
 
@@ -47,8 +47,8 @@ def _swap_in(pipeline: object, executables: dict[str, object]) -> None:
 def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path, kv: bool) -> None:
     """Executables compiled from configs alone accept the pipeline's real arguments (a Compiled
     rejects any other tree, shape, dtype or sharding) and give its images."""
+    from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-    from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 
     # The project's own writer: no torch needed, so the base tier runs this too.
     checkpoint = write_random_checkpoint(tmp_path / "ckpt", "tiny", kv=kv, seed=int(kv))
@@ -152,10 +152,10 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
     import dataclasses
     import re
 
-    from flux2klein_cli.core.compile.target import EFFORTS
-    from flux2klein_cli.core.compile.tpu import parse_preset, preset_target
+    from flux2klein_cli.core.compile.target import EFFORTS, Target
+    from flux2klein_cli.core.devices.tpu import parse_preset
 
-    target = dataclasses.replace(preset_target(parse_preset("v6e-4")), effort="fast")
+    target = dataclasses.replace(Target.for_preset(parse_preset("v6e-4")), effort="fast")
     run = P.RunShape(32, 32, KLEIN, batch=4, prompts=1, steps=2, references=(), max_sequence_length=16,
                      dtype=jnp.bfloat16)
     spec = next(s for s in P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run, target)
@@ -207,8 +207,8 @@ def test_tpu_presets_by_runbook_and_cloud_names(name: str, canonical: str, topol
 
 
 def test_registry_alias_needs_no_download(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flux2klein_cli.core import snapshot
     from flux2klein_cli.core.errors import CheckpointError
+    from flux2klein_cli.core.hub import snapshot
 
     def not_cached(*args: object, **kwargs: object) -> None:
         raise CheckpointError("not in the Hugging Face cache")
@@ -222,12 +222,12 @@ def test_registry_alias_needs_no_download(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_fsdp_rule_splits_the_largest_divisible_dimension() -> None:
-    """The compile specs place parameters by the loader's rule (core/sharding.py)."""
+    """The compile specs place parameters by the loader's rule (core/devices/sharding.py)."""
     from jax.sharding import AbstractMesh
     from jax.sharding import PartitionSpec as Spec
 
-    from flux2klein_cli.core.mesh import MESH_AXES
-    from flux2klein_cli.core.sharding import parameter_spec
+    from flux2klein_cli.core.devices.mesh import MESH_AXES
+    from flux2klein_cli.core.devices.sharding import parameter_spec
 
     mesh = AbstractMesh((1, 4, 1, 1), MESH_AXES)
     assert parameter_spec(mesh, ("context_embedder", "kernel"), (3072, 9216)) == Spec(None, "fsdp")

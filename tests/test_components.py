@@ -11,11 +11,11 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from flux2klein_cli.core.checkpoint import Snapshot
-from flux2klein_cli.core.components import compose, composed_sources, resolve_overrides
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
+from flux2klein_cli.core.hub.checkpoint import Snapshot
+from flux2klein_cli.core.hub.components import compose, composed_sources, resolve_overrides
+from flux2klein_cli.core.hub.random_checkpoint import preset, with_small_decoder, write_random_checkpoint
 from flux2klein_cli.core.models.transformer import load_transformer
-from flux2klein_cli.core.random_checkpoint import preset, with_small_decoder, write_random_checkpoint
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 from tests.fixtures.bfl import write_bfl_transformer
 
@@ -121,7 +121,7 @@ def test_generate_with_overrides_names_them_and_draws_the_folder_image(tiny: Pat
                                                                          tmp_path: Path) -> None:
     from PIL import Image
 
-    from flux2klein_cli.core.image_files import read_png_metadata
+    from flux2klein_cli.core.runs.image_files import read_png_metadata
 
     small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))
     common = ("--height", 32, "--width", 32, "--steps", 2, "--dtype", "fp32", "--no-save")
@@ -206,7 +206,7 @@ def test_parity_with_a_bfl_transformer_file_reads_it_through_from_single_file(ti
                                                                               tmp_path: Path) -> None:
     """`parity --transformer FILE` in BFL keys (ComfyUI's prefix): diffusers' side reads the file with
     `from_single_file` (from_pretrained cannot), and both images agree."""
-    from flux2klein_cli.core.parity import bfl_transformer_file
+    from flux2klein_cli.core.runs.parity import bfl_transformer_file
 
     bfl = write_bfl_transformer(tiny_checkpoint, tmp_path / "klein-tiny-comfy.safetensors")
     assert bfl_transformer_file(tiny_checkpoint) is None  # a diffusers folder goes through from_pretrained

@@ -25,10 +25,10 @@ from flax import nnx
 from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
-from flux2klein_cli.core.checkpoint import Snapshot, load_models
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
-from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
+from flux2klein_cli.core.hub.checkpoint import Snapshot, load_models
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights import convert as convert_module
 from flux2klein_cli.core.weights import flat_store
 from flux2klein_cli.core.weights.convert import convert
@@ -232,7 +232,7 @@ def test_sharded_convert_and_restore_on_four_devices(source: Path, layout: str, 
         import numpy as np, jax, jax.numpy as jnp
         from flax import nnx
         from jax.sharding import Mesh, PartitionSpec
-        from flux2klein_cli.core.mesh import MESH_AXES
+        from flux2klein_cli.core.devices.mesh import MESH_AXES
         from flux2klein_cli.core.models.transformer import load_transformer
         from flux2klein_cli.core.weights.convert import convert
         from flux2klein_cli.core.weights.converted import load_component
@@ -490,7 +490,7 @@ def test_flat_files_written_in_small_pieces_are_the_same(source: Path, converted
 
 def test_bench_load_times_the_flat_layout_with_every_page_touched(source: Path, converted: Path) -> None:
     """bench_load's flat figures: load plus touch, with every parameter byte adopted from the mapping."""
-    from flux2klein_cli.core.bench.load import bench_load
+    from flux2klein_cli.core.runs.bench.load import bench_load
 
     result = bench_load(source, converted_dir=converted, components=["vae"], reps=1, kinds=("flat", "cat"))
     vae = result["components"]["vae"]

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core import trust
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
-from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights import convert as convert_module
 from flux2klein_cli.core.weights import convert_target, flat_store
 from flux2klein_cli.core.weights.convert import convert

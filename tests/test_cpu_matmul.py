@@ -118,9 +118,9 @@ def test_on_amx_a_bf16_linear_runs_onemkl_and_agrees_with_xla() -> None:
 
 @amx
 def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_checkpoint: Path) -> None:
-    from flux2klein_cli.core.images import postprocess
-    from flux2klein_cli.core.parity import reference_pipeline, run_reference
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+    from flux2klein_cli.core.runs.images import postprocess
+    from flux2klein_cli.core.runs.parity import reference_pipeline, run_reference
 
     pipeline = KleinPipeline.load(tiny_checkpoint, dtype=jnp.bfloat16)
     request = Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=64, width=64, seed=3)

@@ -14,7 +14,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
-from flux2klein_cli.core.image_files import read_png_metadata
+from flux2klein_cli.core.runs.image_files import read_png_metadata
 
 runner = CliRunner()
 

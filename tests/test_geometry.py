@@ -17,10 +17,10 @@ from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.compile import specs as P
 from flux2klein_cli.core.compile.keys import key_of, key_parts
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.images import preprocess_reference
-from flux2klein_cli.core.parity import run_parity
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from flux2klein_cli.core.runs.images import preprocess_reference
+from flux2klein_cli.core.runs.parity import run_parity
 from tests.fixtures.tiny_configs import transformer_config, vae_config
 from tests.test_pipeline_parity import MAX_DIFF, MIN_SSIM, synthetic_image
 

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.images import (
+from flux2klein_cli.core.runs.images import (
     check_reference,
     load_reference,
     postprocess,

@@ -1,9 +1,12 @@
-"""The package's modules import one another without a cycle.
+"""The package's modules import one another without a cycle, and only downwards.
 
 Every import counts, top-level and deferred into a function alike: a deferred import only
 delays a dependency to call time, it does not remove it, and the cycles this test was
 written for (compile <-> pipeline, converted <-> orbax_store) were both hidden that way.
 Only imports under `if TYPE_CHECKING:` are left out: they never run, and name a type.
+
+The direction: each role package of core/ (and cli/) may import only the roles MAY_IMPORT
+gives it, the "may import" column of docs/architecture.md's module map.
 """
 
 from __future__ import annotations
@@ -14,6 +17,25 @@ from pathlib import Path
 import flux2klein_cli
 
 PACKAGE = Path(flux2klein_cli.__file__).resolve().parent
+
+# Role -> the roles its modules may import (besides their own). "foundations" are the modules at
+# core/ top level (errors, choices, paths, ...) and the package roots; every role imports them.
+# models, weights and hub share a layer (models declare key plans with weights.loader, weights
+# build models to load into, hub's checkpoint loads all three): their module graph has no cycle.
+_MODEL_LAYER = {"foundations", "devices", "models", "weights", "hub"}
+MAY_IMPORT: dict[str, set[str]] = {
+    "foundations": set(),
+    "devices": {"foundations"},
+    "models": {"foundations", "devices", "weights"},
+    "weights": _MODEL_LAYER,
+    "hub": _MODEL_LAYER,
+    "lora": _MODEL_LAYER,
+    "pipeline": _MODEL_LAYER | {"lora"},
+    "compile": _MODEL_LAYER | {"lora", "pipeline"},
+    "runs": _MODEL_LAYER | {"lora", "pipeline", "compile"},
+    "cli": _MODEL_LAYER | {"lora", "pipeline", "compile", "runs"},
+    "__main__": {"cli"},
+}
 
 
 def module_names() -> dict[str, Path]:
@@ -55,6 +77,27 @@ def import_graph() -> dict[str, set[str]]:
             for name, path in modules.items()}
 
 
+def role(module: str) -> str:
+    """The role of a module: cli, __main__, a package of core/, or foundations."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ("cli", "__main__"):
+        return parts[1]
+    if len(parts) > 2 and parts[1] == "core" and parts[2] in MAY_IMPORT:
+        return parts[2]
+    return "foundations"
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import that goes against MAY_IMPORT, as "a -> b (role -> role)"."""
+    out = []
+    for name, imported in sorted(graph.items()):
+        for other in sorted(imported):
+            mine, theirs = role(name), role(other)
+            if theirs != mine and theirs not in MAY_IMPORT[mine]:
+                out.append(f"{name} -> {other} ({mine} -> {theirs})")
+    return out
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle (its modules, the first repeated at the end), or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -81,6 +124,32 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_package_has_no_import_cycle() -> None:
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_imports_go_down_the_layers() -> None:
+    violations = layer_violations(import_graph())
+    assert not violations, "imports against docs/architecture.md's layers:\n" + "\n".join(violations)
+
+
+def test_every_core_package_has_a_role() -> None:
+    # A new package under core/ needs its line in MAY_IMPORT (and in docs/architecture.md);
+    # otherwise its modules would count as foundations, which nothing may import against.
+    packages = {p.parent.relative_to(PACKAGE / "core").parts[0] for p in (PACKAGE / "core").rglob("*.py")
+                if p.parent != PACKAGE / "core"}
+    assert packages <= set(MAY_IMPORT), sorted(packages - set(MAY_IMPORT))
+
+
+def test_the_layer_rule_catches_an_upward_import() -> None:
+    up = {"flux2klein_cli.core.models.vae": {"flux2klein_cli.core.runs.generate", "flux2klein_cli.core.errors"},
+          "flux2klein_cli.core.runs.generate": {"flux2klein_cli.cli.output"},
+          "flux2klein_cli.core.devices.mesh": {"flux2klein_cli.core.hub.checkpoint"},
+          "flux2klein_cli.core.errors": {"flux2klein_cli.core.choices"},
+          "flux2klein_cli.cli.app": {"flux2klein_cli.core.runs.bench.run", "flux2klein_cli"}}
+    assert layer_violations(up) == [
+        "flux2klein_cli.core.devices.mesh -> flux2klein_cli.core.hub.checkpoint (devices -> hub)",
+        "flux2klein_cli.core.models.vae -> flux2klein_cli.core.runs.generate (models -> runs)",
+        "flux2klein_cli.core.runs.generate -> flux2klein_cli.cli.output (runs -> cli)",
+    ]
 
 
 def test_the_walk_sees_deferred_imports_and_cycles() -> None:

@@ -17,9 +17,9 @@ import pytest
 from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
-from flux2klein_cli.core import generate as generate_module
 from flux2klein_cli.core import temporaries
 from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.runs import generate as generate_module
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGNALS = [signal.SIGINT, signal.SIGTERM]

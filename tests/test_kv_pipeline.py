@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from flux2klein_cli.core import trust
-from flux2klein_cli.core.images import postprocess, preprocess_reference
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.pipeline.kv_store import (
     ReferenceKVStore,
     cache_identity,
@@ -19,7 +19,7 @@ from flux2klein_cli.core.pipeline.kv_store import (
     weights_identity,
 )
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
 from tests.test_pipeline_parity import check, synthetic_image
 
 REFERENCES = [synthetic_image(96, 64, 1), synthetic_image(70, 140, 2), synthetic_image(200, 64, 3),

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core import temporaries
-from flux2klein_cli.core.image_files import write_png
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.runs.image_files import write_png
 from flux2klein_cli.core.temporaries import MARK, partial_name, remove_stale, stem
 
 runner = CliRunner()

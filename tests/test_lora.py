@@ -28,12 +28,12 @@ import pytest
 from flax import nnx
 
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.lora.files import LoraSpec
 from flux2klein_cli.core.lora.merge import LoraDeltas
 from flux2klein_cli.core.lora.random_lora import lora_tensors, write_float32_safetensors, write_random_lora
 from flux2klein_cli.core.models.transformer import load_transformer
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 
 MIN_SSIM, MAX_DIFF = 0.999, 2
 NORM_OUT = "final_layer.adaLN_modulation.1"
@@ -200,8 +200,8 @@ def parity_lora(pipeline_dir: Path, tmp_path: Path, layouts: list[tuple[str, flo
 
 
 def check_parity(model: Path, specs: list[LoraSpec], request: Request, pil: list = ()) -> None:
-    from flux2klein_cli.core.images import preprocess_reference
-    from flux2klein_cli.core.parity import run_parity
+    from flux2klein_cli.core.runs.images import preprocess_reference
+    from flux2klein_cli.core.runs.parity import run_parity
 
     pipeline = KleinPipeline.load(model, dtype=jnp.float32, lora=specs)
     request.references = [preprocess_reference(im, multiple_of=pipeline.geometry.pixels_per_token) for im in pil]

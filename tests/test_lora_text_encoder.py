@@ -3,7 +3,7 @@ LyCORIS LoKr forms merge into the Qwen3 text encoder at load, like the transform
 
 diffusers' Flux2 LoRA loader loads the transformer only, so the references for the text encoder are
 transformers' Qwen3 with the LoRA applied by peft (PEFT keys), and merged by hand in torch
-(core/parity_lora.py, which `parity --lora` uses; it is checked against peft here too).
+(core/runs/parity_lora.py, which `parity --lora` uses; it is checked against peft here too).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import pytest
 from flax import nnx
 
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.lora.files import LoraSpec
 from flux2klein_cli.core.lora.merge import LoraDeltas
 from flux2klein_cli.core.lora.random_lora import text_encoder_lora_tensors, write_float32_safetensors, write_random_lora
 from flux2klein_cli.core.models.qwen3 import load_qwen3
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 from tests.fixtures.reference import lazy
 
 torch = lazy("torch")
@@ -159,7 +159,7 @@ def with_peft(model, tensors: dict[str, np.ndarray], rank: int, alpha: float, sc
 
 
 def test_peft_text_encoder_lora_embeds_equal_peft(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    from flux2klein_cli.core.parity_lora import merge_text_encoder_lora, split_text_encoder
+    from flux2klein_cli.core.runs.parity_lora import merge_text_encoder_lora, split_text_encoder
 
     rank, alpha, scale = 4, 2.0, 0.7
     tensors = text_encoder_lora_tensors(tiny_checkpoint / "text_encoder", "peft", rank=rank, std=0.2)
@@ -201,7 +201,7 @@ def test_kohya_text_encoder_lora_embeds_equal_a_torch_merge(tiny_checkpoint: Pat
 
 def test_transformer_and_text_encoder_lora_image_equals_diffusers(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """One kohya file with both parts: diffusers' pipeline loads its transformer keys with
-    load_lora_weights and has its text-encoder deltas merged in torch (core/parity_lora.py)."""
+    load_lora_weights and has its text-encoder deltas merged in torch (core/runs/parity_lora.py)."""
     from tests.test_lora import KOHYA_DIFFUSERS, NORM_OUT, check_parity
 
     path = write_random_lora(tmp_path / "both.safetensors", tiny_checkpoint / "transformer", "kohya",

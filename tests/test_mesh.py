@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2klein_cli.core import sharding
 from flux2klein_cli.core.choices import MESH_AXES
+from flux2klein_cli.core.devices import sharding
+from flux2klein_cli.core.devices.mesh import MeshSpec
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.mesh import MeshSpec
 
 MESHES = ["fsdp=8", "data=2,fsdp=4", "tensor=2,fsdp=4", "context=2,fsdp=4", "data=2,context=2,tensor=2"]
 ROOT = Path(__file__).resolve().parents[1]

@@ -52,7 +52,7 @@ def test_user_errors_prints_the_message_as_given(consoles: tuple[io.StringIO, io
 
 
 def test_prompt_file_utf8_bom_is_not_part_of_the_prompt(tmp_path: Path) -> None:
-    from flux2klein_cli.core.generate import read_prompts
+    from flux2klein_cli.core.runs.generate import read_prompts
 
     path = tmp_path / "prompts.txt"
     path.write_bytes("\ufeffa red fox\r\nsecond\n".encode())
@@ -60,7 +60,7 @@ def test_prompt_file_utf8_bom_is_not_part_of_the_prompt(tmp_path: Path) -> None:
 
 
 def test_long_runs_are_announced_with_the_estimate() -> None:
-    from flux2klein_cli.core import run_cost
+    from flux2klein_cli.core.runs import run_cost
 
     small = run_cost.RunCost(parameter_bytes=2**30, activation_bytes_per_image=2**20, batch=1, token_steps=4 * 4096)
     assert run_cost.describe_long_run(small) is None
@@ -71,7 +71,7 @@ def test_long_runs_are_announced_with_the_estimate() -> None:
 
 
 def test_what_fits_is_named() -> None:
-    from flux2klein_cli.core import run_cost
+    from flux2klein_cli.core.runs import run_cost
 
     cost = run_cost.RunCost(parameter_bytes=10 * 2**30, activation_bytes_per_image=2**30, batch=100, token_steps=1)
     with pytest.raises(UserInputError, match="at most --num-images 6 in all"):

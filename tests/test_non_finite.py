@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 
 NAN_BYTES = {"F32": struct.pack("<f", float("nan")), "BF16": b"\xc0\x7f", "F16": b"\x00\x7e"}
 

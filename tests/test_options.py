@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli import options
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core import choices
-from flux2klein_cli.core.registry import MODELS
+from flux2klein_cli.core.hub.registry import MODELS
 
 runner = CliRunner()
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2klein_cli.core.images import postprocess, preprocess_reference
-from flux2klein_cli.core.parity import reference_pipeline, run_parity, run_reference
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
+from flux2klein_cli.core.runs.parity import reference_pipeline, run_parity, run_reference
 
 MIN_SSIM, MAX_DIFF = 0.999, 2  # max pixel difference in 1/255 steps
 BF16_FACTOR = 2.0  # our bf16 error over diffusers' bf16 error, both against diffusers' fp32

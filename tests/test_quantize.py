@@ -12,9 +12,9 @@ from flax import nnx
 from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
-from flux2klein_cli.core import random_checkpoint as rc
+from flux2klein_cli.core.hub import random_checkpoint as rc
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.models.quantized import QuantizedLinear, int8_dynamic_matmul, int8_matmul, quantize_weights
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.weights import flat_store
 from flux2klein_cli.core.weights.convert import _stored_bytes, convert
 from flux2klein_cli.core.weights.converted import abstract_component, load_component, read_manifest
@@ -177,9 +177,9 @@ def int8_fp32(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _parity(tiny_checkpoint: Path, int8_fp32: Path, request, references=()) -> float:
-    from flux2klein_cli.core.images import postprocess, preprocess_reference
-    from flux2klein_cli.core.parity import compare, reference_pipeline, run_reference
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
+    from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
+    from flux2klein_cli.core.runs.parity import compare, reference_pipeline, run_reference
 
     ours = KleinPipeline.load(int8_fp32, dtype=jnp.float32)
     plain = KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)

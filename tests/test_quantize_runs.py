@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from flux2klein_cli.core.parity import compare
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.runs.parity import compare
 from flux2klein_cli.core.weights.convert import convert
 from tests.test_generate_cli import image_file, run
 from tests.test_mesh import ROOT, env_with_devices

@@ -15,6 +15,7 @@ import transformers
 from flax import nnx
 
 from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.hub.registry import QWEN3_4B, QWEN3_8B
 from flux2klein_cli.core.models.qwen3 import (
     FEATURE_LAYERS,
     Qwen3Config,
@@ -23,7 +24,6 @@ from flux2klein_cli.core.models.qwen3 import (
     load_qwen3,
     qwen3_key_plan,
 )
-from flux2klein_cli.core.registry import QWEN3_4B, QWEN3_8B
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
 from tests.fixtures.reference import lazy
 from tests.fixtures.tiny_configs import QWEN3_HIDDEN, qwen3_config

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from flux2klein_cli.core.checkpoint import Snapshot, load_models
-from flux2klein_cli.core.random_checkpoint import (
+from flux2klein_cli.core.hub.checkpoint import Snapshot, load_models
+from flux2klein_cli.core.hub.random_checkpoint import (
     PRESETS,
     SCHEDULER_CONFIG,
     _shards,
@@ -27,7 +27,7 @@ from flux2klein_cli.core.random_checkpoint import (
     vae_specs,
     write_random_checkpoint,
 )
-from flux2klein_cli.core.snapshot import TINY_DIR_NAME, snapshot_problems
+from flux2klein_cli.core.hub.snapshot import TINY_DIR_NAME, snapshot_problems
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cache = tmp_path_factory.mktemp("flux2klein-cache")
     code = (
         "import sys; sys.modules['torch'] = None\n"  # any `import torch` now raises ImportError
-        "from flux2klein_cli.core.snapshot import resolve_model\n"
+        "from flux2klein_cli.core.hub.snapshot import resolve_model\n"
         "print(resolve_model('tiny'))\n"
         "assert sys.modules['torch'] is None\n"
     )
@@ -164,8 +164,13 @@ def test_real_and_medium_geometries_without_writing() -> None:
 
 def test_small_decoder_vae(tmp_path: Path) -> None:
     """A narrower decoder: the config says so, our loader reads every tensor, the encoder is the plain one's."""
+    from flux2klein_cli.core.hub.random_checkpoint import (
+        SMALL_DECODER_REAL,
+        preset,
+        vae_config_json,
+        with_small_decoder,
+    )
     from flux2klein_cli.core.models.vae import load_vae
-    from flux2klein_cli.core.random_checkpoint import SMALL_DECODER_REAL, preset, vae_config_json, with_small_decoder
 
     assert vae_config_json(with_small_decoder(preset("4b")))["decoder_block_out_channels"] == SMALL_DECODER_REAL
     small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))

@@ -8,9 +8,9 @@ import inspect
 import numpy as np
 import pytest
 
+from flux2klein_cli.core.hub.random_checkpoint import SCHEDULER_CONFIG
+from flux2klein_cli.core.hub.registry import MODELS
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, empirical_mu, make_schedule
-from flux2klein_cli.core.random_checkpoint import SCHEDULER_CONFIG
-from flux2klein_cli.core.registry import MODELS
 from tests.fixtures.reference import lazy
 
 torch = lazy("torch")

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
-from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
-from flux2klein_cli.core.snapshot import (
+from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
+from flux2klein_cli.core.hub.snapshot import (
     ALLOW_PATTERNS,
     TINY_DIR_NAME,
     describe,

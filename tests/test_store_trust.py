@@ -206,7 +206,7 @@ def test_generate_with_planted_entries_runs_none_and_draws_the_same_image(tiny_c
 
 
 def test_an_xla_cache_others_can_write_stays_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from flux2klein_cli.core.runtime import configure_jax
+    from flux2klein_cli.core.devices.runtime import configure_jax
 
     cache = tmp_path / "xla"
     cache.mkdir()

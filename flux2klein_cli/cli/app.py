@@ -107,7 +107,7 @@ for name, command in (
 
 
 def main() -> None:
-    from flux2klein_cli.core.compile.tpu import quiet_libtpu_without_tpu
+    from flux2klein_cli.core.devices.tpu import quiet_libtpu_without_tpu
 
     quiet_libtpu_without_tpu()  # libtpu (the [tpu] extra) on a host without TPUs: no noise
     app()

@@ -103,7 +103,7 @@ def bench(
       flux2klein bench --model 4b --phase decode --vae small-decoder --dtype fp32
     """
     with user_errors():
-        from flux2klein_cli.core.bench.run import BenchOptions, run_bench
+        from flux2klein_cli.core.runs.bench.run import BenchOptions, run_bench
 
         opts = BenchOptions(
             model=model, phase=phase.value, height=height, width=width, batch=bs, steps=steps, reps=reps,

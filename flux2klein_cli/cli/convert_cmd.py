@@ -64,13 +64,13 @@ def convert(
     """
     with user_errors():
         from flux2klein_cli.core.cache_paths import converted_dir
-        from flux2klein_cli.core.snapshot import resolve
+        from flux2klein_cli.core.hub.snapshot import resolve
         from flux2klein_cli.core.weights.convert import convert_snapshot_to
 
         run_on, rule = None, None
         if mesh:
-            from flux2klein_cli.core.distributed import DeviceOptions, run_mesh
-            from flux2klein_cli.core.sharding import parameter_rule
+            from flux2klein_cli.core.devices.distributed import DeviceOptions, run_mesh
+            from flux2klein_cli.core.devices.sharding import parameter_rule
 
             run_on = run_mesh(DeviceOptions(mesh=mesh))
             rule = parameter_rule(run_on) if run_on is not None else None
@@ -83,7 +83,7 @@ def convert(
         if transformer or vae:
             from dataclasses import replace
 
-            from flux2klein_cli.core.components import compose, resolve_overrides
+            from flux2klein_cli.core.hub.components import compose, resolve_overrides
 
             sources = resolve_overrides(transformer, vae, offline=offline, download=True)
             resolved = replace(resolved, path=compose(resolved.path, sources))

@@ -56,7 +56,7 @@ def fetch(
     with user_errors():
         from flux2klein_cli.cli.progress import hub_tqdm
         from flux2klein_cli.core.errors import CheckpointError
-        from flux2klein_cli.core.snapshot import describe, resolve, snapshot_problems
+        from flux2klein_cli.core.hub.snapshot import describe, resolve, snapshot_problems
 
         resolved = resolve(model, revision=revision, offline=offline, download=True, progress=note,
                            tqdm_class=hub_tqdm(enabled=wanted(as_json)))

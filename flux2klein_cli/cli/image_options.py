@@ -15,7 +15,7 @@ from flux2klein_cli.core.errors import Flux2KleinError
 @contextmanager
 def _written_on_failure(as_json: bool) -> Iterator[None]:
     """With --json, a batch that failed midway still prints one object: the error and the images
-    already written (core/generate.py keeps them)."""
+    already written (core/runs/generate.py keeps them)."""
     try:
         yield
     except Flux2KleinError as e:
@@ -28,10 +28,10 @@ def run(*, prompt: str | None, prompt_file: Path | None, as_json: bool, devices:
         **options: Any) -> None:
     """Build core's GenerateOptions from the command's keyword arguments, run, and report: paths on stdout,
     or one JSON object (process 0 only)."""
-    from flux2klein_cli.core.distributed import DeviceOptions, native_stdout_to_stderr
-    from flux2klein_cli.core.generate import GenerateOptions, read_prompts, run_generate
-    from flux2klein_cli.core.runtime import configure_jax
-    from flux2klein_cli.core.snapshot import resolve_model
+    from flux2klein_cli.core.devices.distributed import DeviceOptions, native_stdout_to_stderr
+    from flux2klein_cli.core.devices.runtime import configure_jax
+    from flux2klein_cli.core.hub.snapshot import resolve_model
+    from flux2klein_cli.core.runs.generate import GenerateOptions, read_prompts, run_generate
 
     configure_jax(warn)
     with user_errors(), _written_on_failure(as_json), native_stdout_to_stderr():

@@ -8,7 +8,7 @@ import typer
 
 from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, error, note, show_table, user_errors
-from flux2klein_cli.core.registry import aliases
+from flux2klein_cli.core.hub.registry import aliases
 
 
 def inspect(
@@ -29,14 +29,14 @@ def inspect(
     Example: flux2klein inspect ~/models/FLUX.2-klein-4B --dtype bf16
     """
     with user_errors():
-        from flux2klein_cli.core.checkpoint import (
+        from flux2klein_cli.core.choices import jax_dtype
+        from flux2klein_cli.core.hub.checkpoint import (
             Snapshot,
             load_models,
             non_finite_parameters,
             parameter_stats,
         )
-        from flux2klein_cli.core.choices import jax_dtype
-        from flux2klein_cli.core.components import composed_sources, resolve_composed
+        from flux2klein_cli.core.hub.components import composed_sources, resolve_composed
 
         target = jax_dtype(dtype)
         snapshot = Snapshot.open(resolve_composed(model, transformer, vae))

@@ -18,7 +18,7 @@ import typer
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core import choices
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.registry import aliases, sampling
+from flux2klein_cli.core.hub.registry import aliases, sampling
 
 
 def _enum(name: str, values: tuple[str, ...] | dict[str, str]) -> type[StrEnum]:
@@ -46,7 +46,7 @@ def choice_option(enum: type[E], check: Callable[[str], str], *names: str, help:
 
 
 def model_help(extra: str = "") -> str:
-    """--model's help, with the alias list from core/registry.py."""
+    """--model's help, with the alias list from core/hub/registry.py."""
     return f"Alias ({aliases()}), hub repo id or directory{extra}."
 
 

@@ -45,9 +45,9 @@ def parity(
     """
     from functools import partial
 
-    from flux2klein_cli.core.components import resolve_composed
-    from flux2klein_cli.core.parity import parity_check
-    from flux2klein_cli.core.runtime import configure_jax
+    from flux2klein_cli.core.devices.runtime import configure_jax
+    from flux2klein_cli.core.hub.components import resolve_composed
+    from flux2klein_cli.core.runs.parity import parity_check
 
     configure_jax()
     with user_errors():

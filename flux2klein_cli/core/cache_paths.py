@@ -3,7 +3,7 @@
 The root is `$FLUX2KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux2klein`, else `~/.cache/flux2klein`.
 Each cache is a folder under it; the executable store may be moved on its own
 (`$FLUX2KLEIN_COMPILE_CACHE`), and jax's persistent XLA cache is a folder here only when
-FLUX2KLEIN_XLA_CACHE says `on` (core/runtime.py reads that switch). Hub snapshots are not
+FLUX2KLEIN_XLA_CACHE says `on` (core/devices/runtime.py reads that switch). Hub snapshots are not
 ours: huggingface_hub places them (HF_HOME, HF_HUB_CACHE).
 """
 

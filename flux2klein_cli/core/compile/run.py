@@ -31,7 +31,7 @@ class CompileOptions:
     max_sequence_length: int = 512
     save: bool = True
     effort: str = "default"  # XLA optimisation effort, a key of target.EFFORTS
-    transformer: str | None = None  # --transformer / --vae (core/components.py)
+    transformer: str | None = None  # --transformer / --vae (core/hub/components.py)
     vae: str | None = None
     quantize: str | None = None  # "int8": compile for a `convert --quantize int8` model of these configs
 
@@ -50,9 +50,9 @@ def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
 
 
 def local_mesh_target(spec: Any) -> Any:
-    """The target of `--mesh`: the mesh a run with the same `--mesh` uses (core/mesh.py)."""
+    """The target of `--mesh`: the mesh a run with the same `--mesh` uses (core/devices/mesh.py)."""
     from flux2klein_cli.core.compile.target import Target
-    from flux2klein_cli.core.mesh import make_mesh
+    from flux2klein_cli.core.devices.mesh import make_mesh
 
     return Target(make_mesh(spec))
 
@@ -67,15 +67,15 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     from flux2klein_cli.core.compile.compile_all import compile_all, compiles_serially
     from flux2klein_cli.core.compile.store import ExecutableStore
     from flux2klein_cli.core.compile.target import Target
-    from flux2klein_cli.core.compile.tpu import parse_preset, quiet_libtpu_without_tpu
+    from flux2klein_cli.core.devices.tpu import parse_preset, quiet_libtpu_without_tpu
+    from flux2klein_cli.core.hub.registry import default_size, sampling
     from flux2klein_cli.core.pipeline.programs import RunShape
-    from flux2klein_cli.core.registry import default_size, sampling
 
     check_effort(opts.effort)
     if opts.mesh and opts.tpu:
         raise UserInputError("give --mesh or --tpu, not both (a TPU preset sets its own mesh)")
     preset = parse_preset(opts.tpu) if opts.tpu else None
-    from flux2klein_cli.core.mesh import MeshSpec
+    from flux2klein_cli.core.devices.mesh import MeshSpec
 
     mesh_spec = MeshSpec.parse(opts.mesh) if opts.mesh else None  # the parser `generate` uses
     refs = parse_sizes(opts.refs)
@@ -102,10 +102,8 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         kv=opts.kv,
     )
     if preset is not None:
-        from flux2klein_cli.core.compile.tpu import preset_target
-
         progress(f"target {preset.name} (topology {preset.topology_name})")
-        target = preset_target(preset)
+        target = Target.for_preset(preset)
     elif mesh_spec is not None:
         target = local_mesh_target(mesh_spec)
     else:
@@ -125,7 +123,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
                               f"{', '.join(unsaved)}")
     report = _report(opts, configs, run, target, store, specs, [info for _, info in results], wall, parallel)
     if preset is not None:
-        from flux2klein_cli.core.compile.tpu import verdict
+        from flux2klein_cli.core.devices.tpu import verdict
 
         per_chip = max(len(target.devices) // preset.chips, 1)
         report["tpu"] = preset.describe()

@@ -32,6 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.compile.target import ProgramSpec, Target
+from flux2klein_cli.core.devices.sharding import BATCH_AXES, fitting_axes
 from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.models.layers import is_word_leaf
 from flux2klein_cli.core.models.trace import TraceOptions
@@ -39,7 +40,6 @@ from flux2klein_cli.core.pipeline import programs
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.programs import RunShape
-from flux2klein_cli.core.sharding import BATCH_AXES, fitting_axes
 
 # ----------------------------------------------------------------------------- configs
 
@@ -66,12 +66,12 @@ def model_configs(model: str, transformer: str | None = None, vae: str | None = 
     """Configs of a `--model`: a local or converted directory, `tiny`, or a cached hub snapshot;
     an alias that is not cached (4b, 9b, ...) uses the registry's published geometry, so
     compiling for the real models needs no download. `transformer` / `vae`: --transformer /
-    --vae (core/components.py); their configs come with them, so the model must be here."""
-    from flux2klein_cli.core.registry import MODELS
-    from flux2klein_cli.core.snapshot import resolve
+    --vae (core/hub/components.py); their configs come with them, so the model must be here."""
+    from flux2klein_cli.core.hub.registry import MODELS
+    from flux2klein_cli.core.hub.snapshot import resolve
 
     if transformer or vae:
-        from flux2klein_cli.core.components import resolve_composed
+        from flux2klein_cli.core.hub.components import resolve_composed
 
         return configs_from_snapshot(resolve_composed(model, transformer, vae, offline=True))
 
@@ -84,7 +84,7 @@ def model_configs(model: str, transformer: str | None = None, vae: str | None = 
 
 
 def configs_from_snapshot(root: str | Path) -> ModelConfigs:
-    from flux2klein_cli.core.checkpoint import Snapshot
+    from flux2klein_cli.core.hub.checkpoint import Snapshot
     from flux2klein_cli.core.weights.configs import read_config
 
     snapshot = Snapshot.open(root)
@@ -99,8 +99,8 @@ def configs_from_snapshot(root: str | Path) -> ModelConfigs:
 
 
 def configs_from_registry(alias: str) -> ModelConfigs:
-    from flux2klein_cli.core import random_checkpoint as rc
-    from flux2klein_cli.core.registry import spec_for
+    from flux2klein_cli.core.hub import random_checkpoint as rc
+    from flux2klein_cli.core.hub.registry import spec_for
 
     spec = spec_for(alias)
     geometry = rc.preset("9b" if "9b" in spec.alias else "4b")
@@ -146,8 +146,8 @@ class AbstractModels:
 
     def state(self, name: str, mesh: Mesh) -> Any:
         """The module's state as ShapeDtypeStructs placed as the loader places them on `mesh`
-        (core/sharding.py's rules; the VAE replicated)."""
-        from flux2klein_cli.core.sharding import model_rule, replicated_rule
+        (core/devices/sharding.py's rules; the VAE replicated)."""
+        from flux2klein_cli.core.devices.sharding import model_rule, replicated_rule
 
         rule = model_rule(mesh) if mesh.size > 1 and name != "vae" else replicated_rule
 

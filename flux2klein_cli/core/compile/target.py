@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from jax.sharding import Mesh
 
 from flux2klein_cli.core import choices
+
+if TYPE_CHECKING:
+    from flux2klein_cli.core.devices.tpu import TpuPreset
 
 # How hard XLA works on an executable's speed. "fast" trades run time for compile time
 # (figures in docs/benchmarks.md); XLA reads -1.0 as its least effort. At "fast" for TPU targets
@@ -38,9 +41,18 @@ class Target:
 
     @classmethod
     def local(cls) -> Target:
-        from flux2klein_cli.core.mesh import default_mesh
+        from flux2klein_cli.core.devices.mesh import default_mesh
 
         return cls(default_mesh())
+
+    @classmethod
+    def for_preset(cls, preset: TpuPreset) -> Target:
+        """A `--tpu` preset's target: the real devices when this host has that slice, else
+        libtpu's compile-only devices for its topology (devices/tpu.py)."""
+        from flux2klein_cli.core.devices.tpu import preset_mesh
+
+        mesh, topology = preset_mesh(preset)
+        return cls(mesh, topology=topology)
 
     @property
     def devices(self) -> list[Any]:
@@ -92,7 +104,7 @@ class ProgramSpec:
     def lower(self) -> jax.stages.Lowered:
         target = self.target or Target.local()
         # The pipeline calls its programs under `jax.set_mesh` when it has a mesh: the model's
-        # sharding constraints and shard_maps (core/sharding.py) must see the same mesh here.
+        # sharding constraints and shard_maps (core/devices/sharding.py) must see the same mesh here.
         mesh = jax.set_mesh(target.mesh) if target.mesh.size > 1 else contextlib.nullcontext()
         # The function carries its trace options (core/compile/specs.trace_options): a TPU
         # program lowered on a CPU host is traced in the TPU forms, nothing global is patched.

@@ -75,7 +75,7 @@ def fetch_lora(repo_id: str, *, offline: bool = False, download: bool = False, t
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from flux2klein_cli.core.snapshot import hub_offline
+    from flux2klein_cli.core.hub.snapshot import hub_offline
 
     try:
         return Path(snapshot_download(repo_id, allow_patterns=LORA_ALLOW_PATTERNS, local_files_only=True))
@@ -87,7 +87,7 @@ def fetch_lora(repo_id: str, *, offline: bool = False, download: bool = False, t
                               f"with network access, run: {fetch}")
     if not download:
         raise CheckpointError(f"LoRA {repo_id} is not in the Hugging Face cache; download it with: {fetch}")
-    from flux2klein_cli.core.snapshot import _download
+    from flux2klein_cli.core.hub.snapshot import _download
 
     return _download(repo_id, None, tqdm_class, LORA_ALLOW_PATTERNS)
 

@@ -29,9 +29,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from flux2klein_cli.core.devices.sharding import model_rule
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, stack_blocks
-from flux2klein_cli.core.sharding import model_rule
 from flux2klein_cli.core.weights.configs import pick, read_config
 from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, Layout, TensorSource, load_module, single, stacked
 

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from flux2klein_cli.core.devices.sharding import BATCH_AXES, fitting_spec, token_axes
 from flux2klein_cli.core.models import trace
-from flux2klein_cli.core.sharding import BATCH_AXES, fitting_spec, token_axes
 
 LANES = 128  # the kernel's key blocks are multiples of the TPU lane width
 MAX_BLOCK = 512  # larger blocks amortise the per-step overhead; 512 x 512 f32 scores is 1 MiB of VMEM

@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 
+from flux2klein_cli.core.devices.sharding import IDLE_FORMS
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.sharding import IDLE_FORMS
 
 GPU_ATTENTION_ENV = "FLUX2KLEIN_GPU_ATTENTION"  # "xla": keep XLA's form on NVIDIA GPUs
 # "dynamic": an int8 model's linears as int8 x int8 dots with per-token activation scales
@@ -30,7 +30,7 @@ INT8_COMPUTE_KINDS = ("weight-only", "dynamic")
 # any host, for tests); cudnn: cuDNN's fused kernel; blocked: the query-blocked CPU form;
 # xla: XLA's own form, which materialises every score.
 ATTENTION_KINDS = ("splash", "splash-interpret", "cudnn", "blocked", "xla")
-# What the batch axes a batch leaves idle do (core/sharding.py, IDLE_FORMS): "auto" (the rule),
+# What the batch axes a batch leaves idle do (core/devices/sharding.py, IDLE_FORMS): "auto" (the rule),
 # or "sequence" / "replicate" forced, for measuring one against the other.
 IDLE_AXES_ENV = "FLUX2KLEIN_IDLE_AXES"
 

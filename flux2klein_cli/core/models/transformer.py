@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from flux2klein_cli.core.devices.sharding import BATCH_AXES, constrain, model_rule, token_axes
 from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.layers import (
     RMSNorm,
@@ -28,7 +29,6 @@ from flux2klein_cli.core.models.layers import (
     run_blocks,
     stack_blocks,
 )
-from flux2klein_cli.core.sharding import BATCH_AXES, constrain, model_rule, token_axes
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
 

@@ -55,7 +55,7 @@ class LatentGeometry:
     @classmethod
     def of_snapshot(cls, root: str | Path) -> LatentGeometry:
         """From a snapshot or converted directory's configs (no weights read)."""
-        from flux2klein_cli.core.checkpoint import Snapshot
+        from flux2klein_cli.core.hub.checkpoint import Snapshot
         from flux2klein_cli.core.weights.configs import read_config
 
         snapshot = Snapshot.open(root)

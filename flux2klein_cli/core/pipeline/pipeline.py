@@ -22,9 +22,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from flux2klein_cli.core.checkpoint import LoadedModels, Snapshot, load_models
+from flux2klein_cli.core.devices.mesh import check_divides
+from flux2klein_cli.core.devices.sharding import batch_spec
 from flux2klein_cli.core.errors import NonFiniteError, UserInputError
-from flux2klein_cli.core.mesh import check_divides
+from flux2klein_cli.core.hub.checkpoint import LoadedModels, Snapshot, load_models
+from flux2klein_cli.core.hub.registry import DEFAULT_SIZE
 from flux2klein_cli.core.models.layers import as_words
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import programs, tokens
@@ -33,8 +35,6 @@ from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
-from flux2klein_cli.core.registry import DEFAULT_SIZE
-from flux2klein_cli.core.sharding import batch_spec
 from flux2klein_cli.core.weights.configs import read_json
 
 if TYPE_CHECKING:

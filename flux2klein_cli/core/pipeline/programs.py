@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flux2klein_cli.core.devices.sharding import BATCH_AXES, batch_shards, constrain
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
-from flux2klein_cli.core.sharding import BATCH_AXES, batch_shards, constrain
 
 # ----------------------------------------------------------------------------- names
 

@@ -26,16 +26,16 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core.choices import DEFAULT_LAYOUT, check_dtype, check_layout, jax_dtype
 from flux2klein_cli.core.choices import check_quantize as check_quantize_name
+from flux2klein_cli.core.devices.mesh import default_mesh
+from flux2klein_cli.core.devices.sharding import replicated_rule
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
-from flux2klein_cli.core.mesh import default_mesh
+from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
 from flux2klein_cli.core.models.quantized import (
     QUANTIZED_STACKS,
     SCALE_DTYPE,
     quantized_embed_paths,
     quantized_linear_paths,
 )
-from flux2klein_cli.core.sharding import replicated_rule
-from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
 from flux2klein_cli.core.temporaries import stem, temporary_dir
 from flux2klein_cli.core.weights.configs import read_config, read_json
 from flux2klein_cli.core.weights.convert_target import (
@@ -146,7 +146,7 @@ def convert_snapshot_to(
     """`convert` of a resolved `--model`, its provenance (name, repo id, commit) in the manifest."""
     if resolved.kind == "converted":
         raise UserInputError(f"{resolved.path} is already a converted directory; convert its source snapshot")
-    from flux2klein_cli.core.components import composed_sources
+    from flux2klein_cli.core.hub.components import composed_sources
 
     provenance = {"model": model, "kind": resolved.kind, "repo_id": resolved.repo_id, "revision": resolved.revision}
     if composed_sources(resolved.path):  # --transformer / --vae: where those components came from

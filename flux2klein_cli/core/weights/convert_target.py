@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST, snapshot_files
 from flux2klein_cli.core.paths import check_name_length
-from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST, snapshot_files
 from flux2klein_cli.core.weights.converted import COPIED_COMPONENTS, FORMAT, MODEL_COMPONENTS
 
 _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)

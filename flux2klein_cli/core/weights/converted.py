@@ -46,10 +46,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from flux2klein_cli.core.choices import LAYOUTS
+from flux2klein_cli.core.devices.mesh import default_mesh
+from flux2klein_cli.core.devices.sharding import replicated_rule
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.mesh import default_mesh
-from flux2klein_cli.core.sharding import replicated_rule
-from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
+from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights.configs import read_config, read_json
 from flux2klein_cli.core.weights.loader import KeyPlan, ShardingRule
 

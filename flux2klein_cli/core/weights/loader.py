@@ -23,9 +23,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from flux2klein_cli.core.devices.mesh import default_mesh
+from flux2klein_cli.core.devices.sharding import replicated_rule
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.mesh import default_mesh
-from flux2klein_cli.core.sharding import replicated_rule
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint, _first
 
 Path_ = tuple[str, ...]

@@ -116,7 +116,7 @@ class SafetensorsCheckpoint:
                 raise CheckpointError(
                     f"{directory}: index lists keys not found in their shards: {_first(wrong)}"
                 )
-        # A composed model's component (core/components.py) links to weights elsewhere: name those.
+        # A composed model's component (core/hub/components.py) links to weights elsewhere: name those.
         if all(f.is_symlink() for f in files):
             targets = [f.resolve() for f in files]
             directory = targets[0] if len(targets) == 1 else targets[0].parent

@@ -20,14 +20,14 @@ update is about 1% of the residual stream, far less than in a trained model, so 
 error understates what a layer adds and the update's overstates it for bf16, whose output is
 rounded to bf16 as a whole (the residual stream's rounding, not the layer's arithmetic).
 
-    python -m flux2klein_cli.core.quantize_error --model 4b --height 512 --width 512 --text-tokens 512
+    python -m flux2klein_cli.core.runs.quantize_error --model 4b --height 512 --width 512 --text-tokens 512
 
 `--velocity PRESET` measures the whole transformer instead, on a random checkpoint of that preset
 (tiny, medium) converted to float32 with and without `--quantize int8`: at each step of the
 float32 run's trajectory, the velocity of each variant from the same latents and the same
 (float32) text features, against float32's.
 
-    python -m flux2klein_cli.core.quantize_error --velocity medium --height 256 --width 256 --steps 4
+    python -m flux2klein_cli.core.runs.quantize_error --velocity medium --height 256 --width 256 --steps 4
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flux2klein_cli.core import random_checkpoint as rc
+from flux2klein_cli.core.hub import random_checkpoint as rc
 from flux2klein_cli.core.models.layers import layer_norm, linear
 from flux2klein_cli.core.models.quantized import QuantizedLinear, quantize_abstract, quantize_weights
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
@@ -91,7 +91,7 @@ class Layers(nnx.Module):
 
 
 def random_weights(make: Callable[[], nnx.Module], seed: int) -> dict[tuple[str, ...], np.ndarray]:
-    """float32 values of every parameter of `make()`, drawn as core/random_checkpoint.py draws them."""
+    """float32 values of every parameter of `make()`, drawn as core/hub/random_checkpoint.py draws them."""
     abstract = nnx.eval_shape(make)
     rng = np.random.default_rng(seed)
     out = {}

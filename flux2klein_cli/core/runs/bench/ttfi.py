@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.bench.stats import summarize
 from flux2klein_cli.core.choices import DTYPES
+from flux2klein_cli.core.runs.bench.stats import summarize
 
 _DIFFUSERS_TTFI = """
 import sys, torch, diffusers
@@ -54,7 +54,7 @@ def bench_ttfi(
     import os
     import tempfile
 
-    from flux2klein_cli.core.checkpoint import Snapshot
+    from flux2klein_cli.core.hub.checkpoint import Snapshot
 
     snapshot = Snapshot.open(model_dir)
     prompt = "a red fox in snow"

@@ -1,6 +1,6 @@
 """Logical axis rules: which mesh axes shard each parameter and activation.
 
-One mesh, axes (data, fsdp, tensor, context) (core/mesh.py). The rules:
+One mesh, axes (data, fsdp, tensor, context) (core/devices/mesh.py). The rules:
 
 - parameters: FSDP shards every matrix of the transformer and the text encoder over
   `fsdp`; `tensor` shards attention heads and MLP width (the output features of q / k / v

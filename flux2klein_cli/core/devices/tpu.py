@@ -169,17 +169,16 @@ def quiet_libtpu_without_tpu(accelerator: str | None = None) -> None:
 def mesh_for_devices(devices: list[Any]) -> Any:
     """All devices on the fsdp axis of the four named axes: parameters and the batch are
     split over chips, as maxdiffusion's FSDP runs of the 9B model on v6e-4 do."""
-    from flux2klein_cli.core.mesh import MeshSpec, make_mesh
+    from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 
     # As a run with `--tpu` lays them out (distributed.run_mesh), so its executables are found.
     return make_mesh(MeshSpec(fsdp=len(devices)), devices)
 
 
-def preset_target(preset: TpuPreset) -> Any:
-    """The compile target of a preset: the real devices when this host has that slice, else
-    libtpu's compile-only devices for its topology."""
-    from flux2klein_cli.core.compile.target import Target
-
+def preset_mesh(preset: TpuPreset) -> tuple[Any, str | None]:
+    """The mesh a preset compiles for, and the libtpu topology it names when its devices are
+    compile-only: the real devices when this host has that slice (topology None), else
+    libtpu's devices for its topology."""
     quiet_libtpu_without_tpu(preset.name)
     import jax
 
@@ -187,8 +186,8 @@ def preset_target(preset: TpuPreset) -> Any:
     if local[0].platform == "tpu":  # a TPU host: run on its devices when they are this slice
         wanted = _topology_devices(preset)
         if local[0].device_kind == wanted[0].device_kind and len(local) == len(wanted):
-            return Target(mesh_for_devices(local))
-    return Target(mesh_for_devices(_topology_devices(preset)), topology=preset.topology_name)
+            return mesh_for_devices(local), None
+    return mesh_for_devices(_topology_devices(preset)), preset.topology_name
 
 
 def _topology_devices(preset: TpuPreset) -> list[Any]:

@@ -25,8 +25,8 @@ from typing import Any
 
 from flux2klein_cli.core.cache_paths import generated_dir
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.hub.registry import COMPONENT_REPOS, MODELS, TINY_ALIAS, TINY_KV_ALIAS
 from flux2klein_cli.core.paths import check_name_length
-from flux2klein_cli.core.registry import COMPONENT_REPOS, MODELS, TINY_ALIAS, TINY_KV_ALIAS
 from flux2klein_cli.core.temporaries import temporary_dir
 
 # Everything the pipeline reads; nothing at the repo root but the index.
@@ -112,7 +112,7 @@ def resolve(
             raise UserInputError(f"--revision does not apply to {name} (a checkpoint written locally)")
         return Resolved(ensure_tiny(progress, kv=name == TINY_KV_ALIAS), "generated")
     if name in COMPONENT_REPOS:
-        # A one-component repo (`fetch small-decoder`); `--vae small-decoder` reads it (core/components.py).
+        # A one-component repo (`fetch small-decoder`); `--vae small-decoder` reads it (core/hub/components.py).
         return _from_hub(model, COMPONENT_REPOS[name][1], revision, offline=hub_offline() or bool(offline),
                          download=download, tqdm_class=tqdm_class, patterns=COMPONENT_PATTERNS,
                          problems=component_problems)
@@ -266,7 +266,7 @@ def ensure_tiny(progress: Callable[[str], None] | None = None, *, kv: bool = Fal
     cache = target.parent
     if (target / "model_index.json").is_file():
         return target
-    from flux2klein_cli.core.random_checkpoint import write_random_checkpoint
+    from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 
     if progress:
         progress(f"writing the {alias} random-weight checkpoint to {target} (first use)")

@@ -84,7 +84,7 @@ def spec_for(alias: str) -> ModelSpec:
         raise UserInputError(f"unknown model {alias!r}: known models are {', '.join(MODELS)}") from None
 
 
-# Random-weight models written on first use, without network (core/snapshot.py): for trying the tool.
+# Random-weight models written on first use, without network (core/hub/snapshot.py): for trying the tool.
 TINY_ALIAS = "tiny"
 TINY_KV_ALIAS = "tiny-kv"  # the same geometry as a Flux2KleinKVPipeline (like 9b-kv)
 

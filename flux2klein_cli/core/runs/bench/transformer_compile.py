@@ -11,16 +11,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flux2klein_cli.core.bench.stats import summarize
 from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
+from flux2klein_cli.core.runs.bench.stats import summarize
 
 
 def bench_transformer_compile(model: str, *, height: int, width: int, batch: int, reps: int, unrolled: bool,
                               log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lower and compile seconds (min, median) of `reps` cold compiles of `model`'s transformer."""
     from flux2klein_cli.core.compile.specs import configs_from_registry
-    from flux2klein_cli.core.images import validate_size
-    from flux2klein_cli.core.registry import spec_for
+    from flux2klein_cli.core.hub.registry import spec_for
+    from flux2klein_cli.core.runs.images import validate_size
 
     spec = spec_for(model)
     geometry = configs_from_registry(spec.alias).geometry

@@ -15,22 +15,23 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli import __version__
-from flux2klein_cli.core.checkpoint import Snapshot
 from flux2klein_cli.core.choices import check_effort, jax_dtype
-from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, is_writer, run_mesh
+from flux2klein_cli.core.devices.distributed import DeviceOptions, is_writer, run_mesh
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
-from flux2klein_cli.core.image_files import load_latents, plan_outputs, write_png
-from flux2klein_cli.core.images import (
+from flux2klein_cli.core.hub.checkpoint import Snapshot
+from flux2klein_cli.core.hub.registry import default_size, sampling
+from flux2klein_cli.core.paths import check_name_length
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
+from flux2klein_cli.core.runs.image_files import load_latents, plan_outputs, write_png
+from flux2klein_cli.core.runs.images import (
     check_reference_count,
     load_reference,
     postprocess,
     preprocess_reference,
     validate_size,
 )
-from flux2klein_cli.core.paths import check_name_length
-from flux2klein_cli.core.pipeline.geometry import LatentGeometry
-from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
-from flux2klein_cli.core.registry import default_size, sampling
+from flux2klein_cli.core.runs.run_cost import check_run_fits
 
 
 @dataclass
@@ -56,7 +57,7 @@ class GenerateOptions:
     compile_cache: Path | None = None  # the executable store [default: FLUX2KLEIN_COMPILE_CACHE or the user cache]
     save_executables: bool = True  # --no-save: use stored executables, store nothing new
     effort: str = "default"  # XLA optimisation effort of compiled executables (compile.target.EFFORTS)
-    transformer: str | None = None  # --transformer: the transformer from elsewhere (core/components.py)
+    transformer: str | None = None  # --transformer: the transformer from elsewhere (core/hub/components.py)
     vae: str | None = None  # --vae
     lora: list[str] = field(default_factory=list)  # --lora PATH_OR_REPO[:SCALE], merged at load
 
@@ -138,7 +139,7 @@ def _check_cost(snapshot: Snapshot, opts: GenerateOptions, dtype: Any, height: i
                 references: list[Any], steps: int, guidance: float, batch: int, mesh: Any,
                 pixels_per_token: int, warn: Callable[[str], None]) -> None:
     """The size limit, the memory estimate against the device, and a word on long runs; before loading."""
-    from flux2klein_cli.core import run_cost
+    from flux2klein_cli.core.runs import run_cost
     from flux2klein_cli.core.weights.configs import read_config
 
     configs = {name: read_config(snapshot.component(name)) for name in ("transformer", "text_encoder", "vae")}
@@ -195,7 +196,7 @@ def run_generate(
     # Sizes, references and --latents depend on the model's geometry: checked before any
     # download when the configs are here, else right after resolving, before the weights load.
     if opts.transformer or opts.vae:
-        from flux2klein_cli.core.components import compose, resolve_overrides
+        from flux2klein_cli.core.hub.components import compose, resolve_overrides
 
         sources, plain = resolve_overrides(opts.transformer, opts.vae), resolve
 

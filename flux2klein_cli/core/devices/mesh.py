@@ -95,6 +95,6 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def check_divides(mesh: Mesh, *, batch: int, heads: int) -> None:
     """Heads the tensor axis does not divide are an error before any work (GSPMD would
     otherwise pad them silently). Any batch runs: what (data, fsdp) does not divide is
-    replicated there (core/sharding.py, `fitting_axes`)."""
+    replicated there (core/devices/sharding.py, `fitting_axes`)."""
     if heads % mesh.shape["tensor"]:
         raise UserInputError(f"{heads} attention heads do not divide over tensor = {mesh.shape['tensor']}")

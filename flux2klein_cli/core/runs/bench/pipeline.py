@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flux2klein_cli.core.bench.stats import summarize
 from flux2klein_cli.core.models.transformer import TransformerConfig
+from flux2klein_cli.core.runs.bench.stats import summarize
 
 
 def kv_speedup_bound(cfg: TransformerConfig, *, text: int, image: int, refs: int, steps: int) -> float:
@@ -89,7 +89,7 @@ def bench_pipeline(
         pipeline.executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save,
                                                  effort=effort)
         store_info = dict(root=str(executable_store.root), save=save, effort=effort)
-    from flux2klein_cli.core.registry import sampling
+    from flux2klein_cli.core.hub.registry import sampling
 
     chosen = sampling(pipeline.snapshot.is_distilled, steps)
     rng = np.random.default_rng(0)

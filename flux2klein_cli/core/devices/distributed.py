@@ -15,12 +15,11 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 from jax.sharding import Mesh
 
+from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.mesh import MeshSpec, make_mesh
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class DeviceOptions:
             if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
                 raise UserInputError("--process-id must be in 0 .. --num-processes - 1")
         if self.tpu:
-            from flux2klein_cli.core.compile.tpu import parse_preset
+            from flux2klein_cli.core.devices.tpu import parse_preset
 
             parse_preset(self.tpu)
         return MeshSpec.parse(self.mesh) if self.mesh else None
@@ -78,7 +77,7 @@ def run_mesh(options: DeviceOptions) -> Mesh | None:
     spec = options.check()
     start_runtime(options)
     if options.tpu:
-        from flux2klein_cli.core.compile.tpu import parse_preset
+        from flux2klein_cli.core.devices.tpu import parse_preset
 
         preset = parse_preset(options.tpu)
         devices = jax.devices()
@@ -91,18 +90,6 @@ def run_mesh(options: DeviceOptions) -> Mesh | None:
     if spec is None and jax.process_count() > 1:
         spec = MeshSpec(fsdp=jax.device_count())
     return None if spec is None else make_mesh(spec)
-
-
-def check_run_fits(mesh: Mesh | None, model_dir: str | Path, batch: int) -> None:
-    """The mesh's divisibility checks for a model directory's transformer, before loading it."""
-    if mesh is None:
-        return
-    from flux2klein_cli.core.checkpoint import Snapshot
-    from flux2klein_cli.core.mesh import check_divides
-    from flux2klein_cli.core.weights.configs import read_config
-
-    config = read_config(Snapshot.open(model_dir).component("transformer"))
-    check_divides(mesh, batch=batch, heads=int(config.get("num_attention_heads", 1)))
 
 
 @contextmanager

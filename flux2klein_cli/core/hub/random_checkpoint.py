@@ -10,9 +10,9 @@ the real 4B or 9B geometry needs only a few MiB of memory. Values are uniform in
 +-1/sqrt(fan_in) (torch's default init for Linear and Conv), norms near one, biases near
 zero, from a seed per tensor: the same bytes on every machine.
 
-    python -m flux2klein_cli.core.random_checkpoint /tmp/medium --preset medium
-    python -m flux2klein_cli.core.random_checkpoint /tmp/t4b --preset 4b --components transformer
-    python -m flux2klein_cli.core.random_checkpoint /tmp/small-vae --preset 4b --components vae --small-decoder
+    python -m flux2klein_cli.core.hub.random_checkpoint /tmp/medium --preset medium
+    python -m flux2klein_cli.core.hub.random_checkpoint /tmp/t4b --preset 4b --components transformer
+    python -m flux2klein_cli.core.hub.random_checkpoint /tmp/small-vae --preset 4b --components vae --small-decoder
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ import numpy as np
 
 from flux2klein_cli.core import choices
 from flux2klein_cli.core.choices import numpy_dtype
-from flux2klein_cli.core.registry import QWEN3_4B, QWEN3_8B, TRANSFORMER_4B, TRANSFORMER_9B
-from flux2klein_cli.core.tokenizer_builder import build_tokenizer
+from flux2klein_cli.core.hub.registry import QWEN3_4B, QWEN3_8B, TRANSFORMER_4B, TRANSFORMER_9B
+from flux2klein_cli.core.hub.tokenizer_builder import build_tokenizer
 
 # The library versions whose on-disk format these files mirror.
 DIFFUSERS_VERSION = "0.42.1"

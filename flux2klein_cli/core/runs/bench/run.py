@@ -60,7 +60,7 @@ class BenchOptions:
     def check(self) -> None:
         """Every rule between the options, before anything is loaded (exit 2)."""
         from flux2klein_cli.core.choices import check_dtype, check_effort
-        from flux2klein_cli.core.images import MAX_REFERENCES, validate_size
+        from flux2klein_cli.core.runs.images import MAX_REFERENCES, validate_size
 
         check_phase(self.phase)
         check_dtype(self.dtype)
@@ -101,12 +101,12 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
     target = jax_dtype(opts.dtype)
     if opts.phase == "transformer-compile":  # abstract shapes: no checkpoint to resolve
-        from flux2klein_cli.core.bench.transformer_compile import bench_transformer_compile
+        from flux2klein_cli.core.runs.bench.transformer_compile import bench_transformer_compile
 
         return bench_transformer_compile(opts.model, height=opts.height, width=opts.width, batch=opts.batch,
                                          reps=opts.reps, unrolled=opts.unrolled, log=progress)
     if opts.phase == "pipeline" and opts.tpu and not _on_tpu_host(opts.tpu):
-        from flux2klein_cli.core.bench.plan import bench_without_slice
+        from flux2klein_cli.core.runs.bench.plan import bench_without_slice
 
         with busy(f"compiling {opts.model} for {opts.tpu}"):
             result = bench_without_slice(opts.model, tpu=opts.tpu, height=opts.height, width=opts.width,
@@ -114,8 +114,8 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
                                          dtype=opts.dtype, compile_cache=opts.compile_cache,
                                          save=opts.save and opts.store, effort=opts.effort, warn=warn)
         return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
-    from flux2klein_cli.core.components import resolve_composed
-    from flux2klein_cli.core.runtime import configure_jax
+    from flux2klein_cli.core.devices.runtime import configure_jax
+    from flux2klein_cli.core.hub.components import resolve_composed
 
     if opts.phase in ("steps", "decode", "pipeline"):  # timed in this process
         configure_jax()
@@ -123,31 +123,31 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
         return _pipeline(opts, target, warn, busy)
     path = resolve_composed(opts.model, opts.transformer, opts.vae)
     if opts.phase == "load":
-        from flux2klein_cli.core.bench.load import bench_load, load_kinds
+        from flux2klein_cli.core.runs.bench.load import bench_load, load_kinds
 
         result = bench_load(path, convert=True, dtype=opts.dtype, reps=opts.reps, kinds=load_kinds(note),
                             log=progress)
         return dict(phase=opts.phase, **result)
     if opts.phase == "lora":
-        from flux2klein_cli.core.lora.bench_lora import bench_lora, parse_ranks
+        from flux2klein_cli.core.runs.bench.lora import bench_lora, parse_ranks
 
         result = bench_lora(path, ranks=parse_ranks(opts.ranks or DEFAULT_RANKS), dtype=opts.dtype, reps=opts.reps,
                             log=progress)
         return dict(phase=opts.phase, **result)
     if opts.phase == "steps":  # what a progress bar costs the denoising loop
-        from flux2klein_cli.core.bench.steps import bench_steps
+        from flux2klein_cli.core.runs.bench.steps import bench_steps
 
         with busy(f"timing the denoising loop of {opts.model}"):
             result = bench_steps(path, height=opts.height, width=opts.width, steps=opts.steps or STEPS_PHASE_STEPS,
                                  reps=opts.reps, dtype=target, per_call=(1, 2), compile_cache=opts.compile_cache)
     elif opts.phase == "decode":
-        from flux2klein_cli.core.bench.decode import bench_decode
+        from flux2klein_cli.core.runs.bench.decode import bench_decode
 
         result = bench_decode(path, height=opts.height, width=opts.width, batch=opts.batch, reps=opts.reps,
                               dtype=target, log=progress)
     else:  # ttfi
-        from flux2klein_cli.core.bench.ttfi import bench_ttfi
-        from flux2klein_cli.core.registry import sampling
+        from flux2klein_cli.core.hub.registry import sampling
+        from flux2klein_cli.core.runs.bench.ttfi import bench_ttfi
 
         with busy(f"timing first images of {opts.model}"):
             ttfi = sampling(distilled=True, steps=opts.steps)  # timed as the distilled models run
@@ -159,16 +159,17 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
 def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | None,
               busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
-    from flux2klein_cli.core.bench.pipeline import bench_pipeline
-    from flux2klein_cli.core.components import resolve_composed
-    from flux2klein_cli.core.distributed import DeviceOptions, check_run_fits, run_mesh
+    from flux2klein_cli.core.devices.distributed import DeviceOptions, run_mesh
+    from flux2klein_cli.core.hub.components import resolve_composed
+    from flux2klein_cli.core.runs.bench.pipeline import bench_pipeline
+    from flux2klein_cli.core.runs.run_cost import check_run_fits
 
     run_on = run_mesh(DeviceOptions(mesh=opts.mesh, tpu=opts.tpu))
     path = resolve_composed(opts.model, opts.transformer, opts.vae)
     check_run_fits(run_on, path, opts.batch)
     if opts.kv:
-        from flux2klein_cli.core.checkpoint import Snapshot
-        from flux2klein_cli.core.generate import check_kv_model
+        from flux2klein_cli.core.hub.checkpoint import Snapshot
+        from flux2klein_cli.core.runs.generate import check_kv_model
 
         check_kv_model(Snapshot.open(path), opts.model)
     with busy(f"benchmarking {opts.model}"):
@@ -182,7 +183,7 @@ def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | Non
 def _on_tpu_host(tpu: str) -> bool:
     """A host with TPU chips runs the timed phases (run_mesh checks it is the named slice);
     any other compiles for the slice and reports what it can."""
-    from flux2klein_cli.core.compile.tpu import parse_preset, tpu_chips_present
+    from flux2klein_cli.core.devices.tpu import parse_preset, tpu_chips_present
 
     parse_preset(tpu)
     return tpu_chips_present()

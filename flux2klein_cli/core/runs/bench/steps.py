@@ -14,7 +14,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from flux2klein_cli.core.bench.stats import summarize
+from flux2klein_cli.core.runs.bench.stats import summarize
 
 
 def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: int, dtype: Any = jnp.bfloat16,
@@ -25,7 +25,7 @@ def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: i
 
     pipeline = KleinPipeline.load(model_dir, dtype=dtype)
     pipeline.executables = StoredExecutables(model_dir, ExecutableStore(compile_cache))
-    from flux2klein_cli.core.registry import sampling
+    from flux2klein_cli.core.hub.registry import sampling
 
     request = Request(prompts=["a red fox in snow"], steps=steps,
                       guidance=sampling(pipeline.snapshot.is_distilled).guidance,

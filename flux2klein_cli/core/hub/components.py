@@ -25,8 +25,8 @@ from typing import Any
 
 from flux2klein_cli.core.cache_paths import composed_dir
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
-from flux2klein_cli.core.registry import COMPONENT_REPOS
-from flux2klein_cli.core.snapshot import (
+from flux2klein_cli.core.hub.registry import COMPONENT_REPOS
+from flux2klein_cli.core.hub.snapshot import (
     CONVERTED_MANIFEST,
     component_folder,
     resolve,
@@ -127,7 +127,7 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
 
 
 def _write_composed(model_dir: Path, sources: dict[str, ComponentSource], parent: Path, final: Path) -> Path:
-    from flux2klein_cli.core.checkpoint import COMPONENTS
+    from flux2klein_cli.core.hub.checkpoint import COMPONENTS
     from flux2klein_cli.core.temporaries import temporary_dir
 
     parent.mkdir(parents=True, exist_ok=True)

@@ -12,9 +12,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from flux2klein_cli.core.errors import UserInputError
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 # Beyond this many transformer token-steps (image tokens x steps x images) a run is announced:
 # 4 steps of one 1024x1024 image is 16384; this is ~64 such images, minutes on a GPU, hours on a CPU.
@@ -134,3 +138,15 @@ def describe_long_run(cost: RunCost) -> str | None:
         return None
     return (f"a long run: {cost.token_steps:,} token-steps ({cost.token_steps / 16384:.0f}x four steps of one "
             f"1024x1024 image), about {cost.peak_bytes / GIB:.1f} GiB")
+
+
+def check_run_fits(mesh: Mesh | None, model_dir: str | Path, batch: int) -> None:
+    """The mesh's divisibility checks for a model directory's transformer, before loading it."""
+    if mesh is None:
+        return
+    from flux2klein_cli.core.devices.mesh import check_divides
+    from flux2klein_cli.core.hub.checkpoint import Snapshot
+    from flux2klein_cli.core.weights.configs import read_config
+
+    config = read_config(Snapshot.open(model_dir).component("transformer"))
+    check_divides(mesh, batch=batch, heads=int(config.get("num_attention_heads", 1)))

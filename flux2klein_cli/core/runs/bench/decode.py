@@ -19,10 +19,10 @@ def bench_decode(model_dir: Path, *, height: int, width: int, batch: int, reps: 
     import numpy as np
     from flax import nnx
 
-    from flux2klein_cli.core.bench.stats import summarize
-    from flux2klein_cli.core.images import validate_size
     from flux2klein_cli.core.models.vae import load_vae
     from flux2klein_cli.core.pipeline.programs import decode_latents, jit_module_call
+    from flux2klein_cli.core.runs.bench.stats import summarize
+    from flux2klein_cli.core.runs.images import validate_size
 
     start = time.perf_counter()
     vae = load_vae(Path(model_dir) / "vae", dtype=dtype)

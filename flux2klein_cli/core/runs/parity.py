@@ -14,8 +14,8 @@ import numpy as np
 
 from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.extras import require_parity
-from flux2klein_cli.core.images import postprocess
 from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from flux2klein_cli.core.runs.images import postprocess
 
 
 @dataclass
@@ -87,7 +87,7 @@ def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
     reference = cls.from_pretrained(pipeline.snapshot.root, dtype=dtype, **overrides)
     if pipeline.lora:  # the same files, through diffusers' own LoRA loading (PEFT)
         from flux2klein_cli.core.extras import require_extra
-        from flux2klein_cli.core.parity_lora import merge_text_encoder_lora, split_text_encoder
+        from flux2klein_cli.core.runs.parity_lora import merge_text_encoder_lora, split_text_encoder
 
         require_extra("parity", ("peft",), "parity --lora")
         names, scales = [], []
@@ -174,8 +174,8 @@ def parity_check(
 ) -> dict[str, Any]:
     """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk."""
     from flux2klein_cli.core.choices import jax_dtype
-    from flux2klein_cli.core.image_files import plan_outputs, write_png
-    from flux2klein_cli.core.images import load_reference, preprocess_reference
+    from flux2klein_cli.core.runs.image_files import plan_outputs, write_png
+    from flux2klein_cli.core.runs.images import load_reference, preprocess_reference
 
     require_parity("parity")  # before anything is loaded or written
     out_dir = Path(out_dir)
@@ -187,7 +187,7 @@ def parity_check(
     specs = [LoraSpec.parse(text) for text in lora or ()]
     pipeline = KleinPipeline.load(resolve(model), dtype=jax_dtype(dtype), lora=specs)
     processed = [preprocess_reference(image, multiple_of=pipeline.geometry.pixels_per_token) for image in pil]
-    from flux2klein_cli.core.registry import sampling
+    from flux2klein_cli.core.hub.registry import sampling
 
     chosen = sampling(pipeline.snapshot.is_distilled, steps, guidance)
     request = Request(prompts=[prompt], steps=chosen.steps, guidance=chosen.guidance,

@@ -4,8 +4,8 @@ On a loaded host absolute times drift; the forms are timed in turn, round after 
 one process; whole images each in its own process), so their ratios hold. Needs torch and
 diffusers (the [parity] extra).
 
-    python -m flux2klein_cli.core.bench.cpu matmul
-    python -m flux2klein_cli.core.bench.cpu image /tmp/medium --dtype bf16 --size 512 --steps 4
+    python -m flux2klein_cli.core.runs.bench.cpu matmul
+    python -m flux2klein_cli.core.runs.bench.cpu image /tmp/medium --dtype bf16 --size 512 --steps 4
 `image` times ours with oneMKL's dots and with XLA's (FLUX2KLEIN_CPU_MATMUL=xla, core/models/cpu_matmul.py).
 """
 
@@ -107,7 +107,7 @@ def image(model: str, dtype: str, size: int, steps: int, rounds: int, calls: int
             env = dict(os.environ)
             if form == "flux2klein-xla":
                 env[cpu_matmul.ENV] = "xla"
-            cmd = [sys.executable, "-m", "flux2klein_cli.core.bench.cpu", "one", form, model, "--dtype", dtype,
+            cmd = [sys.executable, "-m", "flux2klein_cli.core.runs.bench.cpu", "one", form, model, "--dtype", dtype,
                    "--size", str(size), "--steps", str(steps), "--calls", str(calls)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             runs[form].append(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -25,7 +25,7 @@ to the component's bytes. `build_seconds` is the part spent building the abstrac
 `zero_copy_bytes` counts the parameter bytes whose device buffer lies inside a mapped file of
 the layout (all of them, when JAX adopted every view).
 
-    python -m flux2klein_cli.core.bench.load /tmp/medium --convert --reps 5 --json
+    python -m flux2klein_cli.core.runs.bench.load /tmp/medium --convert --reps 5 --json
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _layout_of(directory: Path, name: str) -> str:
     """The layout of a converted directory: its manifest's, or (a directory written component by
     component, like the one `--convert` makes) the one whose folder is there."""
     from flux2klein_cli.core.errors import UserInputError
-    from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
+    from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
     from flux2klein_cli.core.weights.converted import check_converted, component_layout
 
     if (directory / CONVERTED_MANIFEST).is_file():
@@ -145,8 +145,8 @@ def _layout_of(directory: Path, name: str) -> str:
 
 def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype: str, layout: str) -> None:
 
-    from flux2klein_cli.core.mesh import default_mesh
-    from flux2klein_cli.core.sharding import replicated_rule
+    from flux2klein_cli.core.devices.mesh import default_mesh
+    from flux2klein_cli.core.devices.sharding import replicated_rule
     from flux2klein_cli.core.weights.convert import convert_component
 
     target = jax_dtype(dtype)
@@ -242,7 +242,7 @@ def _cat_timed(files: Sequence[Path]) -> dict[str, Any]:
 
 
 def _child(args: Sequence[str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "flux2klein_cli.core.bench.load", "--child", *args],
+    done = subprocess.run([sys.executable, "-m", "flux2klein_cli.core.runs.bench.load", "--child", *args],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"bench child {' '.join(args)} failed:\n{done.stderr[-2000:]}")
@@ -293,7 +293,7 @@ def _load_ours(kind: str, directory: str, name: str, dtype: str) -> dict[str, An
     import jax
     from flax import nnx
 
-    from flux2klein_cli.core.checkpoint import parameter_stats
+    from flux2klein_cli.core.hub.checkpoint import parameter_stats
 
     target = jax_dtype(dtype)
     if kind in LAYOUT_KINDS:

@@ -38,7 +38,7 @@ class Snapshot:
 
     @classmethod
     def open(cls, root: str | Path) -> Snapshot:
-        from flux2klein_cli.core.snapshot import CONVERTED_MANIFEST
+        from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
 
         root = Path(root)
         if not root.is_dir():
@@ -141,7 +141,7 @@ def load_models(
 
 def _load_converted(load_component: Callable[..., Any], name: str, root: Path, _component_dir: Path, *,
                     dtype: Any, mesh: Mesh | None) -> Any:
-    from flux2klein_cli.core.sharding import model_rule, replicated_rule
+    from flux2klein_cli.core.devices.sharding import model_rule, replicated_rule
 
     # The same parameter rules as the safetensors path (the VAE stays replicated).
     rule = replicated_rule if name == "vae" else model_rule(mesh)

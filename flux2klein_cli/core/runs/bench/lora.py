@@ -44,11 +44,11 @@ def _timed(transformer: Path, dtype: Any, specs: list[Any]) -> float:
 def bench_lora(model_dir: Path, *, ranks: Sequence[int], dtype: str, reps: int,
                log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Seconds to load `model_dir`'s transformer plain and with a rank-r LoRA for each of `ranks`."""
-    from flux2klein_cli.core.bench.stats import summarize
     from flux2klein_cli.core.cache_paths import cache_root
     from flux2klein_cli.core.choices import jax_dtype
     from flux2klein_cli.core.lora.files import LoraSpec
     from flux2klein_cli.core.lora.random_lora import write_random_lora
+    from flux2klein_cli.core.runs.bench.stats import summarize
     from flux2klein_cli.core.temporaries import temporary_dir
 
     transformer = Path(model_dir) / "transformer"
