@@ -220,14 +220,14 @@ class FeedForward(nnx.Module):
 class JointAttention(nnx.Module):
     """Projections of the double block: image stream (to_*) and text stream (add_*)."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        d, hd = cfg.dim, cfg.attention_head_dim
-        self.heads = cfg.num_attention_heads
+    def __init__(self, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        d, hd = config.dim, config.attention_head_dim
+        self.heads = config.num_attention_heads
         self.to_q, self.to_k, self.to_v = (linear(d, d, dtype=dtype, rngs=rngs) for _ in range(3))
         self.add_q_proj, self.add_k_proj, self.add_v_proj = (linear(d, d, dtype=dtype, rngs=rngs) for _ in range(3))
-        self.norm_q, self.norm_k = RMSNorm(hd, cfg.eps, dtype=dtype), RMSNorm(hd, cfg.eps, dtype=dtype)
-        self.norm_added_q = RMSNorm(hd, cfg.eps, dtype=dtype)
-        self.norm_added_k = RMSNorm(hd, cfg.eps, dtype=dtype)
+        self.norm_q, self.norm_k = RMSNorm(hd, config.eps, dtype=dtype), RMSNorm(hd, config.eps, dtype=dtype)
+        self.norm_added_q = RMSNorm(hd, config.eps, dtype=dtype)
+        self.norm_added_k = RMSNorm(hd, config.eps, dtype=dtype)
         self.to_out = linear(d, d, dtype=dtype, rngs=rngs)
         self.to_add_out = linear(d, d, dtype=dtype, rngs=rngs)
 
@@ -250,11 +250,11 @@ class JointAttention(nnx.Module):
 class DoubleBlock(nnx.Module):
     """Separate image and text weights, one joint attention over [txt, img]."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        self.eps = cfg.eps
-        self.attn = JointAttention(cfg, dtype=dtype, rngs=rngs)
-        self.ff = FeedForward(cfg.dim, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
-        self.ff_context = FeedForward(cfg.dim, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        self.eps = config.eps
+        self.attn = JointAttention(config, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(config.dim, config.mlp_hidden, dtype=dtype, rngs=rngs)
+        self.ff_context = FeedForward(config.dim, config.mlp_hidden, dtype=dtype, rngs=rngs)
 
     def __call__(
         self, img: jax.Array, txt: jax.Array, mod_img: list[jax.Array], mod_txt: list[jax.Array], rope: Rope,
@@ -276,12 +276,12 @@ class DoubleBlock(nnx.Module):
 class ParallelAttention(nnx.Module):
     """The single block's fused projection: qkv and the MLP input in one matmul, one output matmul."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        d, hd = cfg.dim, cfg.attention_head_dim
-        self.heads, self.dim = cfg.num_attention_heads, d
-        self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * cfg.mlp_hidden, dtype=dtype, rngs=rngs)
-        self.norm_q, self.norm_k = RMSNorm(hd, cfg.eps, dtype=dtype), RMSNorm(hd, cfg.eps, dtype=dtype)
-        self.to_out = linear(d + cfg.mlp_hidden, d, dtype=dtype, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        d, hd = config.dim, config.attention_head_dim
+        self.heads, self.dim = config.num_attention_heads, d
+        self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * config.mlp_hidden, dtype=dtype, rngs=rngs)
+        self.norm_q, self.norm_k = RMSNorm(hd, config.eps, dtype=dtype), RMSNorm(hd, config.eps, dtype=dtype)
+        self.to_out = linear(d + config.mlp_hidden, d, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, rope: Rope, mode: RefMode) -> tuple[jax.Array, KV | None]:
         proj = self.to_qkv_mlp_proj(x)
@@ -292,9 +292,9 @@ class ParallelAttention(nnx.Module):
 
 
 class SingleBlock(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        self.eps = cfg.eps
-        self.attn = ParallelAttention(cfg, dtype=dtype, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        self.eps = config.eps
+        self.attn = ParallelAttention(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, mod: list[jax.Array], rope: Rope, mode: RefMode) -> tuple[jax.Array, KV | None]:
         shift, scale, gate = mod
@@ -304,39 +304,39 @@ class SingleBlock(nnx.Module):
 
 class Flux2Transformer(nnx.Module):
     def __init__(
-        self, cfg: TransformerConfig, *, dtype: Any = jnp.bfloat16, scan_layers: bool = True, rngs: nnx.Rngs
+        self, config: TransformerConfig, *, dtype: Any = jnp.bfloat16, scan_layers: bool = True, rngs: nnx.Rngs
     ):
-        if cfg.guidance_embeds:
+        if config.guidance_embeds:
             raise ValueError("guidance-embedding transformers are FLUX.2 [dev], not [klein]")
-        if sum(cfg.axes_dims_rope) != cfg.attention_head_dim:
-            raise ValueError(f"axes_dims_rope {cfg.axes_dims_rope} must add up to {cfg.attention_head_dim}")
-        d = cfg.dim
-        self.cfg, self.dtype, self.scan_layers = cfg, dtype, scan_layers
-        self.timestep_embedder = Linear2(cfg.timestep_channels, d, dtype=dtype, rngs=rngs)
+        if sum(config.axes_dims_rope) != config.attention_head_dim:
+            raise ValueError(f"axes_dims_rope {config.axes_dims_rope} must add up to {config.attention_head_dim}")
+        d = config.dim
+        self.config, self.dtype, self.scan_layers = config, dtype, scan_layers
+        self.timestep_embedder = Linear2(config.timestep_channels, d, dtype=dtype, rngs=rngs)
         self.double_stream_modulation_img = linear(d, 6 * d, dtype=dtype, rngs=rngs)
         self.double_stream_modulation_txt = linear(d, 6 * d, dtype=dtype, rngs=rngs)
         self.single_stream_modulation = linear(d, 3 * d, dtype=dtype, rngs=rngs)
-        self.x_embedder = linear(cfg.in_channels, d, dtype=dtype, rngs=rngs)
-        self.context_embedder = linear(cfg.joint_attention_dim, d, dtype=dtype, rngs=rngs)
+        self.x_embedder = linear(config.in_channels, d, dtype=dtype, rngs=rngs)
+        self.context_embedder = linear(config.joint_attention_dim, d, dtype=dtype, rngs=rngs)
         self.transformer_blocks = stack_blocks(
-            lambda r: DoubleBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers, rngs
+            lambda r: DoubleBlock(config, dtype=dtype, rngs=r), config.num_layers, rngs
         )
         self.single_transformer_blocks = stack_blocks(
-            lambda r: SingleBlock(cfg, dtype=dtype, rngs=r), cfg.num_single_layers, rngs
+            lambda r: SingleBlock(config, dtype=dtype, rngs=r), config.num_single_layers, rngs
         )
         self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
-        self.proj_out = linear(d, cfg.out_channels, dtype=dtype, rngs=rngs)
+        self.proj_out = linear(d, config.out_channels, dtype=dtype, rngs=rngs)
 
     def reference_kv_shapes(self, tokens: int) -> list[tuple[int, ...]]:
         """The shapes of a batch-1 ReferenceKV over `tokens` reference tokens, field by field."""
-        cfg = self.cfg
-        per_block = (1, tokens, cfg.num_attention_heads, cfg.attention_head_dim)
-        double, single = (cfg.num_layers, *per_block), (cfg.num_single_layers, *per_block)
+        config = self.config
+        per_block = (1, tokens, config.num_attention_heads, config.attention_head_dim)
+        double, single = (config.num_layers, *per_block), (config.num_single_layers, *per_block)
         return [double, double, single, single]
 
     def rope(self, txt_ids: np.ndarray, img_ids: np.ndarray) -> Rope:
         """RoPE tables for the joint sequence [txt, img] from (T, 4) and (N, 4) position ids."""
-        cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.cfg.axes_dims_rope, self.cfg.rope_theta)
+        cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.config.axes_dims_rope, self.config.rope_theta)
         return jax.device_put(cos), jax.device_put(sin)  # jnp.asarray would compile a copy program
 
     def __call__(
@@ -363,21 +363,21 @@ class Flux2Transformer(nnx.Module):
         timestep 0, so their K / V do not depend on the prompt, the noise, the step or the
         output size: this is the extract step without text or image tokens."""
         batch = refs.shape[0]
-        img = jnp.zeros((batch, 0, self.cfg.in_channels), refs.dtype)
-        txt = jnp.zeros((batch, 0, self.cfg.joint_attention_dim), self.dtype)
+        img = jnp.zeros((batch, 0, self.config.in_channels), refs.dtype)
+        txt = jnp.zeros((batch, 0, self.config.joint_attention_dim), self.dtype)
         return self.extract(refs, img, txt, jnp.zeros((batch,), jnp.float32), rope)[1]
 
     def _embed_time(self, sigma: jax.Array) -> jax.Array:
         dt = self.dtype
         # The reference casts sigma to the model dtype before scaling it to the 0..1000 range.
         t = sigma.astype(dt).astype(jnp.float32) * 1000
-        return jax.nn.silu(self.timestep_embedder(timestep_embedding(t, self.cfg.timestep_channels).astype(dt)))
+        return jax.nn.silu(self.timestep_embedder(timestep_embedding(t, self.config.timestep_channels).astype(dt)))
 
     def _forward(
         self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, *,
         refs: jax.Array | None = None, cache: ReferenceKV | None = None,
     ) -> tuple[jax.Array, ReferenceKV | None]:
-        dt, eps = self.dtype, self.cfg.eps
+        dt, eps = self.dtype, self.config.eps
         n_txt, n_img, n_ref = txt.shape[1], img.shape[1], 0 if refs is None else refs.shape[1]
         silu_temb = self._embed_time(sigma)
 
@@ -448,8 +448,8 @@ def _checkpoint_name(name: str) -> str:
 
 def transformer_key_plan(model: Flux2Transformer) -> KeyPlan:
     counts = {
-        "transformer_blocks": model.cfg.num_layers,
-        "single_transformer_blocks": model.cfg.num_single_layers,
+        "transformer_blocks": model.config.num_layers,
+        "single_transformer_blocks": model.config.num_single_layers,
     }
     return KeyPlan(plan_from_names(nnx.split(model)[1], counts, _checkpoint_name))
 
@@ -459,9 +459,9 @@ def load_transformer(
     deltas: Deltas | None = None,
 ) -> Flux2Transformer:
     """Load a transformer/ folder straight into `dtype`, with `deltas` (LoRA) merged on the way."""
-    cfg = TransformerConfig.from_dict(read_config(directory))
+    config = TransformerConfig.from_dict(read_config(directory))
     return load_module(
-        lambda: Flux2Transformer(cfg, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
+        lambda: Flux2Transformer(config, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
         transformer_key_plan,
         directory,
         mesh,

@@ -325,21 +325,22 @@ class MidBlock(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    def __init__(self, cfg: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
-        widths, groups = cfg.block_out_channels, cfg.norm_num_groups
-        self.conv_in = conv(cfg.in_channels, widths[0], 3, dtype=dtype, rngs=rngs)
+    def __init__(self, config: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
+        widths, groups = config.block_out_channels, config.norm_num_groups
+        self.conv_in = conv(config.in_channels, widths[0], 3, dtype=dtype, rngs=rngs)
         self.down_blocks = nnx.List(
             [
                 DownBlock(
-                    widths[max(i - 1, 0)], w, cfg.layers_per_block, groups, i < len(widths) - 1, dtype=dtype, rngs=rngs
+                    widths[max(i - 1, 0)], w, config.layers_per_block, groups, i < len(widths) - 1,
+                    dtype=dtype, rngs=rngs,
                 )
                 for i, w in enumerate(widths)
             ]
         )
-        self.mid_block = MidBlock(widths[-1], groups, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
+        self.mid_block = MidBlock(widths[-1], groups, config.mid_block_add_attention, dtype=dtype, rngs=rngs)
         self.conv_norm_out = GroupNorm(widths[-1], groups, dtype=dtype)
         # Mean and log-variance: twice the latent channels.
-        self.conv_out = conv(widths[-1], 2 * cfg.latent_channels, 3, dtype=dtype, rngs=rngs)
+        self.conv_out = conv(widths[-1], 2 * config.latent_channels, 3, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.conv_in(x)
@@ -350,17 +351,17 @@ class Encoder(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
-        widths, groups = cfg.decoder_block_out_channels[::-1], cfg.norm_num_groups
-        self.conv_in = conv(cfg.latent_channels, widths[0], 3, dtype=dtype, rngs=rngs)
-        self.mid_block = MidBlock(widths[0], groups, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
+    def __init__(self, config: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
+        widths, groups = config.decoder_block_out_channels[::-1], config.norm_num_groups
+        self.conv_in = conv(config.latent_channels, widths[0], 3, dtype=dtype, rngs=rngs)
+        self.mid_block = MidBlock(widths[0], groups, config.mid_block_add_attention, dtype=dtype, rngs=rngs)
         # The decoder has one more resnet per block than the encoder.
         self.up_blocks = nnx.List(
             [
                 UpBlock(
                     widths[max(i - 1, 0)],
                     w,
-                    cfg.layers_per_block + 1,
+                    config.layers_per_block + 1,
                     groups,
                     i < len(widths) - 1,
                     dtype=dtype,
@@ -370,7 +371,7 @@ class Decoder(nnx.Module):
             ]
         )
         self.conv_norm_out = GroupNorm(widths[-1], groups, dtype=dtype)
-        self.conv_out = conv(widths[-1], cfg.out_channels, 3, dtype=dtype, rngs=rngs)
+        self.conv_out = conv(widths[-1], config.out_channels, 3, dtype=dtype, rngs=rngs)
 
     def __call__(self, z: jax.Array) -> jax.Array:
         x = self.mid_block(self.conv_in(z))

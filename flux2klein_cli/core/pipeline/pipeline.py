@@ -118,8 +118,8 @@ class KleinPipeline:
         mesh: Mesh | None = None,
     ):
         self.snapshot, self.models, self.tokenizer, self.scheduler = snapshot, models, tokenizer, scheduler
-        tcfg = models.transformer.cfg
-        self.geometry = LatentGeometry.of(models.vae.config, tcfg.in_channels, tcfg.out_channels)
+        config = models.transformer.config
+        self.geometry = LatentGeometry.of(models.vae.config, config.in_channels, config.out_channels)
         self.mesh = mesh  # None: one device, arrays where JAX puts them
         self.transformer_state = nnx.state(models.transformer)
         self.text_state = nnx.state(models.text_encoder)
@@ -339,7 +339,7 @@ class KleinPipeline:
         if self.executables is not None:
             _timed(seconds, "executables", lambda: self.prepare(request, per_call))
         if self.mesh is not None:
-            check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.cfg.num_attention_heads)
+            check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.config.num_attention_heads)
         height, width = self.output_size(request)
         grid = self.geometry.grid(height, width)
         cfg = self.uses_guidance(request.guidance)
