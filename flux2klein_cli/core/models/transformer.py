@@ -197,7 +197,7 @@ def swiglu(x: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * value
 
 
-class Linear2(nnx.Module):
+class TimestepEmbedding(nnx.Module):
     """Two linears with an activation between, as diffusers' TimestepEmbedding."""
 
     def __init__(self, d_in: int, d: int, *, dtype: Any, rngs: nnx.Rngs):
@@ -206,6 +206,43 @@ class Linear2(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class TimestepGuidanceEmbeddings(nnx.Module):
+    """diffusers' Flux2TimestepGuidanceEmbeddings without a guidance embedder (klein has none)."""
+
+    def __init__(self, channels: int, d: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.channels, self.dtype = channels, dtype
+        self.timestep_embedder = TimestepEmbedding(channels, d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, t: jax.Array) -> jax.Array:
+        """t (B,) float32 timesteps in 0..1000 -> (B, D), before the SiLU the modulations apply."""
+        return self.timestep_embedder(timestep_embedding(t, self.channels).astype(self.dtype))
+
+
+class Modulation(nnx.Module):
+    """diffusers' Flux2Modulation: `sets` x (shift, scale, gate), each (B, 1, D), from the SiLU'd
+    time embedding."""
+
+    def __init__(self, d: int, sets: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.parts = 3 * sets
+        self.linear = linear(d, self.parts * d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, silu_temb: jax.Array) -> list[jax.Array]:
+        return jnp.split(self.linear(silu_temb)[:, None, :], self.parts, axis=-1)
+
+
+class AdaLayerNormContinuous(nnx.Module):
+    """diffusers' AdaLayerNormContinuous as FLUX.2 uses it: a LayerNorm without affine, then a
+    scale and shift from the SiLU'd time embedding."""
+
+    def __init__(self, d: int, eps: float, *, dtype: Any, rngs: nnx.Rngs):
+        self.eps = eps
+        self.linear = linear(d, 2 * d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, silu_temb: jax.Array) -> jax.Array:
+        scale, shift = jnp.split(self.linear(silu_temb)[:, None, :], 2, axis=-1)
+        return layer_norm(x, self.eps) * (1 + scale) + shift
 
 
 class FeedForward(nnx.Module):
@@ -228,7 +265,8 @@ class JointAttention(nnx.Module):
         self.norm_q, self.norm_k = RMSNorm(hd, config.eps, dtype=dtype), RMSNorm(hd, config.eps, dtype=dtype)
         self.norm_added_q = RMSNorm(hd, config.eps, dtype=dtype)
         self.norm_added_k = RMSNorm(hd, config.eps, dtype=dtype)
-        self.to_out = linear(d, d, dtype=dtype, rngs=rngs)
+        # A list so the path reads to_out.0 like diffusers' (index 1 there is a dropout).
+        self.to_out = nnx.List([linear(d, d, dtype=dtype, rngs=rngs)])
         self.to_add_out = linear(d, d, dtype=dtype, rngs=rngs)
 
     def heads_of(self, x: jax.Array) -> jax.Array:
@@ -244,7 +282,7 @@ class JointAttention(nnx.Module):
         v = jnp.concatenate([self.heads_of(self.add_v_proj(txt)), self.heads_of(self.to_v(img))], axis=1)
         out, ref_kv = joint_attention(apply_rope(q, rope), apply_rope(k, rope), v, mode)
         n_txt = txt.shape[1]
-        return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt]), ref_kv
+        return self.to_out[0](out[:, n_txt:]), self.to_add_out(out[:, :n_txt]), ref_kv
 
 
 class DoubleBlock(nnx.Module):
@@ -312,10 +350,10 @@ class Flux2Transformer(nnx.Module):
             raise ValueError(f"axes_dims_rope {config.axes_dims_rope} must add up to {config.attention_head_dim}")
         d = config.dim
         self.config, self.dtype, self.scan_layers = config, dtype, scan_layers
-        self.timestep_embedder = Linear2(config.timestep_channels, d, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_img = linear(d, 6 * d, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_txt = linear(d, 6 * d, dtype=dtype, rngs=rngs)
-        self.single_stream_modulation = linear(d, 3 * d, dtype=dtype, rngs=rngs)
+        self.time_guidance_embed = TimestepGuidanceEmbeddings(config.timestep_channels, d, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
+        self.single_stream_modulation = Modulation(d, 1, dtype=dtype, rngs=rngs)
         self.x_embedder = linear(config.in_channels, d, dtype=dtype, rngs=rngs)
         self.context_embedder = linear(config.joint_attention_dim, d, dtype=dtype, rngs=rngs)
         self.transformer_blocks = stack_blocks(
@@ -324,7 +362,7 @@ class Flux2Transformer(nnx.Module):
         self.single_transformer_blocks = stack_blocks(
             lambda r: SingleBlock(config, dtype=dtype, rngs=r), config.num_single_layers, rngs
         )
-        self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
+        self.norm_out = AdaLayerNormContinuous(d, config.eps, dtype=dtype, rngs=rngs)
         self.proj_out = linear(d, config.out_channels, dtype=dtype, rngs=rngs)
 
     def reference_kv_shapes(self, tokens: int) -> list[tuple[int, ...]]:
@@ -368,29 +406,26 @@ class Flux2Transformer(nnx.Module):
         return self.extract(refs, img, txt, jnp.zeros((batch,), jnp.float32), rope)[1]
 
     def _embed_time(self, sigma: jax.Array) -> jax.Array:
-        dt = self.dtype
+        """The SiLU'd time embedding that every modulation reads."""
         # The reference casts sigma to the model dtype before scaling it to the 0..1000 range.
-        t = sigma.astype(dt).astype(jnp.float32) * 1000
-        return jax.nn.silu(self.timestep_embedder(timestep_embedding(t, self.config.timestep_channels).astype(dt)))
+        t = sigma.astype(self.dtype).astype(jnp.float32) * 1000
+        return jax.nn.silu(self.time_guidance_embed(t))
 
     def _forward(
         self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, *,
         refs: jax.Array | None = None, cache: ReferenceKV | None = None,
     ) -> tuple[jax.Array, ReferenceKV | None]:
-        dt, eps = self.dtype, self.config.eps
+        dt = self.dtype
         n_txt, n_img, n_ref = txt.shape[1], img.shape[1], 0 if refs is None else refs.shape[1]
+        # 1. Timestep embedding and the modulation parameters of both streams and the single blocks.
         silu_temb = self._embed_time(sigma)
-
-        def chunks(mod: jax.Array, n: int) -> list[jax.Array]:
-            return jnp.split(mod[:, None, :], n, axis=-1)
-
-        mod_img = chunks(self.double_stream_modulation_img(silu_temb), 6)
-        mod_txt = chunks(self.double_stream_modulation_txt(silu_temb), 6)
-        mod_single = chunks(self.single_stream_modulation(silu_temb), 3)
+        mod_img = self.double_stream_modulation_img(silu_temb)
+        mod_txt = self.double_stream_modulation_txt(silu_temb)
+        mod_single = self.single_stream_modulation(silu_temb)
         if refs is not None:  # extract: reference tokens are modulated with timestep 0
             ref_temb = self._embed_time(jnp.zeros_like(sigma))
-            ref_img = chunks(self.double_stream_modulation_img(ref_temb), 6)
-            ref_single = chunks(self.single_stream_modulation(ref_temb), 3)
+            ref_img = self.double_stream_modulation_img(ref_temb)
+            ref_single = self.single_stream_modulation(ref_temb)
             mod_img = [_per_token([(r, n_ref), (m, n_img)]) for r, m in zip(ref_img, mod_img, strict=True)]
             mod_single = [_per_token([(m, n_txt), (r, n_ref), (m, n_img)])
                           for r, m in zip(ref_single, mod_single, strict=True)]
@@ -418,8 +453,7 @@ class Flux2Transformer(nnx.Module):
             self.single_transformer_blocks, jnp.concatenate([txt, img], axis=1), single_step, xs=single_xs,
             scan=self.scan_layers,
         )
-        scale, shift = chunks(self.norm_out(silu_temb), 2)
-        out = layer_norm(x[:, n_txt + n_ref :], eps) * (1 + scale) + shift
+        out = self.norm_out(x[:, n_txt + n_ref :], silu_temb)
         kv = None if refs is None else ReferenceKV(*double_kv, *single_kv)
         return self.proj_out(out), kv
 
@@ -433,25 +467,12 @@ def _per_token(segments: list[tuple[jax.Array, int]]) -> jax.Array:
     return jnp.concatenate([jnp.broadcast_to(m, (m.shape[0], n, m.shape[-1])) for m, n in live], axis=1)
 
 
-def _checkpoint_name(name: str) -> str:
-    """Our dotted parameter names -> diffusers' keys, where the two differ."""
-    name = name.replace("timestep_embedder.", "time_guidance_embed.timestep_embedder.")
-    # Only the double blocks keep `to_out` in a ModuleList (with dropout at index 1).
-    if name.startswith("transformer_blocks.attn.to_out."):
-        name = name.replace(".to_out.", ".to_out.0.")
-    head, _, leaf = name.rpartition(".")
-    if head in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation",
-                "norm_out"):
-        name = f"{head}.linear.{leaf}"
-    return name
-
-
 def transformer_key_plan(model: Flux2Transformer) -> KeyPlan:
     counts = {
         "transformer_blocks": model.config.num_layers,
         "single_transformer_blocks": model.config.num_single_layers,
     }
-    return KeyPlan(plan_from_names(nnx.split(model)[1], counts, _checkpoint_name))
+    return KeyPlan(plan_from_names(nnx.state(model), counts))
 
 
 def load_transformer(
