@@ -33,7 +33,7 @@ from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, stack_blocks
 from flux2klein_cli.core.sharding import model_rule
 from flux2klein_cli.core.weights.configs import pick, read_config
-from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, Layout, TensorSource, load_module, single, stacked
+from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -242,34 +242,16 @@ class Qwen3TextEncoder(nnx.Module):
         return jnp.transpose(feats[:count], (1, 2, 0, 3)).reshape(b, n, count * self.config.hidden_size)
 
 
-# Per-layer parameters: NNX path inside a decoder layer -> (checkpoint suffix, layout).
-_LAYER_PARAMS: dict[tuple[str, ...], tuple[str, Layout]] = {
-    ("input_layernorm", "weight"): ("input_layernorm.weight", "none"),
-    ("post_attention_layernorm", "weight"): ("post_attention_layernorm.weight", "none"),
-    ("self_attn", "q_proj", "kernel"): ("self_attn.q_proj.weight", "linear"),
-    ("self_attn", "k_proj", "kernel"): ("self_attn.k_proj.weight", "linear"),
-    ("self_attn", "v_proj", "kernel"): ("self_attn.v_proj.weight", "linear"),
-    ("self_attn", "o_proj", "kernel"): ("self_attn.o_proj.weight", "linear"),
-    ("self_attn", "q_norm", "weight"): ("self_attn.q_norm.weight", "none"),
-    ("self_attn", "k_norm", "weight"): ("self_attn.k_norm.weight", "none"),
-    ("mlp", "gate_proj", "kernel"): ("mlp.gate_proj.weight", "linear"),
-    ("mlp", "up_proj", "kernel"): ("mlp.up_proj.weight", "linear"),
-    ("mlp", "down_proj", "kernel"): ("mlp.down_proj.weight", "linear"),
-}
-
-
 def qwen3_key_plan(model: Qwen3TextEncoder) -> KeyPlan:
-    """Where each parameter comes from in a transformers Qwen3ForCausalLM checkpoint. The layers
-    past the deepest feature layer, the final norm and the LM head (absent when tied) are known
-    keys that are skipped without being read; any other extra key is still an error."""
+    """Where each parameter comes from in a transformers Qwen3ForCausalLM checkpoint: the tree
+    mirrors its `model.` module. The layers past the deepest feature layer, the final norm and
+    the LM head (absent when tied) are known keys that are skipped without being read; any other
+    extra key is still an error."""
     built, total = model.num_layers, model.config.num_hidden_layers
-    sources: dict[tuple[str, ...], TensorSource] = {
-        ("embed_tokens", "embedding"): single("model.embed_tokens.weight"),
-    }
-    for path, (suffix, layout) in _LAYER_PARAMS.items():
-        sources[("layers", *path)] = stacked((f"model.layers.{i}.{suffix}" for i in range(built)), layout)
+    sources = plan_from_names(nnx.state(model), {"layers": built}, prefix="model.")
+    per_layer = [source.keys[0].removeprefix("model.layers.0.") for source in sources.values() if source.stacked]
     skipped = frozenset(
-        {f"model.layers.{i}.{suffix}" for i in range(built, total) for suffix, _ in _LAYER_PARAMS.values()}
+        {f"model.layers.{i}.{name}" for i in range(built, total) for name in per_layer}
         | {"model.norm.weight", "lm_head.weight"}
     )
     return KeyPlan(sources, ignore=skipped.__contains__)

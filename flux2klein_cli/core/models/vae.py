@@ -25,7 +25,7 @@ from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, dot_product_attention, linear
 from flux2klein_cli.core.weights.configs import read_config
-from flux2klein_cli.core.weights.loader import KeyPlan, Layout, TensorSource, load_module, single
+from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
 
 # diffusers hard-codes these for every norm inside the VAE (the config's batch_norm_eps is
 # only for the latent statistics).
@@ -454,23 +454,11 @@ class Flux2VAE(nnx.Module):
 # ----------------------------------------------------------------------------- weights
 
 
-def _source(path: tuple[Any, ...], ndim: int) -> TensorSource:
-    """The checkpoint key of one NNX path: the same names joined by dots, with NNX's
-    `kernel` called `weight` and its layout changed back from torch's."""
-    *parents, leaf = (str(p) for p in path)
-    layout: Layout = "none"
-    if leaf == "kernel":
-        leaf = "weight"
-        layout = "conv" if ndim == 4 else "linear"
-    return single(".".join([*parents, leaf]), layout)
-
-
 def vae_key_plan(model: Flux2VAE) -> KeyPlan:
-    """Every parameter and running statistic of the model, mapped to its diffusers key."""
-    flat = nnx.to_flat_state(nnx.state(model))
-    sources = {path: _source(path, len(var.get_value().shape)) for path, var in flat}
+    """Every parameter and running statistic of the model, under its diffusers key (the tree
+    mirrors AutoencoderKLFlux2's)."""
     # The step counter of the batch norm is training state, meaningless here.
-    return KeyPlan(sources, ignore=lambda key: key == "bn.num_batches_tracked")
+    return KeyPlan(plan_from_names(nnx.state(model)), ignore=lambda key: key == "bn.num_batches_tracked")
 
 
 def load_vae(directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> Flux2VAE:
