@@ -140,7 +140,9 @@ class Qwen3DecoderLayer(nnx.Module):
         self.mlp = Qwen3MLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        # 1. Pre-norm self-attention, residual.
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        # 2. Pre-norm MLP, residual.
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -210,16 +212,18 @@ class Qwen3TextEncoder(nnx.Module):
         if n > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {n} tokens exceeds max_position_embeddings")
         count = len(self.feature_layers)
+        # 1. Token embeddings.
         h = self.embed_tokens(input_ids.astype(jnp.int32)).astype(self.dtype)
 
+        # 2. The causal mask over real (not padding) keys, and the RoPE tables.
         valid = attention_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((n, n), jnp.bool_))
         mask = causal[None, :, :] & valid[:, None, :]  # keys must be real tokens; queries are all kept
         cos, sin = _rope_tables(n, self.config.head_dim, self.config.rope_theta, self.dtype)
 
-        # The features live in the scan carry: one slot per feature layer plus a scratch slot that
-        # other layers write to, so each step is one in-place slice update instead of emitting every
-        # layer's output (27 x B x L x hidden) and picking three afterwards.
+        # 3. A slot for each feature layer's output. The features live in the scan carry: one slot
+        #    per feature layer plus a scratch slot that other layers write to, so each step is one
+        #    in-place slice update instead of emitting every layer's output and picking three.
         slots = np.full((self.num_layers,), count, np.int32)
         for slot, index in enumerate(self.feature_layers):
             if index > 0:
@@ -237,8 +241,9 @@ class Qwen3TextEncoder(nnx.Module):
             f = jax.lax.dynamic_update_index_in_dim(f, x, slot_of[i], axis=0)
             return (x, f, i + 1), None
 
+        # 4. The decoder layers, in one scan.
         (_, feats, _), _ = run_blocks(self.layers, (h, feats, jnp.int32(0)), step, scan=scan)
-        # (K, B, L, H) -> (B, L, K, H) -> (B, L, K*H): per token, the feature layers side by side.
+        # 5. The features side by side per token: (K, B, L, H) -> (B, L, K, H) -> (B, L, K*H).
         return jnp.transpose(feats[:count], (1, 2, 0, 3)).reshape(b, n, count * self.config.hidden_size)
 
 

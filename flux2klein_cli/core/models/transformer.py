@@ -301,11 +301,14 @@ class DoubleBlock(nnx.Module):
         """`img` is the image stream: [ref, img] tokens when extracting (with per-token `mod_img`)."""
         shift, scale, gate, shift2, scale2, gate2 = mod_img
         c_shift, c_scale, c_gate, c_shift2, c_scale2, c_gate2 = mod_txt
+        # 1. Joint attention over [txt, img] of both modulated streams.
         img_attn, txt_attn, ref_kv = self.attn(
             modulate(img, shift, scale, self.eps), modulate(txt, c_shift, c_scale, self.eps), rope, mode
         )
+        # 2. Image stream: gated attention residual, then the gated feed-forward residual.
         img = img + gate * img_attn
         img = img + gate2 * self.ff(modulate(img, shift2, scale2, self.eps))
+        # 3. Text stream: the same with its own weights.
         txt = txt + c_gate * txt_attn
         txt = txt + c_gate2 * self.ff_context(modulate(txt, c_shift2, c_scale2, self.eps))
         return img, txt, ref_kv
@@ -336,7 +339,9 @@ class SingleBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, mod: list[jax.Array], rope: Rope, mode: RefMode) -> tuple[jax.Array, KV | None]:
         shift, scale, gate = mod
+        # 1. Attention and MLP in parallel from one fused projection of the modulated tokens.
         out, ref_kv = self.attn(modulate(x, shift, scale, self.eps), rope, mode)
+        # 2. The gated residual.
         return x + gate * out, ref_kv
 
 
@@ -422,7 +427,8 @@ class Flux2Transformer(nnx.Module):
         mod_img = self.double_stream_modulation_img(silu_temb)
         mod_txt = self.double_stream_modulation_txt(silu_temb)
         mod_single = self.single_stream_modulation(silu_temb)
-        if refs is not None:  # extract: reference tokens are modulated with timestep 0
+        # 2. Extract only: reference tokens go ahead of the image tokens, modulated with timestep 0.
+        if refs is not None:
             ref_temb = self._embed_time(jnp.zeros_like(sigma))
             ref_img = self.double_stream_modulation_img(ref_temb)
             ref_single = self.single_stream_modulation(ref_temb)
@@ -431,10 +437,13 @@ class Flux2Transformer(nnx.Module):
                           for r, m in zip(ref_single, mod_single, strict=True)]
             img = jnp.concatenate([refs.astype(img.dtype), img], axis=1)
 
+        # 3. Input projections of the image (and reference) tokens and the text features.
         seq = tokens(img.shape[0])
         img = constrain(self.x_embedder(img.astype(dt)), BATCH_AXES, seq, None)
         txt = constrain(self.context_embedder(txt.astype(dt)), BATCH_AXES, None, None)
 
+        # 4. Double-stream blocks: each stream its own weights, one joint attention (cached
+        #    reference K / V enter per block as scan inputs).
         def double_step(block: DoubleBlock, carry: tuple[jax.Array, jax.Array], kv: KV | None = None) -> Any:
             img, txt, ref_kv = block(*carry, mod_img, mod_txt, rope, RefMode(n_txt, n_ref, kv))
             return (constrain(img, BATCH_AXES, seq, None), constrain(txt, BATCH_AXES, None, None)), ref_kv
@@ -444,6 +453,7 @@ class Flux2Transformer(nnx.Module):
             self.transformer_blocks, (img, txt), double_step, xs=double_xs, scan=self.scan_layers
         )
 
+        # 5. Single-stream blocks over the joint sequence [txt, (ref,) img].
         def single_step(block: SingleBlock, x: jax.Array, kv: KV | None = None) -> Any:
             x, ref_kv = block(x, mod_single, rope, RefMode(n_txt, n_ref, kv))
             return constrain(x, BATCH_AXES, seq, None), ref_kv
@@ -453,6 +463,7 @@ class Flux2Transformer(nnx.Module):
             self.single_transformer_blocks, jnp.concatenate([txt, img], axis=1), single_step, xs=single_xs,
             scan=self.scan_layers,
         )
+        # 6. Output layers on the image tokens: the modulated LayerNorm, then the projection.
         out = self.norm_out(x[:, n_txt + n_ref :], silu_temb)
         kv = None if refs is None else ReferenceKV(*double_kv, *single_kv)
         return self.proj_out(out), kv

@@ -432,10 +432,12 @@ class Flux2VAE(nnx.Module):
         f = self.config.spatial_factor
         if h % f or w % f:
             raise ValueError(f"VAE encode needs height and width divisible by {f}, got {h}x{w}")
+        # 1. The encoder, then quant_conv: the posterior's mean and log-variance.
         moments = self.encoder(pixels.astype(self.dtype))
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
-        mean = moments[..., : self.config.latent_channels]  # the rest is the log-variance
+        # 2. The mean alone (no sampling), 2x2-patchified and normalised by the latent statistics.
+        mean = moments[..., : self.config.latent_channels]
         return self.bn.normalize(patchify(mean))
 
     def decode(self, latents: jax.Array) -> jax.Array:
@@ -445,7 +447,9 @@ class Flux2VAE(nnx.Module):
             raise ValueError(
                 f"VAE decode expects {self.config.patched_channels} latent channels, got {latents.shape[-1]}"
             )
+        # 1. Undo the normalisation and the 2x2 patches.
         z = unpatchify(self.bn.denormalize(latents)).astype(self.dtype)
+        # 2. post_quant_conv, then the decoder.
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
         return self.decoder(z).astype(jnp.float32)
