@@ -59,7 +59,7 @@ def main(runs: list[tuple[str, str]], meshes: list[str]) -> None:
             pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=mesh)
             kernel = pipeline.models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
             qkv = pipeline.models.transformer.single_transformer_blocks.attn.to_qkv_mlp_proj.kernel.get_value()
-            out_kernel = pipeline.models.transformer.transformer_blocks.attn.to_out.kernel.get_value()
+            out_kernel = pipeline.models.transformer.transformer_blocks.attn.to_out[0].kernel.get_value()
             assert isinstance(kernel.sharding, NamedSharding)
             for name, request in requests(kind, batch).items():
                 images = postprocess(pipeline(request).images)

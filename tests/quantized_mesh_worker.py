@@ -56,7 +56,7 @@ def main(plain: str, kv: str, meshes: list[str]) -> None:
             pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=make_mesh(spec))
             seen, wrong = zip(*(scale_mismatches(m) for m in (pipeline.models.transformer,
                                                               pipeline.models.text_encoder)), strict=True)
-            scale = pipeline.models.transformer.transformer_blocks.attn.to_out.scale.get_value()
+            scale = pipeline.models.transformer.transformer_blocks.attn.to_out[0].scale.get_value()
             for name, request in named.items():
                 images = postprocess(pipeline(request).images)
                 diff = int(np.abs(images.astype(int) - expected[name, batch].astype(int)).max())

@@ -239,3 +239,6 @@ def test_fsdp_rule_splits_the_largest_divisible_dimension() -> None:
     assert parameter_spec(mesh, ("embed_tokens", "embedding"), (151936, 4096)) == Spec(None, "fsdp")
     assert parameter_spec(mesh, ("norm", "scale"), (3072,)) == Spec(None) and parameter_spec(
         mesh, ("proj", "kernel"), (5, 7)) == Spec(None, None)
+    # an item of a module list (diffusers' `to_out.0`) is ruled by the list's name: row parallel
+    to_out = ("transformer_blocks", "attn", "to_out", "0", "kernel")
+    assert parameter_spec(AbstractMesh((1, 2, 2, 1), MESH_AXES), to_out, (8, 64, 64)) == Spec(None, "tensor", "fsdp")

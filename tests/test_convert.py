@@ -454,22 +454,20 @@ def test_verify_finds_damaged_parameter_bytes(converted: Path, tmp_path: Path) -
         flat_store.verify(flat)
 
 
-def test_version_1_orbax_directories_still_load(converted_orbax: Path, tmp_path: Path) -> None:
-    """Directories converted before the flat layout (format flux2klein-orbax, version 1, no layout field)."""
+@pytest.mark.parametrize("fmt, version", [("flux2klein-converted", 2), ("flux2klein-orbax", 1)])
+def test_older_converted_directories_ask_to_convert_again(converted: Path, tmp_path: Path, fmt: str,
+                                                           version: int) -> None:
+    """Stored arrays are named by the models' parameter paths; directories written before the
+    transformer's tree mirrored diffusers' (format versions 1 and 2) are refused in one line, exit 2."""
     old = tmp_path / "old"
-    shutil.copytree(converted_orbax, old)
+    shutil.copytree(converted, old)
     manifest = json.loads((old / CONVERTED_MANIFEST).read_text())
-    manifest.update(format="flux2klein-orbax", format_version=1)
-    del manifest["layout"]
-    for entry in manifest["components"].values():
-        del entry["layout"]
+    manifest.update(format=fmt, format_version=version)
     (old / CONVERTED_MANIFEST).write_text(json.dumps(manifest))
-    assert Snapshot.open(old).converted
-    vae = load_component("vae", old, dtype=jnp.bfloat16)
-    reference = load_component("vae", converted_orbax, dtype=jnp.bfloat16)
-    for (_, a), (_, b) in zip(nnx.to_flat_state(nnx.state(vae)), nnx.to_flat_state(nnx.state(reference)),
-                              strict=True):
-        assert np.array_equal(np.asarray(a.get_value()).view(np.uint8), np.asarray(b.get_value()).view(np.uint8))
+    result = cli("inspect", str(old))
+    assert result.exit_code == 2
+    assert f"format version {version}" in result.stderr and "convert the source snapshot again" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_flat_files_written_in_small_pieces_are_the_same(source: Path, converted: Path, tmp_path: Path,

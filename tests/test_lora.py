@@ -61,7 +61,7 @@ def test_lora_layouts_give_the_same_weights_and_change_them(transformer_dir: Pat
         path = write_random_lora(tmp_path / f"{layout}.safetensors", transformer_dir, layout, rank=4, alpha=2.0)
         results[layout] = merged(transformer_dir, LoraSpec(str(path), 0.5))
     changed = [k for k in base if not np.array_equal(base[k], results["bfl"][k])]
-    assert "transformer_blocks.attn.to_q.kernel" in changed and "norm_out.kernel" in changed
+    assert "transformer_blocks.attn.to_q.kernel" in changed and "norm_out.linear.kernel" in changed
     for layout in ("kohya", "peft"):
         for key in base:
             np.testing.assert_allclose(results[layout][key], results["bfl"][key], rtol=0, atol=1e-6, err_msg=key)
@@ -81,7 +81,7 @@ def test_final_layer_delta_swaps_halves_like_the_weight(transformer_dir: Path, t
     bfl_delta = up @ down
     half = bfl_delta.shape[0] // 2  # BFL rows: shift, scale; diffusers rows: scale, shift
     expected = np.concatenate([bfl_delta[half:], bfl_delta[:half]]).T
-    np.testing.assert_allclose(ours["norm_out.kernel"] - base["norm_out.kernel"], expected, atol=1e-6)
+    np.testing.assert_allclose(ours["norm_out.linear.kernel"] - base["norm_out.linear.kernel"], expected, atol=1e-6)
 
 
 def test_lokr_layouts_merge_kronecker_products(transformer_dir: Path, tmp_path: Path) -> None:

@@ -114,6 +114,9 @@ def test_manifest_stored_dtypes_and_kept_layers(pair: tuple[Path, Path]) -> None
                 assert np.linalg.norm(dequant - ref) / np.linalg.norm(ref) < 0.01
             else:  # norms, modulation, embedders, final layers: the bf16 bits
                 assert b[key].dtype == a[key].dtype and np.array_equal(b[key].view(np.uint8), a[key].view(np.uint8))
+        if name == "transformer":  # by name: every block linear (to_out.0 too), no modulation or final layer
+            assert "transformer_blocks.attn.to_out.0.scale" in scales
+            assert not {k for k in scales if k.startswith(("double_stream_modulation", "norm_out", "proj_out"))}
         swapped = [m for p, m in nnx.iter_modules(quant) if p and p[-1] in ("to_q", "q_proj")]
         assert swapped and all(isinstance(m, QuantizedLinear) for m in swapped)
 

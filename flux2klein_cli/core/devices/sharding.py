@@ -83,7 +83,8 @@ def _fits(mesh: Mesh, spec: list[str | None], shape: tuple[int, ...]) -> Partiti
 def parameter_spec(mesh: Mesh, path: tuple[str, ...], shape: tuple[int, ...]) -> PartitionSpec:
     """The PartitionSpec of one transformer or text-encoder parameter."""
     names = [str(p) for p in path]
-    leaf, module = names[-1], names[-2] if len(names) > 1 else ""
+    # The module is the last name that is not a list index (`to_out.0.kernel` is to_out's).
+    leaf, module = names[-1], next((n for n in reversed(names[:-1]) if not n.isdigit()), "")
     first = 1 if names[0] in STACKED else 0  # the scan's layer axis stays whole
     spec: list[str | None] = [None] * len(shape)
     if leaf == "embedding" and len(shape) == 2:

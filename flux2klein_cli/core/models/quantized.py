@@ -109,19 +109,27 @@ def quantize_abstract(model: nnx.Module, scheme: str | None) -> nnx.Module:
     for path in quantized_linear_paths(model):
         linear = modules[path]
         kernel = linear.kernel.get_value()
-        parent = modules[path[:-1]] if len(path) > 1 else model
-        setattr(parent, path[-1], QuantizedLinear(
+        _replace(modules[path[:-1]] if len(path) > 1 else model, path[-1], QuantizedLinear(
             nnx.Param(jax.ShapeDtypeStruct(kernel.shape, jnp.int8)),
             nnx.Param(jax.ShapeDtypeStruct((*kernel.shape[:-2], kernel.shape[-1]), SCALE_DTYPE)),
             linear.bias if getattr(linear, "bias", None) is not None else None,
         ))
     for path in quantized_embed_paths(model):
         table = modules[path].embedding.get_value()
-        parent = modules[path[:-1]] if len(path) > 1 else model
-        setattr(parent, path[-1], QuantizedEmbed(nnx.Param(jax.ShapeDtypeStruct(table.shape, jnp.int8)),
-                                                 nnx.Param(jax.ShapeDtypeStruct(table.shape[:1], SCALE_DTYPE)),
-                                                 modules[path].dtype))
+        _replace(modules[path[:-1]] if len(path) > 1 else model, path[-1], QuantizedEmbed(
+            nnx.Param(jax.ShapeDtypeStruct(table.shape, jnp.int8)),
+            nnx.Param(jax.ShapeDtypeStruct(table.shape[:1], SCALE_DTYPE)),
+            modules[path].dtype,
+        ))
     return model
+
+
+def _replace(parent: nnx.Module, name: str, module: nnx.Module) -> None:
+    """Swap the child `name` of `parent`: an attribute, or an item of an nnx.List (`to_out.0`)."""
+    if isinstance(parent, nnx.List):
+        parent[int(name)] = module
+    else:
+        setattr(parent, name, module)
 
 
 def quantize_weights(w: Any) -> tuple[Any, Any]:

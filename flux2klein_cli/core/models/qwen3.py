@@ -33,7 +33,7 @@ from flux2klein_cli.core.devices.sharding import model_rule
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, stack_blocks
 from flux2klein_cli.core.weights.configs import pick, read_config
-from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, Layout, TensorSource, load_module, single, stacked
+from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -140,7 +140,9 @@ class Qwen3DecoderLayer(nnx.Module):
         self.mlp = Qwen3MLP(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array) -> jax.Array:
+        # 1. Pre-norm self-attention, residual.
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        # 2. Pre-norm MLP, residual.
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -210,16 +212,18 @@ class Qwen3TextEncoder(nnx.Module):
         if n > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {n} tokens exceeds max_position_embeddings")
         count = len(self.feature_layers)
+        # 1. Token embeddings.
         h = self.embed_tokens(input_ids.astype(jnp.int32)).astype(self.dtype)
 
+        # 2. The causal mask over real (not padding) keys, and the RoPE tables.
         valid = attention_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((n, n), jnp.bool_))
         mask = causal[None, :, :] & valid[:, None, :]  # keys must be real tokens; queries are all kept
         cos, sin = _rope_tables(n, self.config.head_dim, self.config.rope_theta, self.dtype)
 
-        # The features live in the scan carry: one slot per feature layer plus a scratch slot that
-        # other layers write to, so each step is one in-place slice update instead of emitting every
-        # layer's output (27 x B x L x hidden) and picking three afterwards.
+        # 3. A slot for each feature layer's output. The features live in the scan carry: one slot
+        #    per feature layer plus a scratch slot that other layers write to, so each step is one
+        #    in-place slice update instead of emitting every layer's output and picking three.
         slots = np.full((self.num_layers,), count, np.int32)
         for slot, index in enumerate(self.feature_layers):
             if index > 0:
@@ -237,39 +241,22 @@ class Qwen3TextEncoder(nnx.Module):
             f = jax.lax.dynamic_update_index_in_dim(f, x, slot_of[i], axis=0)
             return (x, f, i + 1), None
 
+        # 4. The decoder layers, in one scan.
         (_, feats, _), _ = run_blocks(self.layers, (h, feats, jnp.int32(0)), step, scan=scan)
-        # (K, B, L, H) -> (B, L, K, H) -> (B, L, K*H): per token, the feature layers side by side.
+        # 5. The features side by side per token: (K, B, L, H) -> (B, L, K, H) -> (B, L, K*H).
         return jnp.transpose(feats[:count], (1, 2, 0, 3)).reshape(b, n, count * self.config.hidden_size)
 
 
-# Per-layer parameters: NNX path inside a decoder layer -> (checkpoint suffix, layout).
-_LAYER_PARAMS: dict[tuple[str, ...], tuple[str, Layout]] = {
-    ("input_layernorm", "weight"): ("input_layernorm.weight", "none"),
-    ("post_attention_layernorm", "weight"): ("post_attention_layernorm.weight", "none"),
-    ("self_attn", "q_proj", "kernel"): ("self_attn.q_proj.weight", "linear"),
-    ("self_attn", "k_proj", "kernel"): ("self_attn.k_proj.weight", "linear"),
-    ("self_attn", "v_proj", "kernel"): ("self_attn.v_proj.weight", "linear"),
-    ("self_attn", "o_proj", "kernel"): ("self_attn.o_proj.weight", "linear"),
-    ("self_attn", "q_norm", "weight"): ("self_attn.q_norm.weight", "none"),
-    ("self_attn", "k_norm", "weight"): ("self_attn.k_norm.weight", "none"),
-    ("mlp", "gate_proj", "kernel"): ("mlp.gate_proj.weight", "linear"),
-    ("mlp", "up_proj", "kernel"): ("mlp.up_proj.weight", "linear"),
-    ("mlp", "down_proj", "kernel"): ("mlp.down_proj.weight", "linear"),
-}
-
-
 def qwen3_key_plan(model: Qwen3TextEncoder) -> KeyPlan:
-    """Where each parameter comes from in a transformers Qwen3ForCausalLM checkpoint. The layers
-    past the deepest feature layer, the final norm and the LM head (absent when tied) are known
-    keys that are skipped without being read; any other extra key is still an error."""
+    """Where each parameter comes from in a transformers Qwen3ForCausalLM checkpoint: the tree
+    mirrors its `model.` module. The layers past the deepest feature layer, the final norm and
+    the LM head (absent when tied) are known keys that are skipped without being read; any other
+    extra key is still an error."""
     built, total = model.num_layers, model.config.num_hidden_layers
-    sources: dict[tuple[str, ...], TensorSource] = {
-        ("embed_tokens", "embedding"): single("model.embed_tokens.weight"),
-    }
-    for path, (suffix, layout) in _LAYER_PARAMS.items():
-        sources[("layers", *path)] = stacked((f"model.layers.{i}.{suffix}" for i in range(built)), layout)
+    sources = plan_from_names(nnx.state(model), {"layers": built}, prefix="model.")
+    per_layer = [source.keys[0].removeprefix("model.layers.0.") for source in sources.values() if source.stacked]
     skipped = frozenset(
-        {f"model.layers.{i}.{suffix}" for i in range(built, total) for suffix, _ in _LAYER_PARAMS.values()}
+        {f"model.layers.{i}.{name}" for i in range(built, total) for name in per_layer}
         | {"model.norm.weight", "lm_head.weight"}
     )
     return KeyPlan(sources, ignore=skipped.__contains__)

@@ -197,7 +197,7 @@ def swiglu(x: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * value
 
 
-class Linear2(nnx.Module):
+class TimestepEmbedding(nnx.Module):
     """Two linears with an activation between, as diffusers' TimestepEmbedding."""
 
     def __init__(self, d_in: int, d: int, *, dtype: Any, rngs: nnx.Rngs):
@@ -206,6 +206,43 @@ class Linear2(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.linear_2(jax.nn.silu(self.linear_1(x)))
+
+
+class TimestepGuidanceEmbeddings(nnx.Module):
+    """diffusers' Flux2TimestepGuidanceEmbeddings without a guidance embedder (klein has none)."""
+
+    def __init__(self, channels: int, d: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.channels, self.dtype = channels, dtype
+        self.timestep_embedder = TimestepEmbedding(channels, d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, t: jax.Array) -> jax.Array:
+        """t (B,) float32 timesteps in 0..1000 -> (B, D), before the SiLU the modulations apply."""
+        return self.timestep_embedder(timestep_embedding(t, self.channels).astype(self.dtype))
+
+
+class Modulation(nnx.Module):
+    """diffusers' Flux2Modulation: `sets` x (shift, scale, gate), each (B, 1, D), from the SiLU'd
+    time embedding."""
+
+    def __init__(self, d: int, sets: int, *, dtype: Any, rngs: nnx.Rngs):
+        self.parts = 3 * sets
+        self.linear = linear(d, self.parts * d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, silu_temb: jax.Array) -> list[jax.Array]:
+        return jnp.split(self.linear(silu_temb)[:, None, :], self.parts, axis=-1)
+
+
+class AdaLayerNormContinuous(nnx.Module):
+    """diffusers' AdaLayerNormContinuous as FLUX.2 uses it: a LayerNorm without affine, then a
+    scale and shift from the SiLU'd time embedding."""
+
+    def __init__(self, d: int, eps: float, *, dtype: Any, rngs: nnx.Rngs):
+        self.eps = eps
+        self.linear = linear(d, 2 * d, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, silu_temb: jax.Array) -> jax.Array:
+        scale, shift = jnp.split(self.linear(silu_temb)[:, None, :], 2, axis=-1)
+        return layer_norm(x, self.eps) * (1 + scale) + shift
 
 
 class FeedForward(nnx.Module):
@@ -220,15 +257,16 @@ class FeedForward(nnx.Module):
 class JointAttention(nnx.Module):
     """Projections of the double block: image stream (to_*) and text stream (add_*)."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        d, hd = cfg.dim, cfg.attention_head_dim
-        self.heads = cfg.num_attention_heads
+    def __init__(self, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        d, hd = config.dim, config.attention_head_dim
+        self.heads = config.num_attention_heads
         self.to_q, self.to_k, self.to_v = (linear(d, d, dtype=dtype, rngs=rngs) for _ in range(3))
         self.add_q_proj, self.add_k_proj, self.add_v_proj = (linear(d, d, dtype=dtype, rngs=rngs) for _ in range(3))
-        self.norm_q, self.norm_k = RMSNorm(hd, cfg.eps, dtype=dtype), RMSNorm(hd, cfg.eps, dtype=dtype)
-        self.norm_added_q = RMSNorm(hd, cfg.eps, dtype=dtype)
-        self.norm_added_k = RMSNorm(hd, cfg.eps, dtype=dtype)
-        self.to_out = linear(d, d, dtype=dtype, rngs=rngs)
+        self.norm_q, self.norm_k = RMSNorm(hd, config.eps, dtype=dtype), RMSNorm(hd, config.eps, dtype=dtype)
+        self.norm_added_q = RMSNorm(hd, config.eps, dtype=dtype)
+        self.norm_added_k = RMSNorm(hd, config.eps, dtype=dtype)
+        # A list so the path reads to_out.0 like diffusers' (index 1 there is a dropout).
+        self.to_out = nnx.List([linear(d, d, dtype=dtype, rngs=rngs)])
         self.to_add_out = linear(d, d, dtype=dtype, rngs=rngs)
 
     def heads_of(self, x: jax.Array) -> jax.Array:
@@ -244,17 +282,17 @@ class JointAttention(nnx.Module):
         v = jnp.concatenate([self.heads_of(self.add_v_proj(txt)), self.heads_of(self.to_v(img))], axis=1)
         out, ref_kv = joint_attention(apply_rope(q, rope), apply_rope(k, rope), v, mode)
         n_txt = txt.shape[1]
-        return self.to_out(out[:, n_txt:]), self.to_add_out(out[:, :n_txt]), ref_kv
+        return self.to_out[0](out[:, n_txt:]), self.to_add_out(out[:, :n_txt]), ref_kv
 
 
 class DoubleBlock(nnx.Module):
     """Separate image and text weights, one joint attention over [txt, img]."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        self.eps = cfg.eps
-        self.attn = JointAttention(cfg, dtype=dtype, rngs=rngs)
-        self.ff = FeedForward(cfg.dim, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
-        self.ff_context = FeedForward(cfg.dim, cfg.mlp_hidden, dtype=dtype, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        self.eps = config.eps
+        self.attn = JointAttention(config, dtype=dtype, rngs=rngs)
+        self.ff = FeedForward(config.dim, config.mlp_hidden, dtype=dtype, rngs=rngs)
+        self.ff_context = FeedForward(config.dim, config.mlp_hidden, dtype=dtype, rngs=rngs)
 
     def __call__(
         self, img: jax.Array, txt: jax.Array, mod_img: list[jax.Array], mod_txt: list[jax.Array], rope: Rope,
@@ -263,11 +301,14 @@ class DoubleBlock(nnx.Module):
         """`img` is the image stream: [ref, img] tokens when extracting (with per-token `mod_img`)."""
         shift, scale, gate, shift2, scale2, gate2 = mod_img
         c_shift, c_scale, c_gate, c_shift2, c_scale2, c_gate2 = mod_txt
+        # 1. Joint attention over [txt, img] of both modulated streams.
         img_attn, txt_attn, ref_kv = self.attn(
             modulate(img, shift, scale, self.eps), modulate(txt, c_shift, c_scale, self.eps), rope, mode
         )
+        # 2. Image stream: gated attention residual, then the gated feed-forward residual.
         img = img + gate * img_attn
         img = img + gate2 * self.ff(modulate(img, shift2, scale2, self.eps))
+        # 3. Text stream: the same with its own weights.
         txt = txt + c_gate * txt_attn
         txt = txt + c_gate2 * self.ff_context(modulate(txt, c_shift2, c_scale2, self.eps))
         return img, txt, ref_kv
@@ -276,12 +317,12 @@ class DoubleBlock(nnx.Module):
 class ParallelAttention(nnx.Module):
     """The single block's fused projection: qkv and the MLP input in one matmul, one output matmul."""
 
-    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        d, hd = cfg.dim, cfg.attention_head_dim
-        self.heads, self.dim = cfg.num_attention_heads, d
-        self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * cfg.mlp_hidden, dtype=dtype, rngs=rngs)
-        self.norm_q, self.norm_k = RMSNorm(hd, cfg.eps, dtype=dtype), RMSNorm(hd, cfg.eps, dtype=dtype)
-        self.to_out = linear(d + cfg.mlp_hidden, d, dtype=dtype, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        d, hd = config.dim, config.attention_head_dim
+        self.heads, self.dim = config.num_attention_heads, d
+        self.to_qkv_mlp_proj = linear(d, 3 * d + 2 * config.mlp_hidden, dtype=dtype, rngs=rngs)
+        self.norm_q, self.norm_k = RMSNorm(hd, config.eps, dtype=dtype), RMSNorm(hd, config.eps, dtype=dtype)
+        self.to_out = linear(d + config.mlp_hidden, d, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, rope: Rope, mode: RefMode) -> tuple[jax.Array, KV | None]:
         proj = self.to_qkv_mlp_proj(x)
@@ -292,51 +333,53 @@ class ParallelAttention(nnx.Module):
 
 
 class SingleBlock(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        self.eps = cfg.eps
-        self.attn = ParallelAttention(cfg, dtype=dtype, rngs=rngs)
+    def __init__(self, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
+        self.eps = config.eps
+        self.attn = ParallelAttention(config, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, mod: list[jax.Array], rope: Rope, mode: RefMode) -> tuple[jax.Array, KV | None]:
         shift, scale, gate = mod
+        # 1. Attention and MLP in parallel from one fused projection of the modulated tokens.
         out, ref_kv = self.attn(modulate(x, shift, scale, self.eps), rope, mode)
+        # 2. The gated residual.
         return x + gate * out, ref_kv
 
 
 class Flux2Transformer(nnx.Module):
     def __init__(
-        self, cfg: TransformerConfig, *, dtype: Any = jnp.bfloat16, scan_layers: bool = True, rngs: nnx.Rngs
+        self, config: TransformerConfig, *, dtype: Any = jnp.bfloat16, scan_layers: bool = True, rngs: nnx.Rngs
     ):
-        if cfg.guidance_embeds:
+        if config.guidance_embeds:
             raise ValueError("guidance-embedding transformers are FLUX.2 [dev], not [klein]")
-        if sum(cfg.axes_dims_rope) != cfg.attention_head_dim:
-            raise ValueError(f"axes_dims_rope {cfg.axes_dims_rope} must add up to {cfg.attention_head_dim}")
-        d = cfg.dim
-        self.cfg, self.dtype, self.scan_layers = cfg, dtype, scan_layers
-        self.timestep_embedder = Linear2(cfg.timestep_channels, d, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_img = linear(d, 6 * d, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_txt = linear(d, 6 * d, dtype=dtype, rngs=rngs)
-        self.single_stream_modulation = linear(d, 3 * d, dtype=dtype, rngs=rngs)
-        self.x_embedder = linear(cfg.in_channels, d, dtype=dtype, rngs=rngs)
-        self.context_embedder = linear(cfg.joint_attention_dim, d, dtype=dtype, rngs=rngs)
+        if sum(config.axes_dims_rope) != config.attention_head_dim:
+            raise ValueError(f"axes_dims_rope {config.axes_dims_rope} must add up to {config.attention_head_dim}")
+        d = config.dim
+        self.config, self.dtype, self.scan_layers = config, dtype, scan_layers
+        self.time_guidance_embed = TimestepGuidanceEmbeddings(config.timestep_channels, d, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
+        self.single_stream_modulation = Modulation(d, 1, dtype=dtype, rngs=rngs)
+        self.x_embedder = linear(config.in_channels, d, dtype=dtype, rngs=rngs)
+        self.context_embedder = linear(config.joint_attention_dim, d, dtype=dtype, rngs=rngs)
         self.transformer_blocks = stack_blocks(
-            lambda r: DoubleBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers, rngs
+            lambda r: DoubleBlock(config, dtype=dtype, rngs=r), config.num_layers, rngs
         )
         self.single_transformer_blocks = stack_blocks(
-            lambda r: SingleBlock(cfg, dtype=dtype, rngs=r), cfg.num_single_layers, rngs
+            lambda r: SingleBlock(config, dtype=dtype, rngs=r), config.num_single_layers, rngs
         )
-        self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
-        self.proj_out = linear(d, cfg.out_channels, dtype=dtype, rngs=rngs)
+        self.norm_out = AdaLayerNormContinuous(d, config.eps, dtype=dtype, rngs=rngs)
+        self.proj_out = linear(d, config.out_channels, dtype=dtype, rngs=rngs)
 
     def reference_kv_shapes(self, tokens: int) -> list[tuple[int, ...]]:
         """The shapes of a batch-1 ReferenceKV over `tokens` reference tokens, field by field."""
-        cfg = self.cfg
-        per_block = (1, tokens, cfg.num_attention_heads, cfg.attention_head_dim)
-        double, single = (cfg.num_layers, *per_block), (cfg.num_single_layers, *per_block)
+        config = self.config
+        per_block = (1, tokens, config.num_attention_heads, config.attention_head_dim)
+        double, single = (config.num_layers, *per_block), (config.num_single_layers, *per_block)
         return [double, double, single, single]
 
     def rope(self, txt_ids: np.ndarray, img_ids: np.ndarray) -> Rope:
         """RoPE tables for the joint sequence [txt, img] from (T, 4) and (N, 4) position ids."""
-        cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.cfg.axes_dims_rope, self.cfg.rope_theta)
+        cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.config.axes_dims_rope, self.config.rope_theta)
         return jax.device_put(cos), jax.device_put(sin)  # jnp.asarray would compile a copy program
 
     def __call__(
@@ -363,43 +406,44 @@ class Flux2Transformer(nnx.Module):
         timestep 0, so their K / V do not depend on the prompt, the noise, the step or the
         output size: this is the extract step without text or image tokens."""
         batch = refs.shape[0]
-        img = jnp.zeros((batch, 0, self.cfg.in_channels), refs.dtype)
-        txt = jnp.zeros((batch, 0, self.cfg.joint_attention_dim), self.dtype)
+        img = jnp.zeros((batch, 0, self.config.in_channels), refs.dtype)
+        txt = jnp.zeros((batch, 0, self.config.joint_attention_dim), self.dtype)
         return self.extract(refs, img, txt, jnp.zeros((batch,), jnp.float32), rope)[1]
 
     def _embed_time(self, sigma: jax.Array) -> jax.Array:
-        dt = self.dtype
+        """The SiLU'd time embedding that every modulation reads."""
         # The reference casts sigma to the model dtype before scaling it to the 0..1000 range.
-        t = sigma.astype(dt).astype(jnp.float32) * 1000
-        return jax.nn.silu(self.timestep_embedder(timestep_embedding(t, self.cfg.timestep_channels).astype(dt)))
+        t = sigma.astype(self.dtype).astype(jnp.float32) * 1000
+        return jax.nn.silu(self.time_guidance_embed(t))
 
     def _forward(
         self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, *,
         refs: jax.Array | None = None, cache: ReferenceKV | None = None,
     ) -> tuple[jax.Array, ReferenceKV | None]:
-        dt, eps = self.dtype, self.cfg.eps
+        dt = self.dtype
         n_txt, n_img, n_ref = txt.shape[1], img.shape[1], 0 if refs is None else refs.shape[1]
+        # 1. Timestep embedding and the modulation parameters of both streams and the single blocks.
         silu_temb = self._embed_time(sigma)
-
-        def chunks(mod: jax.Array, n: int) -> list[jax.Array]:
-            return jnp.split(mod[:, None, :], n, axis=-1)
-
-        mod_img = chunks(self.double_stream_modulation_img(silu_temb), 6)
-        mod_txt = chunks(self.double_stream_modulation_txt(silu_temb), 6)
-        mod_single = chunks(self.single_stream_modulation(silu_temb), 3)
-        if refs is not None:  # extract: reference tokens are modulated with timestep 0
+        mod_img = self.double_stream_modulation_img(silu_temb)
+        mod_txt = self.double_stream_modulation_txt(silu_temb)
+        mod_single = self.single_stream_modulation(silu_temb)
+        # 2. Extract only: reference tokens go ahead of the image tokens, modulated with timestep 0.
+        if refs is not None:
             ref_temb = self._embed_time(jnp.zeros_like(sigma))
-            ref_img = chunks(self.double_stream_modulation_img(ref_temb), 6)
-            ref_single = chunks(self.single_stream_modulation(ref_temb), 3)
+            ref_img = self.double_stream_modulation_img(ref_temb)
+            ref_single = self.single_stream_modulation(ref_temb)
             mod_img = [_per_token([(r, n_ref), (m, n_img)]) for r, m in zip(ref_img, mod_img, strict=True)]
             mod_single = [_per_token([(m, n_txt), (r, n_ref), (m, n_img)])
                           for r, m in zip(ref_single, mod_single, strict=True)]
             img = jnp.concatenate([refs.astype(img.dtype), img], axis=1)
 
+        # 3. Input projections of the image (and reference) tokens and the text features.
         seq = tokens(img.shape[0])
         img = constrain(self.x_embedder(img.astype(dt)), BATCH_AXES, seq, None)
         txt = constrain(self.context_embedder(txt.astype(dt)), BATCH_AXES, None, None)
 
+        # 4. Double-stream blocks: each stream its own weights, one joint attention (cached
+        #    reference K / V enter per block as scan inputs).
         def double_step(block: DoubleBlock, carry: tuple[jax.Array, jax.Array], kv: KV | None = None) -> Any:
             img, txt, ref_kv = block(*carry, mod_img, mod_txt, rope, RefMode(n_txt, n_ref, kv))
             return (constrain(img, BATCH_AXES, seq, None), constrain(txt, BATCH_AXES, None, None)), ref_kv
@@ -409,6 +453,7 @@ class Flux2Transformer(nnx.Module):
             self.transformer_blocks, (img, txt), double_step, xs=double_xs, scan=self.scan_layers
         )
 
+        # 5. Single-stream blocks over the joint sequence [txt, (ref,) img].
         def single_step(block: SingleBlock, x: jax.Array, kv: KV | None = None) -> Any:
             x, ref_kv = block(x, mod_single, rope, RefMode(n_txt, n_ref, kv))
             return constrain(x, BATCH_AXES, seq, None), ref_kv
@@ -418,8 +463,8 @@ class Flux2Transformer(nnx.Module):
             self.single_transformer_blocks, jnp.concatenate([txt, img], axis=1), single_step, xs=single_xs,
             scan=self.scan_layers,
         )
-        scale, shift = chunks(self.norm_out(silu_temb), 2)
-        out = layer_norm(x[:, n_txt + n_ref :], eps) * (1 + scale) + shift
+        # 6. Output layers on the image tokens: the modulated LayerNorm, then the projection.
+        out = self.norm_out(x[:, n_txt + n_ref :], silu_temb)
         kv = None if refs is None else ReferenceKV(*double_kv, *single_kv)
         return self.proj_out(out), kv
 
@@ -433,25 +478,12 @@ def _per_token(segments: list[tuple[jax.Array, int]]) -> jax.Array:
     return jnp.concatenate([jnp.broadcast_to(m, (m.shape[0], n, m.shape[-1])) for m, n in live], axis=1)
 
 
-def _checkpoint_name(name: str) -> str:
-    """Our dotted parameter names -> diffusers' keys, where the two differ."""
-    name = name.replace("timestep_embedder.", "time_guidance_embed.timestep_embedder.")
-    # Only the double blocks keep `to_out` in a ModuleList (with dropout at index 1).
-    if name.startswith("transformer_blocks.attn.to_out."):
-        name = name.replace(".to_out.", ".to_out.0.")
-    head, _, leaf = name.rpartition(".")
-    if head in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation",
-                "norm_out"):
-        name = f"{head}.linear.{leaf}"
-    return name
-
-
 def transformer_key_plan(model: Flux2Transformer) -> KeyPlan:
     counts = {
-        "transformer_blocks": model.cfg.num_layers,
-        "single_transformer_blocks": model.cfg.num_single_layers,
+        "transformer_blocks": model.config.num_layers,
+        "single_transformer_blocks": model.config.num_single_layers,
     }
-    return KeyPlan(plan_from_names(nnx.split(model)[1], counts, _checkpoint_name))
+    return KeyPlan(plan_from_names(nnx.state(model), counts))
 
 
 def load_transformer(
@@ -459,9 +491,9 @@ def load_transformer(
     deltas: Deltas | None = None,
 ) -> Flux2Transformer:
     """Load a transformer/ folder straight into `dtype`, with `deltas` (LoRA) merged on the way."""
-    cfg = TransformerConfig.from_dict(read_config(directory))
+    config = TransformerConfig.from_dict(read_config(directory))
     return load_module(
-        lambda: Flux2Transformer(cfg, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
+        lambda: Flux2Transformer(config, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
         transformer_key_plan,
         directory,
         mesh,

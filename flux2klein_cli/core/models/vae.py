@@ -25,7 +25,7 @@ from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, dot_product_attention, linear
 from flux2klein_cli.core.weights.configs import read_config
-from flux2klein_cli.core.weights.loader import KeyPlan, Layout, TensorSource, load_module, single
+from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
 
 # diffusers hard-codes these for every norm inside the VAE (the config's batch_norm_eps is
 # only for the latent statistics).
@@ -325,21 +325,22 @@ class MidBlock(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    def __init__(self, cfg: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
-        widths, groups = cfg.block_out_channels, cfg.norm_num_groups
-        self.conv_in = conv(cfg.in_channels, widths[0], 3, dtype=dtype, rngs=rngs)
+    def __init__(self, config: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
+        widths, groups = config.block_out_channels, config.norm_num_groups
+        self.conv_in = conv(config.in_channels, widths[0], 3, dtype=dtype, rngs=rngs)
         self.down_blocks = nnx.List(
             [
                 DownBlock(
-                    widths[max(i - 1, 0)], w, cfg.layers_per_block, groups, i < len(widths) - 1, dtype=dtype, rngs=rngs
+                    widths[max(i - 1, 0)], w, config.layers_per_block, groups, i < len(widths) - 1,
+                    dtype=dtype, rngs=rngs,
                 )
                 for i, w in enumerate(widths)
             ]
         )
-        self.mid_block = MidBlock(widths[-1], groups, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
+        self.mid_block = MidBlock(widths[-1], groups, config.mid_block_add_attention, dtype=dtype, rngs=rngs)
         self.conv_norm_out = GroupNorm(widths[-1], groups, dtype=dtype)
         # Mean and log-variance: twice the latent channels.
-        self.conv_out = conv(widths[-1], 2 * cfg.latent_channels, 3, dtype=dtype, rngs=rngs)
+        self.conv_out = conv(widths[-1], 2 * config.latent_channels, 3, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = self.conv_in(x)
@@ -350,17 +351,17 @@ class Encoder(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
-        widths, groups = cfg.decoder_block_out_channels[::-1], cfg.norm_num_groups
-        self.conv_in = conv(cfg.latent_channels, widths[0], 3, dtype=dtype, rngs=rngs)
-        self.mid_block = MidBlock(widths[0], groups, cfg.mid_block_add_attention, dtype=dtype, rngs=rngs)
+    def __init__(self, config: VAEConfig, *, dtype: Any, rngs: nnx.Rngs):
+        widths, groups = config.decoder_block_out_channels[::-1], config.norm_num_groups
+        self.conv_in = conv(config.latent_channels, widths[0], 3, dtype=dtype, rngs=rngs)
+        self.mid_block = MidBlock(widths[0], groups, config.mid_block_add_attention, dtype=dtype, rngs=rngs)
         # The decoder has one more resnet per block than the encoder.
         self.up_blocks = nnx.List(
             [
                 UpBlock(
                     widths[max(i - 1, 0)],
                     w,
-                    cfg.layers_per_block + 1,
+                    config.layers_per_block + 1,
                     groups,
                     i < len(widths) - 1,
                     dtype=dtype,
@@ -370,7 +371,7 @@ class Decoder(nnx.Module):
             ]
         )
         self.conv_norm_out = GroupNorm(widths[-1], groups, dtype=dtype)
-        self.conv_out = conv(widths[-1], cfg.out_channels, 3, dtype=dtype, rngs=rngs)
+        self.conv_out = conv(widths[-1], config.out_channels, 3, dtype=dtype, rngs=rngs)
 
     def __call__(self, z: jax.Array) -> jax.Array:
         x = self.mid_block(self.conv_in(z))
@@ -431,10 +432,12 @@ class Flux2VAE(nnx.Module):
         f = self.config.spatial_factor
         if h % f or w % f:
             raise ValueError(f"VAE encode needs height and width divisible by {f}, got {h}x{w}")
+        # 1. The encoder, then quant_conv: the posterior's mean and log-variance.
         moments = self.encoder(pixels.astype(self.dtype))
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
-        mean = moments[..., : self.config.latent_channels]  # the rest is the log-variance
+        # 2. The mean alone (no sampling), 2x2-patchified and normalised by the latent statistics.
+        mean = moments[..., : self.config.latent_channels]
         return self.bn.normalize(patchify(mean))
 
     def decode(self, latents: jax.Array) -> jax.Array:
@@ -444,7 +447,9 @@ class Flux2VAE(nnx.Module):
             raise ValueError(
                 f"VAE decode expects {self.config.patched_channels} latent channels, got {latents.shape[-1]}"
             )
+        # 1. Undo the normalisation and the 2x2 patches.
         z = unpatchify(self.bn.denormalize(latents)).astype(self.dtype)
+        # 2. post_quant_conv, then the decoder.
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
         return self.decoder(z).astype(jnp.float32)
@@ -453,23 +458,11 @@ class Flux2VAE(nnx.Module):
 # ----------------------------------------------------------------------------- weights
 
 
-def _source(path: tuple[Any, ...], ndim: int) -> TensorSource:
-    """The checkpoint key of one NNX path: the same names joined by dots, with NNX's
-    `kernel` called `weight` and its layout changed back from torch's."""
-    *parents, leaf = (str(p) for p in path)
-    layout: Layout = "none"
-    if leaf == "kernel":
-        leaf = "weight"
-        layout = "conv" if ndim == 4 else "linear"
-    return single(".".join([*parents, leaf]), layout)
-
-
 def vae_key_plan(model: Flux2VAE) -> KeyPlan:
-    """Every parameter and running statistic of the model, mapped to its diffusers key."""
-    flat = nnx.to_flat_state(nnx.state(model))
-    sources = {path: _source(path, len(var.get_value().shape)) for path, var in flat}
+    """Every parameter and running statistic of the model, under its diffusers key (the tree
+    mirrors AutoencoderKLFlux2's)."""
     # The step counter of the batch norm is training state, meaningless here.
-    return KeyPlan(sources, ignore=lambda key: key == "bn.num_batches_tracked")
+    return KeyPlan(plan_from_names(nnx.state(model)), ignore=lambda key: key == "bn.num_batches_tracked")
 
 
 def load_vae(directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None) -> Flux2VAE:

@@ -119,8 +119,8 @@ class KleinPipeline:
         mesh: Mesh | None = None,
     ):
         self.snapshot, self.models, self.tokenizer, self.scheduler = snapshot, models, tokenizer, scheduler
-        tcfg = models.transformer.cfg
-        self.geometry = LatentGeometry.of(models.vae.config, tcfg.in_channels, tcfg.out_channels)
+        config = models.transformer.config
+        self.geometry = LatentGeometry.of(models.vae.config, config.in_channels, config.out_channels)
         self.mesh = mesh  # None: one device, arrays where JAX puts them
         # The programs' arguments: on CPU the stacked bf16 weights as words (models/layers.py).
         self.transformer_state = as_words(nnx.state(models.transformer))
@@ -341,7 +341,7 @@ class KleinPipeline:
         if self.executables is not None:
             _timed(seconds, "executables", lambda: self.prepare(request, per_call))
         if self.mesh is not None:
-            check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.cfg.num_attention_heads)
+            check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.config.num_attention_heads)
         height, width = self.output_size(request)
         grid = self.geometry.grid(height, width)
         cfg = self.uses_guidance(request.guidance)

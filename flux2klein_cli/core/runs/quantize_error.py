@@ -49,13 +49,14 @@ from flux2klein_cli.core.models.layers import layer_norm, linear
 from flux2klein_cli.core.models.quantized import QuantizedLinear, quantize_abstract, quantize_weights
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.models.transformer import (
+    AdaLayerNormContinuous,
     DoubleBlock,
-    Linear2,
+    Modulation,
     RefMode,
     SingleBlock,
+    TimestepGuidanceEmbeddings,
     TransformerConfig,
     rope_tables,
-    timestep_embedding,
 )
 from flux2klein_cli.core.pipeline.tokens import image_ids, text_ids
 
@@ -71,13 +72,13 @@ class Embedders(nnx.Module):
 
     def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
         d = cfg.dim
-        self.timestep_embedder = Linear2(cfg.timestep_channels, d, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_img = linear(d, 6 * d, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_txt = linear(d, 6 * d, dtype=dtype, rngs=rngs)
-        self.single_stream_modulation = linear(d, 3 * d, dtype=dtype, rngs=rngs)
+        self.time_guidance_embed = TimestepGuidanceEmbeddings(cfg.timestep_channels, d, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
+        self.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
+        self.single_stream_modulation = Modulation(d, 1, dtype=dtype, rngs=rngs)
         self.x_embedder = linear(cfg.in_channels, d, dtype=dtype, rngs=rngs)
         self.context_embedder = linear(cfg.joint_attention_dim, d, dtype=dtype, rngs=rngs)
-        self.norm_out = linear(d, 2 * d, dtype=dtype, rngs=rngs)
+        self.norm_out = AdaLayerNormContinuous(d, cfg.eps, dtype=dtype, rngs=rngs)
 
 
 class Layers(nnx.Module):
@@ -142,16 +143,17 @@ def make_inputs(cfg: TransformerConfig, model: Embedders, tokens: tuple[int, int
     latents = rng.standard_normal((1, tokens[0] * tokens[1], cfg.in_channels), np.float32)
     features = rng.standard_normal((1, text, cfg.joint_attention_dim), np.float32)
     t = jnp.full((1,), sigma * 1000, jnp.float32)
-    temb = jax.nn.silu(model.timestep_embedder(timestep_embedding(t, cfg.timestep_channels)))
+    temb = jax.nn.silu(model.time_guidance_embed(t))
 
-    def chunks(x: jax.Array, n: int) -> list[np.ndarray]:
-        return [np.asarray(c) for c in jnp.split(x[:, None, :], n, axis=-1)]
+    def chunks(parts: list[jax.Array]) -> list[np.ndarray]:
+        return [np.asarray(c) for c in parts]
 
     ids = np.concatenate([text_ids(text), image_ids(*tokens)])
+    final = jnp.split(model.norm_out.linear(temb)[:, None, :], 2, axis=-1)
     return Inputs(np.asarray(model.x_embedder(jnp.asarray(latents))), np.asarray(model.context_embedder(
-        jnp.asarray(features))), chunks(model.double_stream_modulation_img(temb), 6),
-        chunks(model.double_stream_modulation_txt(temb), 6), chunks(model.single_stream_modulation(temb), 3),
-        chunks(model.norm_out(temb), 2), rope_tables(ids, cfg.axes_dims_rope, cfg.rope_theta))
+        jnp.asarray(features))), chunks(model.double_stream_modulation_img(temb)),
+        chunks(model.double_stream_modulation_txt(temb)), chunks(model.single_stream_modulation(temb)),
+        chunks(final), rope_tables(ids, cfg.axes_dims_rope, cfg.rope_theta))
 
 
 def layer_functions(eps: float, text: int) -> dict[str, Callable[..., Any]]:

@@ -54,9 +54,12 @@ from flux2klein_cli.core.weights.configs import read_config, read_json
 from flux2klein_cli.core.weights.loader import KeyPlan, ShardingRule
 
 FORMAT = "flux2klein-converted"
-FORMAT_VERSION = 2
-# Version 1 (before the flat layout): Orbax only, no "layout" field. Still read.
-_LEGACY = ("flux2klein-orbax", 1)
+# Stored arrays are named by the models' parameter paths (`param_key`), so a change of a model's
+# tree is a new version. 3: the transformer's tree mirrors diffusers' (`to_out.0`,
+# `time_guidance_embed`, `*.linear`). Older directories (2, and 1 under the format name
+# "flux2klein-orbax") are refused with a message to convert again.
+FORMAT_VERSION = 3
+_KNOWN_FORMATS = (FORMAT, "flux2klein-orbax")
 MODEL_COMPONENTS = ("transformer", "text_encoder", "vae")
 COPIED_COMPONENTS = ("tokenizer", "scheduler")
 
@@ -107,9 +110,9 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     root = Path(root)
     manifest = read_json(root / CONVERTED_MANIFEST)
     fmt, version = manifest.get("format"), manifest.get("format_version")
-    if fmt not in (FORMAT, _LEGACY[0]):
+    if fmt not in _KNOWN_FORMATS:
         raise CheckpointError(f"{root / CONVERTED_MANIFEST}: not a flux2klein convert manifest")
-    if (fmt, version) not in ((FORMAT, FORMAT_VERSION), _LEGACY):
+    if (fmt, version) != (FORMAT, FORMAT_VERSION):
         raise CheckpointError(
             f"{root}: converted with format version {version}, this flux2klein reads version {FORMAT_VERSION}; "
             "convert the source snapshot again"
@@ -120,7 +123,7 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
 def component_layout(manifest: dict[str, Any], name: str) -> str:
     """The layout a component was written in ("flat" or "orbax")."""
     entry = manifest.get("components", {}).get(name) or {}
-    layout = entry.get("layout", "orbax" if manifest.get("format") == _LEGACY[0] else None)
+    layout = entry.get("layout")
     if layout not in LAYOUTS:
         raise CheckpointError(f"manifest: component {name!r} has unknown layout {layout!r}")
     return layout

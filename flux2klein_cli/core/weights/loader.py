@@ -460,14 +460,16 @@ def load_module(
 def plan_from_names(
     abstract_state: nnx.State,
     stacked_counts: Mapping[str, int] | None = None,
-    rename: Callable[[str], str] = lambda name: name,
+    *,
+    prefix: str = "",
 ) -> dict[Path_, TensorSource]:
-    """Sources for modules whose attribute paths mirror the checkpoint's key names.
+    """Sources for modules whose attribute paths mirror the checkpoint's key names (every model's
+    plan: the transformer and VAE as diffusers names them, Qwen3 as transformers does).
 
-    `kernel` leaves come from torch's `weight` (transposed for Linear, OIHW->HWIO for
-    Conv), `embedding` from `weight`; a path starting with a name in `stacked_counts`
-    is a scanned stack whose layer i comes from `<name>.<i>.<rest>`. `rename` maps a
-    dotted module path onto the checkpoint's where the two differ (e.g. `to_out.0`).
+    A key is `prefix` + the dotted path; `kernel` leaves come from torch's `weight` (transposed for
+    Linear, OIHW->HWIO for Conv), `embedding` from `weight`; an nnx.List item is its index
+    (`to_out.0`); a path starting with a name in `stacked_counts` is a scanned stack whose layer i
+    comes from `<prefix><name>.<i>.<rest>`.
     """
     stacked_counts = stacked_counts or {}
     sources: dict[Path_, TensorSource] = {}
@@ -479,11 +481,10 @@ def plan_from_names(
             leaf, layout = "weight", ("conv" if ndim - (modules[0] in stacked_counts) == 4 else "linear")
         elif leaf == "embedding":
             leaf = "weight"
-        name = rename(".".join([*modules, leaf]))
         if modules and modules[0] in stacked_counts:
-            rest = name.removeprefix(modules[0] + ".")
-            keys = [f"{modules[0]}.{i}.{rest}" for i in range(stacked_counts[modules[0]])]
+            rest = ".".join([*modules[1:], leaf])
+            keys = [f"{prefix}{modules[0]}.{i}.{rest}" for i in range(stacked_counts[modules[0]])]
             sources[tuple(path)] = stacked(keys, layout)
         else:
-            sources[tuple(path)] = single(name, layout)
+            sources[tuple(path)] = single(prefix + ".".join([*modules, leaf]), layout)
     return sources

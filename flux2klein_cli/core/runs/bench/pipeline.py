@@ -108,7 +108,7 @@ def bench_pipeline(
     plain_s = result["phases"]["denoise"]["median"]
     kv_s = kv_run["phases"]["denoise"]["median"] + kv_run["phases"]["reference_kv"]["median"]
     n_img = pipeline.geometry.tokens(height, width)
-    bound = kv_speedup_bound(pipeline.models.transformer.cfg, text=request.max_sequence_length, image=n_img,
+    bound = kv_speedup_bound(pipeline.models.transformer.config, text=request.max_sequence_length, image=n_img,
                              refs=references * n_img, steps=request.steps)
     return dict(
         result, kv=kv_run,
