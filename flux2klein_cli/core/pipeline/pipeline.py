@@ -31,7 +31,7 @@ from flux2klein_cli.core.models.layers import as_words
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import programs, tokens
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn, steps_per_call
-from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry, check_steps
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
@@ -297,9 +297,7 @@ class KleinPipeline:
     def output_size(self, request: Request) -> tuple[int, int]:
         first = request.references[0].shape[:2] if request.references else (DEFAULT_SIZE, DEFAULT_SIZE)
         height, width = request.height or first[0], request.width or first[1]
-        if not self.geometry.fits(height, width):
-            raise UserInputError(f"height and width must be positive multiples of {self.geometry.pixels_per_token}, "
-                                 f"got {height}x{width}")
+        self.geometry.check(height, width)
         return height, width
 
     def denoise(self, inputs: DenoiseInputs, steps: int, per_call: int | None = None,
@@ -334,8 +332,7 @@ class KleinPipeline:
     def __call__(self, request: Request, on_step: StepCallback | None = None) -> Result:
         if not request.prompts:
             raise UserInputError("no prompt given")
-        if request.steps < 1:
-            raise UserInputError(f"--steps must be at least 1, got {request.steps}")
+        check_steps(request.steps)
         seconds: dict[str, float] = {}
         per_call = None if on_step is None else steps_per_call(request.steps, self.progress_calls)
         if self.executables is not None:

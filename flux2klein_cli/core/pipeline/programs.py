@@ -20,7 +20,7 @@ from flux2klein_cli.core.devices.sharding import BATCH_AXES, batch_shards, const
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.pipeline import tokens
-from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry, check_steps
 
 # ----------------------------------------------------------------------------- names
 
@@ -75,11 +75,10 @@ class RunShape:
 
     def __post_init__(self) -> None:
         for h, w in ((self.height, self.width), *self.references):
-            if not self.geometry.fits(h, w):
-                raise UserInputError(f"sizes must be positive multiples of {self.geometry.pixels_per_token}, "
-                                     f"got {h}x{w}")
-        if min(self.batch, self.prompts, self.steps, self.max_sequence_length) < 1:
-            raise UserInputError("batch, prompts, steps and max sequence length must be at least 1")
+            self.geometry.check(h, w)
+        check_steps(self.steps)
+        if min(self.batch, self.prompts, self.max_sequence_length) < 1:
+            raise UserInputError("batch, prompts and max sequence length must be at least 1")
         if self.kv and not self.references:
             raise UserInputError("--kv needs at least one reference size (--refs)")
         if self.batch % self.prompts:

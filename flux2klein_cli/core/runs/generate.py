@@ -21,7 +21,7 @@ from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.hub.checkpoint import Snapshot
 from flux2klein_cli.core.hub.registry import default_size, sampling
 from flux2klein_cli.core.paths import check_name_length
-from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry, check_steps
 from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
 from flux2klein_cli.core.runs.image_files import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.runs.images import (
@@ -93,8 +93,8 @@ def _check_paths(opts: GenerateOptions) -> None:
 
 def _check_options(opts: GenerateOptions) -> None:
     _check_paths(opts)
-    if opts.steps is not None and opts.steps < 1:
-        raise UserInputError(f"--steps must be at least 1, got {opts.steps}")
+    if opts.steps is not None:
+        check_steps(opts.steps)
     if opts.num_images < 1:
         raise UserInputError(f"--num-images must be at least 1, got {opts.num_images}")
     if opts.guidance is not None and opts.guidance < 0:
