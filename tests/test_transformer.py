@@ -21,6 +21,7 @@ from tests.fixtures.reference import lazy
 
 # torch and diffusers on first use: the module collects on a base install (no torch).
 torch = lazy("torch")
+diffusers = lazy("diffusers")
 
 BATCH, TXT, H, W = 2, 12, 4, 6
 REF_SIZES = [(2, 3), (3, 2)]  # (h, w) in tokens of two reference images
@@ -160,3 +161,23 @@ def test_gpu_takes_cudnn_fused_attention_for_half_precision(monkeypatch: pytest.
     monkeypatch.delenv("FLUX2KLEIN_GPU_ATTENTION")
     monkeypatch.setattr(layers.jax, "default_backend", lambda: "tpu")
     assert not layers.gpu_fused_attention(q)
+
+
+def test_config_defaults_are_diffusers_and_from_dict_reads_through_them() -> None:
+    """One config pattern: a field a config.json leaves out takes diffusers' default."""
+    import inspect
+
+    from flux2klein_cli.core.models.transformer import TransformerConfig
+
+    reference = inspect.signature(diffusers.Flux2Transformer2DModel.__init__).parameters
+    defaults = TransformerConfig()
+    for field in TransformerConfig.__dataclass_fields__:
+        if field == "out_channels":  # diffusers' None: in_channels
+            assert reference["out_channels"].default is None
+            assert defaults.out_channels == defaults.in_channels
+            continue
+        name = "timestep_guidance_channels" if field == "timestep_channels" else field
+        expected = reference[name].default
+        assert getattr(defaults, field) == (tuple(expected) if isinstance(expected, list) else expected), field
+    assert TransformerConfig.from_dict({}) == defaults
+    assert TransformerConfig.from_dict({"num_layers": 5, "out_channels": None}).num_layers == 5

@@ -37,19 +37,22 @@ Rope = tuple[jax.Array, jax.Array]  # cos, sin: (S, head_dim) float32
 
 @dataclass(frozen=True)
 class TransformerConfig:
+    """Flux2Transformer2DModel's config; a field a config.json leaves out takes diffusers' default,
+    which is the field's default here (from_dict reads every field through them)."""
+
     in_channels: int = 128
-    out_channels: int = 128
-    num_layers: int = 5
-    num_single_layers: int = 20
+    out_channels: int = 128  # config.json's null or absent value means in_channels
+    num_layers: int = 8
+    num_single_layers: int = 48
     attention_head_dim: int = 128
-    num_attention_heads: int = 24
-    joint_attention_dim: int = 7680
-    timestep_channels: int = 256
+    num_attention_heads: int = 48
+    joint_attention_dim: int = 15360
+    timestep_channels: int = 256  # timestep_guidance_channels in config.json
     mlp_ratio: float = 3.0
     axes_dims_rope: tuple[int, ...] = (32, 32, 32, 32)
     rope_theta: float = 2000.0
     eps: float = 1e-6
-    guidance_embeds: bool = False
+    guidance_embeds: bool = True
 
     @property
     def dim(self) -> int:
@@ -63,21 +66,28 @@ class TransformerConfig:
     def from_dict(cls, config: dict[str, Any]) -> TransformerConfig:
         if config.get("patch_size", 1) != 1:
             raise ValueError("only patch_size 1 transformers exist for FLUX.2; got " + str(config["patch_size"]))
-        in_channels = int(config.get("in_channels", 128))
+        defaults = cls()
+        names = {"timestep_channels": "timestep_guidance_channels"}
+
+        def read(field: str) -> Any:
+            value = config.get(names.get(field, field))
+            return getattr(defaults, field) if value is None else value
+
+        in_channels = int(read("in_channels"))
         return cls(
             in_channels=in_channels,
             out_channels=int(config.get("out_channels") or in_channels),
-            num_layers=int(config.get("num_layers", 8)),
-            num_single_layers=int(config.get("num_single_layers", 48)),
-            attention_head_dim=int(config.get("attention_head_dim", 128)),
-            num_attention_heads=int(config.get("num_attention_heads", 48)),
-            joint_attention_dim=int(config.get("joint_attention_dim", 15360)),
-            timestep_channels=int(config.get("timestep_guidance_channels", 256)),
-            mlp_ratio=float(config.get("mlp_ratio", 3.0)),
-            axes_dims_rope=tuple(int(d) for d in config.get("axes_dims_rope", (32, 32, 32, 32))),
-            rope_theta=float(config.get("rope_theta", 2000)),
-            eps=float(config.get("eps", 1e-6)),
-            guidance_embeds=bool(config.get("guidance_embeds", True)),
+            num_layers=int(read("num_layers")),
+            num_single_layers=int(read("num_single_layers")),
+            attention_head_dim=int(read("attention_head_dim")),
+            num_attention_heads=int(read("num_attention_heads")),
+            joint_attention_dim=int(read("joint_attention_dim")),
+            timestep_channels=int(read("timestep_channels")),
+            mlp_ratio=float(read("mlp_ratio")),
+            axes_dims_rope=tuple(int(d) for d in read("axes_dims_rope")),
+            rope_theta=float(read("rope_theta")),
+            eps=float(read("eps")),
+            guidance_embeds=bool(read("guidance_embeds")),
         )
 
 
