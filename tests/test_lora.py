@@ -221,6 +221,34 @@ def test_each_layout_equals_diffusers(tiny_checkpoint: Path, tmp_path: Path, lay
 
 
 @pytest.mark.slow
+def test_peft_header_alpha_pattern_and_rslora_equal_diffusers(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """diffusers builds the LoraConfig from the header a PEFT file carries: lora_alpha, a
+    per-module alpha_pattern (regexes matched at a dotted suffix) and use_rslora."""
+    tensors = lora_tensors(tiny_checkpoint / "transformer", "peft", rank=4, seed=7,
+                           include=lambda m: m != NORM_OUT, std=0.2)
+    targets = sorted({k.removeprefix("transformer.").split(".lora_")[0] for k in tensors})
+    specs = []
+    for i, rslora in enumerate((False, True)):
+        config = {"r": 4, "lora_alpha": 8, "target_modules": targets, "use_rslora": rslora,
+                  "alpha_pattern": {"transformer_blocks.0.attn.to_q": 1.0,
+                                    r"single_transformer_blocks\.\d+\.attn\.to_out": 2.0}}
+        header = {"lora_adapter_metadata": json.dumps({f"transformer.{k}": v for k, v in config.items()})}
+        write_float32_safetensors(tmp_path / f"p{i}.safetensors", tensors, header)
+        specs.append(LoraSpec(str(tmp_path / f"p{i}.safetensors"), 1.0))
+    for spec in specs:
+        check_parity(tiny_checkpoint, [spec], Request(prompts=["a red fox"], steps=3, guidance=1.0, height=64,
+                                                      width=64, seed=6))
+    # The pattern changes the deltas: a header without it gives other weights.
+    from flux2klein_cli.core.lora.layouts import PeftScaling
+
+    peft = PeftScaling(8.0, (("transformer_blocks.0.attn.to_q", 1.0),), rslora=True)
+    assert peft.alpha_for("transformer_blocks.0.attn.to_q") == 1.0
+    assert peft.alpha_for("transformer_blocks.1.attn.to_q") == 8.0
+    assert peft.alpha_for("single_transformer_blocks.0.attn.to_q") == 8.0
+    assert peft.scale(8.0, 4) == 4.0
+
+
+@pytest.mark.slow
 def test_two_loras_at_once_equal_diffusers_set_adapters(tiny_checkpoint: Path, tmp_path: Path) -> None:
     specs = parity_lora(tiny_checkpoint, tmp_path, [("bfl", 0.6), ("kohya", 1.3)])
     check_parity(tiny_checkpoint, specs, Request(prompts=["a red fox"], steps=3, guidance=1.0, height=64, width=64,

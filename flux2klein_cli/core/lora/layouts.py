@@ -29,9 +29,12 @@ shares its A across q, k, v and splits its B (or its Kronecker product) in three
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -220,22 +223,48 @@ def _split(key: str) -> tuple[str, str] | None:
     return None
 
 
-def _peft_alpha(metadata: Mapping[str, str], component: str = "transformer") -> float | None:
-    """`lora_alpha` from the PEFT config diffusers' `save_lora_weights` stores in the header (one
-    config per component, its keys prefixed with the component's name)."""
-    import json
+@dataclass(frozen=True)
+class PeftScaling:
+    """How PEFT scales a module's B @ A, from the config diffusers' `save_lora_weights` stores in
+    the header (one config per component, its keys prefixed with the component's name):
+    `lora_alpha`, per-module `alpha_pattern` (module-name regexes matched at a dotted suffix, as
+    peft's `get_pattern_key` does) and `use_rslora` (alpha / sqrt(rank))."""
 
+    alpha: float | None = None
+    pattern: tuple[tuple[str, float], ...] = ()
+    rslora: bool = False
+
+    def alpha_for(self, module: str) -> float | None:
+        for key, value in self.pattern:
+            if re.match(rf"(.*\.)?({key})$", module):
+                return value
+        return self.alpha
+
+    def scale(self, alpha: float | None, rank: int) -> float:
+        if alpha is None:
+            return 1.0
+        return alpha / math.sqrt(rank) if self.rslora else alpha / rank
+
+
+def _peft_scaling(metadata: Mapping[str, str], component: str = "transformer") -> PeftScaling:
     raw = metadata.get("lora_adapter_metadata")
     if not raw:
-        return None
+        return PeftScaling()
     try:
         config = json.loads(raw)
     except json.JSONDecodeError:
-        return None
-    for key in (f"{component}.lora_alpha", "lora_alpha"):  # the component's own first
-        if isinstance(config.get(key), int | float):
-            return float(config[key])
-    return None
+        return PeftScaling()
+
+    def field(name: str) -> Any:  # the component's own first
+        return config.get(f"{component}.{name}", config.get(name))
+
+    alpha = field("lora_alpha")
+    pattern = field("alpha_pattern")
+    return PeftScaling(
+        alpha=float(alpha) if isinstance(alpha, int | float) else None,
+        pattern=tuple((str(k), float(v)) for k, v in pattern.items()) if isinstance(pattern, dict) else (),
+        rslora=field("use_rslora") is True,
+    )
 
 
 def _first(names: list[str], n: int = 5) -> str:
@@ -263,7 +292,7 @@ def convert(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], wher
     if unknown:
         raise UserInputError(f"{where}: {layout} LoRA has keys flux2klein does not understand "
                              f"(not LoRA or LoKr factors): {_first(unknown)}")
-    peft_alpha, text_alpha = _peft_alpha(metadata), _peft_alpha(metadata, "text_encoder")
+    peft, text_peft = _peft_scaling(metadata), _peft_scaling(metadata, "text_encoder")
     terms: dict[str, list[Term]] = {}
     text_terms: dict[str, list[Term]] = {}
     unmatched, text_unmatched = [], []
@@ -273,14 +302,14 @@ def convert(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str], wher
             if name is None:
                 text_unmatched.append(module)
                 continue
-            for part, term in _terms(module, factors, (Part(name),), text_alpha, where, layout):
+            for part, term in _terms(module, factors, (Part(name),), text_peft, where, layout):
                 text_terms.setdefault(f"{part.module}.weight", []).append(term)
             continue
         parts = _module_parts(module, layout)
         if parts is None:
             unmatched.append(module)
             continue
-        for part, term in _terms(module, factors, parts, peft_alpha, where, layout):
+        for part, term in _terms(module, factors, parts, peft, where, layout):
             terms.setdefault(f"{part.module}.weight", []).append(term)
     if unmatched:
         raise UserInputError(f"{where}: {layout} LoRA names modules the FLUX.2 [klein] transformer does not "
@@ -302,7 +331,7 @@ def _matrix(factors: dict[str, np.ndarray], name: str) -> tuple[np.ndarray | Non
     return None, None
 
 
-def _terms(module: str, factors: dict[str, np.ndarray], parts: tuple[Part, ...], peft_alpha: float | None,
+def _terms(module: str, factors: dict[str, np.ndarray], parts: tuple[Part, ...], peft: PeftScaling,
            where: str, layout: str) -> list[tuple[Part, Term]]:
     alpha = float(factors["alpha"].reshape(())) if "alpha" in factors else None
     if any(s in factors for s in LOKR_SUFFIXES):
@@ -318,6 +347,8 @@ def _terms(module: str, factors: dict[str, np.ndarray], parts: tuple[Part, ...],
     if down is None or up is None or down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
         raise UserInputError(f"{where}: {layout} module {module} lacks a matching 2-D down (A) and up (B) pair")
     rank = down.shape[0]
-    alpha = alpha if alpha is not None else peft_alpha
-    scale = alpha / rank if alpha is not None else 1.0
+    if alpha is not None:  # an `.alpha` key (kohya, ai-toolkit): alpha / rank
+        scale = alpha / rank
+    else:  # PEFT's config, by the module's name in the model PEFT adapted
+        scale = peft.scale(peft.alpha_for(parts[0].module), rank)
     return [(part, LowRank(down, _rows(up, part), scale, module)) for part in parts]
