@@ -34,10 +34,18 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+def _as_at_a_terminal() -> None:
+    """SIGINT and SIGTERM at their defaults, as a command typed at a terminal starts: a test run
+    started in the background (`cmd &` in a script) passes SIGINT on ignored, and the tool rightly
+    keeps an inherited SIG_IGN."""
+    for signum in SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     # The console script's module (`python -m` runs the same main as the `flux2klein` script).
     return subprocess.Popen([sys.executable, "-m", "flux2klein_cli", *args], env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_as_at_a_terminal)
 
 
 def _handlers_installed(pid: int) -> bool:
@@ -200,7 +208,7 @@ STUCK = textwrap.dedent("""
 @pytest.mark.parametrize("second", [False, True], ids=["grace-expires", "second-signal"])
 def test_the_watchdog_exits_when_cleanup_is_stuck(second: bool, tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", STUCK, str(tmp_path)], env=_env(tmp_path), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_as_at_a_terminal)
     assert proc.stdout.readline() == "ready\n"
     assert len(_partials(tmp_path)) == 1
     proc.send_signal(signal.SIGTERM)
