@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flux2klein_cli.core.devices.sharding import STACKED
 from flux2klein_cli.core.models import cpu_matmul, tpu_attention, trace
 
 B = TypeVar("B", bound=nnx.Module)
@@ -118,7 +119,7 @@ def run_blocks(
 # block's weights, twice their bytes, held for the whole call (and made again by every call).
 # So on CPU the programs take the stacked bf16 weights as uint16 words (the same bytes, no
 # parameter of the models is uint16) and each layer's slice becomes bf16 inside the loop.
-STACKED_BLOCKS = frozenset({"transformer_blocks", "single_transformer_blocks", "layers"})
+# The stacked blocks are those devices/sharding.py keeps whole on their layer axis.
 
 
 def _to_words(a: jax.Array) -> jax.Array:
@@ -131,7 +132,7 @@ def _from_words(a: jax.Array) -> jax.Array:
 
 def is_word_leaf(path: tuple[Any, ...], dtype: Any, platform: str) -> bool:
     """Whether a model state leaf travels into a CPU program as uint16 words."""
-    return platform == "cpu" and dtype == jnp.bfloat16 and bool(path) and str(path[0]) in STACKED_BLOCKS
+    return platform == "cpu" and dtype == jnp.bfloat16 and bool(path) and str(path[0]) in STACKED
 
 
 def as_words(state: nnx.State) -> nnx.State:
