@@ -60,6 +60,7 @@ def test_the_count_sees_compiles_without_a_store(tiny_checkpoint: Path, tmp_path
     assert len(counted["program_compiles"]) >= 4  # text encoder, noise, denoise loop, decoder
 
 
+@pytest.mark.slow
 def test_compile_on_a_mesh_then_run_on_it_compiles_nothing(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """`compile --mesh fsdp=2` on a host with 4 devices, then a run with `--mesh fsdp=2`: one
     parser and one choice of devices (the first two), so every program is a stored hit."""

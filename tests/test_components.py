@@ -117,6 +117,7 @@ def cli(*args: object):
     return CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
+@pytest.mark.slow
 def test_generate_with_overrides_names_them_and_draws_the_folder_image(tiny: Path, bfl_file: Path,
                                                                          tmp_path: Path) -> None:
     from PIL import Image

@@ -45,6 +45,7 @@ def xla_compiles() -> Iterator[list[float]]:
         jax.monitoring.unregister_event_duration_listener(listen)
 
 
+@pytest.mark.slow
 def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "fox.png"
     fox = ("generate", "a red fox in snow", "--model", tiny_checkpoint, "--height", 48, "--width", 64,

@@ -20,6 +20,7 @@ def kv_edit(model: Path, tmp_path: Path, name: str, *extra: object) -> dict:
     return json.loads(result.stdout) | {"stderr": result.stderr}
 
 
+@pytest.mark.slow
 def test_kv_edit_reuses_its_disk_cache_in_a_later_run(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     store = tmp_path / "kv-store"
     first = kv_edit(tiny_kv_checkpoint, tmp_path, "first.png", "--kv-cache-dir", store)

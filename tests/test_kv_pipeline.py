@@ -45,6 +45,7 @@ def edit(pipeline: KleinPipeline, prompts: list[str], references: list[np.ndarra
     return postprocess(result.images), result.kv_cache
 
 
+@pytest.mark.slow
 def test_reuse_in_memory_and_on_disk_gives_the_same_image(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     refs = [preprocess_reference(image, multiple_of=16) for image in REFERENCES[:2]]
     fresh = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)

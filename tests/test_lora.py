@@ -159,6 +159,7 @@ def test_spec_parsing() -> None:
         LoraSpec.parse("x.safetensors:nan")
 
 
+@pytest.mark.slow
 def test_cli_exit_2_in_one_line_and_json_records_the_lora(tiny_checkpoint: Path, tmp_path: Path) -> None:
     transformer = tiny_checkpoint / "transformer"
     bad = {"diffusion_model.double_blocks.0.img_attn.qkvz.lora_A.weight": np.zeros((2, 4), np.float32),

@@ -4,9 +4,12 @@ measure on a tiny checkpoint."""
 
 from __future__ import annotations
 
+import pytest
+
 from flux2klein_cli.core.runs.quantize_error import VARIANTS, measure
 
 
+@pytest.mark.slow
 def test_per_layer_errors_of_int8_and_bf16() -> None:
     report = measure("medium", 64, 64, 16)
     errors = report["errors"]
@@ -24,6 +27,7 @@ def test_per_layer_errors_of_int8_and_bf16() -> None:
     assert errors["final"]["int8 / bf16 act. output"] == errors["final"]["bf16 output"] > 0
 
 
+@pytest.mark.slow
 def test_velocity_errors_per_step_on_a_tiny_checkpoint() -> None:
     from flux2klein_cli.core.runs.quantize_error import velocity_errors
 
