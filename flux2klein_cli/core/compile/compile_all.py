@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from flux2klein_cli.core.compile.keys import key_parts
-from flux2klein_cli.core.compile.store import ExecutableStore, LoadInfo
+from flux2klein_cli.core.compile.store import ExecutableStore, LoadInfo, first_line
 from flux2klein_cli.core.compile.target import ProgramSpec, Target
 from flux2klein_cli.core.errors import Flux2KleinError
 
@@ -56,7 +56,7 @@ def compile_all(
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             raise Flux2KleinError(
-                f"{spec.name} does not fit the target's memory ({_first_line(e)}); try a smaller --bs or size, "
+                f"{spec.name} does not fit the target's memory ({first_line(e)}); try a smaller --bs or size, "
                 "more chips, or an int8 model (flux2klein convert --quantize int8)") from None
         results[i] = compiled, store.finish(spec, parts, compiled, lower_s, compile_s, save, caught)
         say(f"{spec.name}: compiled in {compile_s:.2f} s")
@@ -84,8 +84,3 @@ def compile_all(
         for future in pending:
             future.result()
     return [r for r in results if r is not None]
-
-
-def _first_line(error: BaseException, limit: int = 160) -> str:
-    line = next((part.strip() for part in str(error).splitlines() if part.strip()), type(error).__name__)
-    return line if len(line) <= limit else line[: limit - 3] + "..."

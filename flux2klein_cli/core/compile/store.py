@@ -190,7 +190,7 @@ class ExecutableStore:
             return deserialize_and_load(payload, spec.in_tree, out_tree, backend=target.platform,
                                         execution_devices=target.devices)
         except Exception as e:  # XLA raises its own error types for a bad executable
-            raise _Unusable(f"deserialization failed ({type(e).__name__}: {_first_line(e)})") from None
+            raise _Unusable(f"deserialization failed ({type(e).__name__}: {first_line(e)})") from None
 
     # --- compiling and saving
 
@@ -232,7 +232,7 @@ class ExecutableStore:
             payload, _, out_tree = serialize(compiled)
             trees = json.dumps(treedefs.encode(out_tree)).encode()
         except Exception as e:  # e.g. a backend without executable serialization
-            self.warn(f"cannot store {spec.name}: serialization failed ({type(e).__name__}: {_first_line(e)})")
+            self.warn(f"cannot store {spec.name}: serialization failed ({type(e).__name__}: {first_line(e)})")
             return None
         meta = {
             "key": key, "name": spec.name, "key_parts": parts, "created": time.time(),
@@ -399,5 +399,6 @@ def _write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """An error's first line, at most 200 characters: what a one-line message quotes of it."""
     return (str(error).strip().splitlines() or [""])[0][:200]
