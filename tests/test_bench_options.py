@@ -13,7 +13,8 @@ from flux2klein_cli.core.runs.bench.run import PHASE_FLAGS, BenchOptions
 # One value per flag that makes it "given".
 GIVEN = {"--diffusers": {"diffusers": True}, "--mesh": {"mesh": "fsdp=1"}, "--tpu": {"tpu": "v6-4"},
          "--compile-cache": {"compile_cache": "x"}, "--no-save": {"save": False}, "--effort": {"effort": "fast"},
-         "--no-store": {"store": False}, "--lora": {"lora": ("a.safetensors",)}, "--ranks": {"ranks": "4"}}
+         "--no-store": {"store": False}, "--lora": {"lora": ("a.safetensors",)}, "--ranks": {"ranks": "4"},
+         "--refs": {"refs": "1"}}
 
 
 def test_the_defaults_and_every_phase_alone_pass() -> None:
@@ -31,10 +32,11 @@ def test_a_phase_flag_with_another_phase_is_exit_2(phase: str, flag: str) -> Non
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"references": 5}, "--refs must be between 0 and 4, got 5"),
-    ({"references": -1}, "--refs must be between 0 and 4, got -1"),
+    ({"refs": "5"}, "--refs: 5 references; at most 4 are supported"),
+    ({"refs": "-1"}, "--refs: '-1' is neither a count nor HEIGHTxWIDTH"),
     ({"kv": True}, "--kv times edits"),
-    ({"kv": True, "references": 1, "phase": "decode"}, "--kv times edits"),
+    ({"kv": True, "refs": "0"}, "--kv times edits"),
+    ({"kv": True, "phase": "decode"}, "--kv times edits"),
     ({"batch": 0}, "--bs, --reps and --steps must be at least 1"),
     ({"steps": 0}, "--bs, --reps and --steps must be at least 1"),
     ({"height": 0}, "height"),
@@ -49,4 +51,5 @@ def test_rules_between_options(changes: dict[str, object], message: str) -> None
 
 
 def test_a_kv_edit_with_references_passes() -> None:
-    BenchOptions(kv=True, references=4).check()
+    BenchOptions(kv=True, refs="4").check()
+    BenchOptions(kv=True, refs="512x512,768x1024").check()

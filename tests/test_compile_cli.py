@@ -176,7 +176,8 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
     [
         (["--tpu", "v9-4"], "unknown TPU preset 'v9-4': use one of v4-8,"),
         (["--tpu", "v6e-3"], "unknown TPU preset 'v6e-3'"),
-        (["--refs", "512by512"], "--refs: '512by512' is not HEIGHTxWIDTH"),
+        (["--refs", "512by512"], "--refs: '512by512' is neither a count nor HEIGHTxWIDTH"),
+        (["--refs", "5"], "--refs: 5 references; at most 4 are supported"),
         (["--refs", "512x500"], "multiples of 16"),
         (["--mesh", "model=2"], "--mesh: unknown axis 'model'"),
         (["--mesh", "fsdp=2", "--tpu", "v6e-4"], "give --mesh or --tpu, not both"),

@@ -11,11 +11,12 @@ from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli import output
 from flux2klein_cli.cli.output import Table, emit_json, note, show_table, status, user_errors, warn
 from flux2klein_cli.core import choices
+from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
 def bench(
     model: Annotated[str, typer.Option("--model", "-m", help=o.model_help(" (geometry only for "
-                                                                          "transformer-compile)"))] = "4b",
+                                                                          "transformer-compile)"))] = DEFAULT_MODEL,
     phase: Annotated[o.Phase, o.choice_option(o.Phase, choices.check_phase, "--phase", help="What to time.")
                      ] = o.Phase.pipeline,
     height: Annotated[int, typer.Option("--height", help="Image height in pixels (a multiple of the model's "
@@ -25,8 +26,7 @@ def bench(
     steps: o.StepsOpt = None,
     reps: Annotated[int, typer.Option("--reps", help="Timed repetitions after the first call; min and median.")] = 3,
     dtype: o.DtypeOpt = o.Dtype.bf16,
-    refs: Annotated[int, typer.Option("--refs", help="pipeline: an edit with this many reference images (each at "
-                                      "the output size) instead of text-to-image.")] = 0,
+    refs: o.RefsOpt = None,
     kv: Annotated[bool, typer.Option("--kv", help="pipeline, with --refs on a KV model: time the edit plain and "
                                      "with the reference KV cache; report the speed-up beside its token-count "
                                      "bound.")] = False,
@@ -90,6 +90,8 @@ def bench(
 
       flux2klein bench --model 9b-kv --refs 4 --kv --height 1024 --width 1024
 
+      flux2klein bench --model 4b --refs 1024x1024,768x1024 --height 1024 --width 1024
+
       flux2klein bench --model 9b --mesh fsdp=4 --bs 8
 
       flux2klein bench --model 9b --tpu v6-4 --bs 8
@@ -107,7 +109,7 @@ def bench(
 
         opts = BenchOptions(
             model=model, phase=phase.value, height=height, width=width, batch=bs, steps=steps, reps=reps,
-            dtype=dtype.value, references=refs, kv=kv, mesh=mesh, tpu=tpu, unrolled=unrolled, diffusers=diffusers,
+            dtype=dtype.value, refs=refs, kv=kv, mesh=mesh, tpu=tpu, unrolled=unrolled, diffusers=diffusers,
             compile_cache=compile_cache, effort=effort.value, save=not no_save, store=not no_store, lora=tuple(lora),
             ranks=ranks, transformer=transformer, vae=vae,
         )
@@ -172,7 +174,8 @@ def _compile_table(result: dict[str, Any]) -> None:
 
 
 def _pipeline_table(result: dict[str, Any]) -> None:
-    edit = f", {result['references']} reference(s)" if result["references"] else ""
+    refs = result["references"]
+    edit = f", {len(refs)} reference(s) ({', '.join(refs)})" if refs else ""
     runs = {"plain": result} | ({"kv": result["kv"]} if "kv" in result else {})
     table = Table(title=f"{result['model']} {result['height']}x{result['width']}, batch {result['batch']}, "
                         f"{result['steps']} steps, {result['dtype']}{edit}")

@@ -11,11 +11,12 @@ from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, note, result, show_table, user_errors, warn
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core import choices
+from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
 def compile_programs(
     model: Annotated[str, typer.Option("--model", "-m", help=o.model_help("; an alias needs no download (only "
-                                                                          "configs are read)"))] = "tiny",
+                                                                          "configs are read)"))] = DEFAULT_MODEL,
     height: Annotated[int | None, typer.Option("--height", help="Image height in pixels \\[default: the "
                                                "model's].")] = None,
     width: Annotated[int | None, typer.Option("--width", help="Image width in pixels \\[default: the "
@@ -26,8 +27,7 @@ def compile_programs(
     steps: o.StepsOpt = None,
     guidance: Annotated[float | None, float_option("--guidance", help="Guidance; above 1 on a base model compiles "
                                                    "CFG.")] = None,
-    refs: Annotated[str | None, typer.Option("--refs", help="Reference sizes for edits, HxW comma-separated: "
-                                             "512x512,768x1024.")] = None,
+    refs: o.RefsOpt = None,
     kv: Annotated[bool, typer.Option("--kv", help="KV edit: the references-only pass and denoising against its "
                                      "cache (9b-kv).")] = False,
     mesh: Annotated[str | None, typer.Option("--mesh", help="Mesh over this host's devices, e.g. fsdp=4 or "
@@ -67,6 +67,8 @@ def compile_programs(
       flux2klein compile --model 9b --height 1024 --width 1024 --bs 8 --tpu v6-4 --effort fast
 
       flux2klein compile --model 4b --refs 1024x1024,768x1024 --compile-cache /shared/executables
+
+      flux2klein compile --model 9b-kv --height 1024 --width 1024 --refs 4 --kv
     """
     with user_errors():
         from flux2klein_cli.core.compile.run import CompileOptions, run_compile

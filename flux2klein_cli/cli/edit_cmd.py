@@ -9,6 +9,7 @@ import typer
 
 from flux2klein_cli.cli import image_options
 from flux2klein_cli.cli import options as o
+from flux2klein_cli.core.hub.registry import DEFAULT_KV_MODEL, DEFAULT_MODEL
 
 
 def edit(
@@ -16,7 +17,7 @@ def edit(
     prompt: Annotated[str | None, typer.Argument(help="The edit to make. Or use --prompt-file.")] = None,
     prompt_file: o.PromptFileOpt = None,
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help=f"{o.model_help()} \\[default: 4b; 9b-kv with --kv]")] = None,
+        "--model", "-m", help=f"{o.model_help()} \\[default: {DEFAULT_MODEL}; {DEFAULT_KV_MODEL} with --kv]")] = None,
     output: o.OutputOpt = Path("out.png"),
     height: o.HeightOpt = None,
     width: o.WidthOpt = None,
@@ -64,7 +65,8 @@ def edit(
     image_options.run(
         prompt=prompt, prompt_file=prompt_file, as_json=as_json,
         devices=dict(mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes, process_id=process_id),
-        model=model or ("9b-kv" if kv else "4b"), output=output, references=list(image), height=height, width=width,
+        model=model or (DEFAULT_KV_MODEL if kv else DEFAULT_MODEL), output=output, references=list(image),
+        height=height, width=width,
         steps=steps, guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images,
         dtype=dtype.value, latents=latents, force=force, max_sequence_length=max_sequence_length, kv=kv,
         kv_cache_dir=kv_cache_dir, compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,

@@ -9,12 +9,13 @@ import typer
 
 from flux2klein_cli.cli import image_options
 from flux2klein_cli.cli import options as o
+from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
 def generate(
     prompt: Annotated[str | None, typer.Argument(help="What to draw. Or use --prompt-file.")] = None,
     prompt_file: o.PromptFileOpt = None,
-    model: Annotated[str, typer.Option("--model", "-m", help=o.MODEL_HELP_IMAGES)] = "4b",
+    model: Annotated[str, typer.Option("--model", "-m", help=o.MODEL_HELP_IMAGES)] = DEFAULT_MODEL,
     output: o.OutputOpt = Path("out.png"),
     height: o.HeightOpt = None,
     width: o.WidthOpt = None,

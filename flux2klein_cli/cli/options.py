@@ -86,6 +86,9 @@ CompileCacheOpt = Annotated[Path | None, typer.Option(
     "FLUX2KLEIN_COMPILE_CACHE or ~/.cache/flux2klein/executables]")]
 # compile's old name for --compile-cache, still accepted.
 OldCacheDirOpt = Annotated[Path | None, typer.Option("--cache-dir", hidden=True)]
+RefsOpt = Annotated[str | None, typer.Option(
+    "--refs", help="The edit's references: a count, that many at the output size (e.g. 2), or their sizes, "
+    "HxW comma-separated (e.g. 1024x1024,768x1024).")]
 NoSaveOpt = Annotated[bool, typer.Option("--no-save", help="Use stored executables but store no new ones.")]
 RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub branch, tag or commit (default: main).")]
 OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use the local Hugging Face cache only (as "

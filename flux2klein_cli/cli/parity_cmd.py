@@ -11,10 +11,11 @@ from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, note, plain, show_table, user_errors
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core import choices
+from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
 def parity(
-    model: Annotated[str, typer.Option("--model", "-m", help=o.model_help())] = "4b",
+    model: Annotated[str, typer.Option("--model", "-m", help=o.model_help())] = DEFAULT_MODEL,
     prompt: Annotated[str, typer.Option("--prompt", help="The prompt both pipelines get.")
                       ] = "a red fox in snow, golden hour",
     image: Annotated[list[Path], typer.Option("--image", "-i", help="Reference image(s): compares an edit.")

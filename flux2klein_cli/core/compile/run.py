@@ -21,7 +21,7 @@ class CompileOptions:
     prompts: int = 1
     steps: int | None = None  # None: the model's default (4 distilled, 50 base)
     guidance: float | None = None  # None: the model's default; above 1 on a base model means CFG
-    refs: str | None = None  # "512x512,768x1024"
+    refs: str | None = None  # --refs: a count at the output size, or sizes "512x512,768x1024"
     kv: bool = False
     mesh: str | None = None  # "fsdp=4" or "data=2,fsdp=2" over this host's devices
     tpu: str | None = None  # a preset, e.g. v6e-4
@@ -34,19 +34,6 @@ class CompileOptions:
     transformer: str | None = None  # --transformer / --vae (core/hub/components.py)
     vae: str | None = None
     quantize: str | None = None  # "int8": compile for a `convert --quantize int8` model of these configs
-
-
-def parse_sizes(text: str | None) -> tuple[tuple[int, int], ...]:
-    """`512x512,768x1024` -> ((512, 512), (768, 1024)); height first, as --height/--width."""
-    if text is None or not text.strip():
-        return ()
-    sizes = []
-    for item in text.split(","):
-        parts = item.strip().lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise UserInputError(f"--refs: {item.strip()!r} is not HEIGHTxWIDTH (e.g. 512x512,768x1024)")
-        sizes.append((int(parts[0]), int(parts[1])))
-    return tuple(sizes)
 
 
 def local_mesh_target(spec: Any) -> Any:
@@ -70,6 +57,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     from flux2klein_cli.core.devices.tpu import parse_preset, quiet_libtpu_without_tpu
     from flux2klein_cli.core.hub.registry import default_size, sampling
     from flux2klein_cli.core.pipeline.programs import RunShape
+    from flux2klein_cli.core.pipeline.references import parse_refs
 
     check_effort(opts.effort)
     if opts.mesh and opts.tpu:
@@ -78,7 +66,6 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     from flux2klein_cli.core.devices.mesh import MeshSpec
 
     mesh_spec = MeshSpec.parse(opts.mesh) if opts.mesh else None  # the parser `generate` uses
-    refs = parse_sizes(opts.refs)
     dtype = jax_dtype(opts.dtype)
     if preset is not None:
         quiet_libtpu_without_tpu(preset.name)  # before jax first touches its backends
@@ -93,9 +80,11 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     if opts.kv and not configs.kv:
         raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
     size = default_size(opts.model)
+    height, width = opts.height or size, opts.width or size
+    refs = parse_refs(opts.refs, height, width)
     chosen = sampling(configs.distilled, opts.steps, opts.guidance)
     run = RunShape(
-        height=opts.height or size, width=opts.width or size, geometry=configs.geometry, batch=opts.batch,
+        height=height, width=width, geometry=configs.geometry, batch=opts.batch,
         prompts=opts.prompts,
         steps=chosen.steps, references=refs,
         cfg=not configs.distilled and chosen.guidance > 1.0, max_sequence_length=opts.max_sequence_length, dtype=dtype,

@@ -85,6 +85,8 @@ def spec_for(alias: str) -> ModelSpec:
 
 
 # Random-weight models written on first use, without network (core/hub/snapshot.py): for trying the tool.
+DEFAULT_MODEL = "4b"  # every command's --model default
+DEFAULT_KV_MODEL = "9b-kv"  # `edit --kv`'s, the one KV-trained model
 TINY_ALIAS = "tiny"
 TINY_KV_ALIAS = "tiny-kv"  # the same geometry as a Flux2KleinKVPipeline (like 9b-kv)
 

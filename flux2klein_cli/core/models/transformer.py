@@ -355,6 +355,20 @@ class SingleBlock(nnx.Module):
         return x + gate * out, ref_kv
 
 
+def add_embedders(module: nnx.Module, config: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs) -> None:
+    """The modules around the blocks that make their inputs (time, modulation, token embedders)
+    and the output norm, under diffusers' names: the transformer's, and quantize_error's
+    stand-alone copy of them."""
+    d = config.dim
+    module.time_guidance_embed = TimestepGuidanceEmbeddings(config.timestep_channels, d, dtype=dtype, rngs=rngs)
+    module.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
+    module.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
+    module.single_stream_modulation = Modulation(d, 1, dtype=dtype, rngs=rngs)
+    module.x_embedder = linear(config.in_channels, d, dtype=dtype, rngs=rngs)
+    module.context_embedder = linear(config.joint_attention_dim, d, dtype=dtype, rngs=rngs)
+    module.norm_out = AdaLayerNormContinuous(d, config.eps, dtype=dtype, rngs=rngs)
+
+
 class Flux2Transformer(nnx.Module):
     def __init__(
         self, config: TransformerConfig, *, dtype: Any = jnp.bfloat16, scan_layers: bool = True, rngs: nnx.Rngs
@@ -363,22 +377,15 @@ class Flux2Transformer(nnx.Module):
             raise ValueError("guidance-embedding transformers are FLUX.2 [dev], not [klein]")
         if sum(config.axes_dims_rope) != config.attention_head_dim:
             raise ValueError(f"axes_dims_rope {config.axes_dims_rope} must add up to {config.attention_head_dim}")
-        d = config.dim
         self.config, self.dtype, self.scan_layers = config, dtype, scan_layers
-        self.time_guidance_embed = TimestepGuidanceEmbeddings(config.timestep_channels, d, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
-        self.single_stream_modulation = Modulation(d, 1, dtype=dtype, rngs=rngs)
-        self.x_embedder = linear(config.in_channels, d, dtype=dtype, rngs=rngs)
-        self.context_embedder = linear(config.joint_attention_dim, d, dtype=dtype, rngs=rngs)
+        add_embedders(self, config, dtype=dtype, rngs=rngs)
         self.transformer_blocks = stack_blocks(
             lambda r: DoubleBlock(config, dtype=dtype, rngs=r), config.num_layers, rngs
         )
         self.single_transformer_blocks = stack_blocks(
             lambda r: SingleBlock(config, dtype=dtype, rngs=r), config.num_single_layers, rngs
         )
-        self.norm_out = AdaLayerNormContinuous(d, config.eps, dtype=dtype, rngs=rngs)
-        self.proj_out = linear(d, config.out_channels, dtype=dtype, rngs=rngs)
+        self.proj_out = linear(config.dim, config.out_channels, dtype=dtype, rngs=rngs)
 
     def reference_kv_shapes(self, tokens: int) -> list[tuple[int, ...]]:
         """The shapes of a batch-1 ReferenceKV over `tokens` reference tokens, field by field."""

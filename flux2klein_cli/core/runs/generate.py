@@ -23,9 +23,9 @@ from flux2klein_cli.core.hub.registry import default_size, sampling
 from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry, check_steps
 from flux2klein_cli.core.pipeline.pipeline import Request, check_seeds
+from flux2klein_cli.core.pipeline.references import check_reference_count
 from flux2klein_cli.core.runs.image_files import load_latents, plan_outputs, write_png
 from flux2klein_cli.core.runs.images import (
-    check_reference_count,
     load_reference,
     postprocess,
     preprocess_reference,

@@ -29,7 +29,6 @@ from flux2klein_cli.core.paths import check_input_file
 MIN_SIDE = 64
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
-MAX_REFERENCES = 4  # what FLUX.2 [klein] was trained with; diffusers warns above it
 # The largest reference read (decoded RGB: 768 MiB on the host before it is scaled to MAX_AREA).
 # One limit of our own instead of Pillow's decompression-bomb warning (89 MP) and error (179 MP).
 MAX_REFERENCE_SIDE = 16384
@@ -38,11 +37,6 @@ MAX_REFERENCE_PIXELS = MAX_REFERENCE_SIDE * MAX_REFERENCE_SIDE
 
 def _one_line(text: object) -> str:
     return " ".join(str(text).split())
-
-
-def check_reference_count(count: int) -> None:
-    if count > MAX_REFERENCES:
-        raise UserInputError(f"{count} reference images given; at most {MAX_REFERENCES} are supported")
 
 
 @contextmanager

@@ -49,13 +49,11 @@ from flux2klein_cli.core.models.layers import layer_norm, linear
 from flux2klein_cli.core.models.quantized import QuantizedLinear, quantize_abstract, quantize_weights
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.models.transformer import (
-    AdaLayerNormContinuous,
     DoubleBlock,
-    Modulation,
     RefMode,
     SingleBlock,
-    TimestepGuidanceEmbeddings,
     TransformerConfig,
+    add_embedders,
     rope_tables,
 )
 from flux2klein_cli.core.pipeline.tokens import image_ids, text_ids
@@ -71,14 +69,7 @@ class Embedders(nnx.Module):
     """What makes the layers' inputs (float32 only), under Flux2Transformer's names."""
 
     def __init__(self, cfg: TransformerConfig, *, dtype: Any, rngs: nnx.Rngs):
-        d = cfg.dim
-        self.time_guidance_embed = TimestepGuidanceEmbeddings(cfg.timestep_channels, d, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_img = Modulation(d, 2, dtype=dtype, rngs=rngs)
-        self.double_stream_modulation_txt = Modulation(d, 2, dtype=dtype, rngs=rngs)
-        self.single_stream_modulation = Modulation(d, 1, dtype=dtype, rngs=rngs)
-        self.x_embedder = linear(cfg.in_channels, d, dtype=dtype, rngs=rngs)
-        self.context_embedder = linear(cfg.joint_attention_dim, d, dtype=dtype, rngs=rngs)
-        self.norm_out = AdaLayerNormContinuous(d, cfg.eps, dtype=dtype, rngs=rngs)
+        add_embedders(self, cfg, dtype=dtype, rngs=rngs)
 
 
 class Layers(nnx.Module):

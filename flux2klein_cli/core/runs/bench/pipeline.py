@@ -44,7 +44,7 @@ def bench_pipeline(
     steps: int | None,
     reps: int,
     dtype: Any = jnp.bfloat16,
-    references: int = 0,
+    references: tuple[tuple[int, int], ...] = (),
     kv: bool = False,
     mesh: Any = None,
     store: bool = True,
@@ -93,12 +93,12 @@ def bench_pipeline(
 
     chosen = sampling(pipeline.snapshot.is_distilled, steps)
     rng = np.random.default_rng(0)
-    refs = [rng.uniform(-1, 1, (height, width, 3)).astype(np.float32) for _ in range(references)]
+    refs = [rng.uniform(-1, 1, (h, w, 3)).astype(np.float32) for h, w in references]
     request = Request(prompts=["a red fox in snow"] * batch, steps=chosen.steps, guidance=chosen.guidance,
                       height=height, width=width, references=refs)
     result = dict(load_s=load_s, load_components_s=pipeline.models.seconds,
                   lora=pipeline.lora.records() if pipeline.lora else [], steps=request.steps, batch=batch,
-                  height=height, width=width, references=references, store=store_info,
+                  height=height, width=width, references=[f"{h}x{w}" for h, w in references], store=store_info,
                   **_time_request(pipeline, request, reps),
                   devices=device_memory(pipeline))
     if not kv:
@@ -107,9 +107,10 @@ def bench_pipeline(
     kv_run = _time_request(pipeline, kv_request, reps)
     plain_s = result["phases"]["denoise"]["median"]
     kv_s = kv_run["phases"]["denoise"]["median"] + kv_run["phases"]["reference_kv"]["median"]
-    n_img = pipeline.geometry.tokens(height, width)
-    bound = kv_speedup_bound(pipeline.models.transformer.config, text=request.max_sequence_length, image=n_img,
-                             refs=references * n_img, steps=request.steps)
+    geometry = pipeline.geometry
+    bound = kv_speedup_bound(pipeline.models.transformer.config, text=request.max_sequence_length,
+                             image=geometry.tokens(height, width),
+                             refs=sum(geometry.tokens(h, w) for h, w in references), steps=request.steps)
     return dict(
         result, kv=kv_run,
         kv_speedup=dict(transformer=plain_s / kv_s, run=result["run_s"]["median"] / kv_run["run_s"]["median"],

@@ -17,12 +17,13 @@ TIMED_PHASES_NOTE = "timed phases (load, compile, text, denoise, decode, per ima
 
 
 def bench_without_slice(model: str, *, tpu: str, height: int, width: int, batch: int, steps: int | None,
-                        references: int, kv: bool, dtype: str, compile_cache: Path | None, save: bool,
-                        effort: str, progress: Callable[[str], None] = lambda m: None,
+                        references: tuple[tuple[int, int], ...], kv: bool, dtype: str,
+                        compile_cache: Path | None, save: bool, effort: str,
+                        progress: Callable[[str], None] = lambda m: None,
                         warn: Callable[[str], None] | None = None) -> dict[str, Any]:
     from flux2klein_cli.core.compile.run import CompileOptions, run_compile
 
-    refs = ",".join([f"{height}x{width}"] * references) or None  # as bench's edits: references at the output size
+    refs = ",".join(f"{h}x{w}" for h, w in references) or None
     report = run_compile(CompileOptions(model=model, height=height, width=width, batch=batch, steps=steps, refs=refs,
                                         kv=kv, tpu=tpu, compile_cache=compile_cache, dtype=dtype, save=save,
                                         effort=effort), progress=progress, warn=warn)

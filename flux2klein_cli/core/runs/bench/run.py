@@ -14,11 +14,12 @@ from typing import Any
 
 from flux2klein_cli.core.choices import check_phase
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 # Options only some phases use, by phase; given with another phase they are exit 2.
 PHASE_FLAGS: dict[str, tuple[str, ...]] = {
     "ttfi": ("--diffusers",),
-    "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store", "--lora"),
+    "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store", "--lora", "--refs"),
     "lora": ("--ranks",),
 }
 DEFAULT_RANKS = "16,64"
@@ -27,7 +28,7 @@ STEPS_PHASE_STEPS = 8  # `--phase steps` without --steps: enough steps for a bar
 
 @dataclass(frozen=True)
 class BenchOptions:
-    model: str = "4b"
+    model: str = DEFAULT_MODEL
     phase: str = "pipeline"
     height: int = 1024
     width: int = 1024
@@ -35,7 +36,7 @@ class BenchOptions:
     steps: int | None = None
     reps: int = 3
     dtype: str = "bf16"
-    references: int = 0
+    refs: str | None = None  # --refs: a count at the output size, or sizes "512x512,768x1024"
     kv: bool = False
     mesh: str | None = None
     tpu: str | None = None
@@ -55,12 +56,19 @@ class BenchOptions:
         return {"--diffusers": self.diffusers, "--mesh": bool(self.mesh), "--tpu": bool(self.tpu),
                 "--compile-cache": self.compile_cache is not None, "--no-save": not self.save,
                 "--effort": self.effort != "default", "--no-store": not self.store, "--lora": bool(self.lora),
-                "--ranks": self.ranks is not None}
+                "--ranks": self.ranks is not None, "--refs": bool(self.reference_sizes())}
+
+    def reference_sizes(self) -> tuple[tuple[int, int], ...]:
+        """(height, width) of each reference of the timed edit; () for text to image."""
+        from flux2klein_cli.core.pipeline.references import parse_refs
+
+        return parse_refs(self.refs, self.height, self.width)
 
     def check(self) -> None:
         """Every rule between the options, before anything is loaded (exit 2)."""
         from flux2klein_cli.core.choices import check_dtype, check_effort
-        from flux2klein_cli.core.runs.images import MAX_REFERENCES, validate_size
+        from flux2klein_cli.core.pipeline.references import MAX_REFERENCES
+        from flux2klein_cli.core.runs.images import validate_size
 
         check_phase(self.phase)
         check_dtype(self.dtype)
@@ -77,9 +85,7 @@ class BenchOptions:
         validate_size(self.height, self.width, multiple_of=1)  # positive here; the model's pixels per token once known
         if self.batch < 1 or self.reps < 1 or (self.steps is not None and self.steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
-        if not 0 <= self.references <= MAX_REFERENCES:
-            raise UserInputError(f"--refs must be between 0 and {MAX_REFERENCES}, got {self.references}")
-        if self.kv and (self.phase != "pipeline" or self.references < 1):
+        if self.kv and (self.phase != "pipeline" or not self.reference_sizes()):
             raise UserInputError(f"--kv times edits: use it with --phase pipeline and --refs 1..{MAX_REFERENCES}")
         store_flags = [flag for flag in ("--compile-cache", "--no-save", "--effort") if given[flag]]
         if not self.store and store_flags:
@@ -110,8 +116,8 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
         with busy(f"compiling {opts.model} for {opts.tpu}"):
             result = bench_without_slice(opts.model, tpu=opts.tpu, height=opts.height, width=opts.width,
-                                         batch=opts.batch, steps=opts.steps, references=opts.references, kv=opts.kv,
-                                         dtype=opts.dtype, compile_cache=opts.compile_cache,
+                                         batch=opts.batch, steps=opts.steps, references=opts.reference_sizes(),
+                                         kv=opts.kv, dtype=opts.dtype, compile_cache=opts.compile_cache,
                                          save=opts.save and opts.store, effort=opts.effort, warn=warn)
         return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
     from flux2klein_cli.core.devices.runtime import configure_jax
@@ -174,8 +180,8 @@ def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | Non
         check_kv_model(Snapshot.open(path), opts.model)
     with busy(f"benchmarking {opts.model}"):
         result = bench_pipeline(path, height=opts.height, width=opts.width, batch=opts.batch, steps=opts.steps,
-                                reps=opts.reps, dtype=target, references=opts.references, kv=opts.kv, mesh=run_on,
-                                store=opts.store, compile_cache=opts.compile_cache, save=opts.save,
+                                reps=opts.reps, dtype=target, references=opts.reference_sizes(), kv=opts.kv,
+                                mesh=run_on, store=opts.store, compile_cache=opts.compile_cache, save=opts.save,
                                 effort=opts.effort, warn=warn, lora=list(opts.lora))
     return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
 

@@ -1,0 +1,35 @@
+"""How many references an edit may take, and `--refs`: the one spelling of a run's reference
+sizes that `bench` and `compile` share."""
+
+from __future__ import annotations
+
+from flux2klein_cli.core.errors import UserInputError
+
+MAX_REFERENCES = 4  # what FLUX.2 [klein] was trained with; diffusers warns above it
+
+
+def check_reference_count(count: int) -> None:
+    if count > MAX_REFERENCES:
+        raise UserInputError(f"{count} reference images given; at most {MAX_REFERENCES} are supported")
+
+
+def parse_refs(text: str | None, height: int, width: int) -> tuple[tuple[int, int], ...]:
+    """`--refs`: "2" -> two references of `height` x `width` (the output size); "512x512,768x1024"
+    -> ((512, 512), (768, 1024)), height first as --height/--width; None or "" or "0" -> none."""
+    if text is None or not text.strip():
+        return ()
+    text = text.strip()
+    if text.isdigit():
+        sizes = ((height, width),) * int(text)
+    else:
+        parsed = []
+        for item in text.split(","):
+            parts = item.strip().lower().split("x")
+            if len(parts) != 2 or not all(p.isdigit() for p in parts):
+                raise UserInputError(f"--refs: {item.strip()!r} is neither a count nor HEIGHTxWIDTH "
+                                     "(e.g. --refs 2 or --refs 512x512,768x1024)")
+            parsed.append((int(parts[0]), int(parts[1])))
+        sizes = tuple(parsed)
+    if len(sizes) > MAX_REFERENCES:
+        raise UserInputError(f"--refs: {len(sizes)} references; at most {MAX_REFERENCES} are supported")
+    return sizes
