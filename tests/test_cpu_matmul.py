@@ -1,4 +1,5 @@
-"""bf16 Linear dots through oneMKL on AMX CPUs (core/models/cpu_matmul.py), XLA's dot elsewhere."""
+"""bf16 Linear dots and attention through oneMKL on AMX CPUs (core/models/cpu_matmul.py), XLA's
+forms elsewhere."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from flax import nnx
 
 from flux2klein_cli.core.compile import keys as store_keys
 from flux2klein_cli.core.compile import store, target
-from flux2klein_cli.core.models import cpu_matmul
+from flux2klein_cli.core.models import cpu_matmul, layers
 from flux2klein_cli.core.models.layers import linear
+from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 
 CPUINFO_AMX = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n\nprocessor\t: 1\n"
 CPUINFO_AVX512 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n"
@@ -90,6 +92,62 @@ def test_only_cpu_programs_hold_the_custom_call(monkeypatch: pytest.MonkeyPatch)
     assert cpu_matmul.TARGET not in hlo(batched, jnp.ones((2, 4, 8), jnp.bfloat16), jnp.ones((2, 8, 3), jnp.bfloat16))
 
 
+def qkv(batch: int, queries: int, keys: int, heads: int, dim: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(2 * rng.standard_normal((batch, n, heads, dim)), jnp.bfloat16)
+                 for n in (queries, keys, keys))
+
+
+def cpu_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Attention as a CPU program of this process traces it."""
+    return traced_under(layers.dot_product_attention, TraceOptions.for_platform("cpu"))(q, k, v)
+
+
+def test_attention_takes_the_shim_only_on_the_onemkl_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = qkv(1, 8, 12, 2, 16)
+
+    def traced(*args: jax.Array, platform: str = "cpu") -> str:  # a new function: no trace cached from before
+        return hlo(lambda q, k, v: cpu_attention(q, k, v), *args, platform=platform)
+
+    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status(None, "no AMX"))
+    assert cpu_matmul.ATTENTION_TARGET not in traced(q, k, v)  # the fallback: XLA's blocked form
+    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("fake", "test"))
+    assert cpu_matmul.ATTENTION_TARGET in traced(q, k, v)
+    assert cpu_matmul.ATTENTION_TARGET not in traced(q, k, v, platform="tpu")
+    assert cpu_matmul.ATTENTION_TARGET not in traced(*(a.astype(jnp.float32) for a in (q, k, v)))
+
+
+def bf16_conv(c_in: int, c_out: int, seed: int = 0) -> nnx.Module:
+    from flux2klein_cli.core.models.vae import conv
+
+    module = conv(c_in, c_out, 3, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(seed)
+    module.kernel[...] = jnp.asarray(0.2 * rng.standard_normal((3, 3, c_in, c_out)), jnp.bfloat16)
+    module.bias[...] = jnp.asarray(rng.standard_normal(c_out), jnp.bfloat16)
+    return module
+
+
+def conv_under(onemkl: bool) -> object:
+    """The VAE's conv as a CPU program traced with the oneMKL kernels on or off."""
+    return nnx.jit(traced_under(lambda m, x: m(x), TraceOptions("cpu", "blocked", onemkl=onemkl)))
+
+
+def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    module, x = bf16_conv(4, 6), jnp.ones((1, 8, 8, 4), jnp.bfloat16)
+
+    def traced(onemkl: bool, module: nnx.Module = module, platform: str = "cpu") -> str:
+        graphdef, state = nnx.split(module)
+        fn = traced_under(lambda s, x: nnx.merge(graphdef, s)(x), TraceOptions("cpu", "blocked", onemkl=onemkl))
+        return hlo(fn, state, x, platform=platform)
+
+    assert cpu_matmul.CONV_TARGET not in traced(False)
+    assert cpu_matmul.CONV_TARGET in traced(True)
+    assert cpu_matmul.CONV_TARGET not in traced(True, platform="tpu")
+    in_float32 = bf16_conv(4, 6)
+    in_float32.dtype = jnp.float32  # an fp32 run's VAE
+    assert cpu_matmul.CONV_TARGET not in traced(True, in_float32)
+
+
 def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = target.ProgramSpec("axpy", jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),))
     keys = set()
@@ -132,6 +190,35 @@ def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_c
     ours_err, their_err = np.abs(ours - f32).mean(), np.abs(bf16 - f32).mean()
     assert their_err > 0  # bf16 does change diffusers' image, so the bound means something
     assert ours_err <= 1.25 * their_err, (ours_err, their_err)
+
+
+@amx
+@pytest.mark.parametrize("shape", [(1, 300, 300, 4, 128), (2, 100, 260, 3, 64), (1, 1, 7, 1, 16)])
+def test_on_amx_attention_matches_xlas_blocked_form(shape: tuple[int, ...]) -> None:
+    """The shim's numerics are the XLA form's: float32 scores and sum, bf16 weights for P @ V.
+    Equal but for rare one-ulp roundings of the output (the products' summation order differs)."""
+    q, k, v = qkv(*shape)
+    ours = np.asarray(jax.jit(cpu_attention)(q, k, v), np.float32)
+    xla = np.asarray(jax.jit(layers._blocked_attention)(q, k, v), np.float32)
+    exact = np.asarray(jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v))))
+    assert np.mean(ours != xla) < 1e-3
+    np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
+    ours_err, xla_err = np.abs(ours - exact).mean(), np.abs(xla - exact).mean()
+    assert ours_err <= 1.01 * xla_err, (ours_err, xla_err)
+
+
+@amx
+@pytest.mark.parametrize("shape", [(1, 64, 48, 32, 32), (2, 17, 9, 5, 7), (1, 32, 32, 64, 128)])
+def test_on_amx_the_vaes_conv_matches_nnx_conv(shape: tuple[int, ...]) -> None:
+    """nnx.Conv's numerics in bf16 (float32 sums rounded, then the bias added): equal but for
+    rare one-ulp roundings (the taps' summation order differs)."""
+    b, h, w, c_in, c_out = shape
+    module = bf16_conv(c_in, c_out)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.bfloat16)
+    ours, xla = (np.asarray(conv_under(onemkl)(module, x), np.float32) for onemkl in (True, False))
+    assert ours.shape == (b, h, w, c_out)
+    assert np.mean(ours != xla) < 1e-3
+    np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
 
 
 def linear_spec() -> target.ProgramSpec:

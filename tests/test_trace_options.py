@@ -7,14 +7,19 @@ import jax.numpy as jnp
 import pytest
 
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.models import layers, trace
+from flux2klein_cli.core.models import cpu_matmul, layers, trace
 from flux2klein_cli.core.models.trace import TraceOptions
 
 
 def test_each_platform_gets_its_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(trace.GPU_ATTENTION_ENV, raising=False)
+    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status(None, "no AMX"))
     kinds = {p: TraceOptions.for_platform(p).attention for p in ("cpu", "gpu", "tpu", "rocm")}
     assert kinds == {"cpu": "blocked", "gpu": "cudnn", "tpu": "splash", "rocm": "xla"}
+    assert not TraceOptions.for_platform("cpu").onemkl and "onemkl" not in TraceOptions.for_platform("cpu").as_key()
+    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("onemkl-amx-bf16:x", "test"))
+    assert TraceOptions.for_platform("cpu").onemkl and TraceOptions.for_platform("cpu").as_key()["onemkl"]
+    assert not TraceOptions.for_platform("tpu").onemkl
     monkeypatch.setenv(trace.GPU_ATTENTION_ENV, "xla")
     assert TraceOptions.for_platform("gpu").attention == "xla"
     assert TraceOptions.for_platform("tpu", convs_as_matmuls=True).as_key() == {

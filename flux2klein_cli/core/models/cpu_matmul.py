@@ -1,8 +1,11 @@
-"""bf16 matmuls at the AMX rate on CPU: oneMKL's bf16 GEMM called from XLA as an FFI custom call.
+"""bf16 work at the AMX rate on CPU: oneMKL's bf16 GEMM called from XLA as FFI custom calls.
 
 XLA's CPU backend converts every bf16 dot to float32 before its own kernels (and before oneDNN's,
 with `--xla_cpu_use_onednn`), so on an AMX CPU a bf16 linear layer runs at the float32 rate, far
-below torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the AMX tiles.
+below torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the AMX tiles. The shim
+(amx_gemm.cc) builds three kernels on it: the Linear layers' dots (`dot_general`), unmasked
+attention (`attention`) and the VAE's 3x3 convolutions (`conv3x3`), each with the numerics of the
+XLA form it replaces.
 
 Used only when all of these hold, else every dot stays XLA's own (today's path):
   * the CPU reports `amx_bf16` and `amx_tile` (/proc/cpuinfo);
@@ -11,9 +14,10 @@ Used only when all of these hold, else every dot stays XLA's own (today's path):
   * the small shim in amx_gemm.cc builds: on first use, with the C++ compiler (`$CXX`, else g++ or
     c++) against jaxlib's FFI headers, into a private cache folder keyed by its source and jaxlib;
   * `FLUX2KLEIN_CPU_MATMUL` is not `xla`.
-The choice is made per process and names the executable-store key (`backend()`). In a traced
-program the custom call sits in the CPU branch of `lax.platform_dependent`: a program lowered for
-an accelerator never contains it.
+The choice is made per process and names the executable-store key (`backend()`); the trace
+options carry it to the attention and the convolutions (`TraceOptions.onemkl`). In a traced
+program each custom call sits in the CPU branch of `lax.platform_dependent`: a program lowered
+for an accelerator never contains it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,11 @@ from flux2klein_cli.core.cache_paths import native_dir
 
 ENV = "FLUX2KLEIN_CPU_MATMUL"
 TARGET = "flux2klein_amx_bf16_gemm"
+ATTENTION_TARGET = "flux2klein_amx_bf16_attention"
+CONV_TARGET = "flux2klein_amx_bf16_conv3x3"
+# AVX-512 and FMA on: the shim is loaded on AMX CPUs only, and every one of them has these.
+BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno", "-mavx512f",
+               "-mavx512bw", "-mavx512vl", "-mfma", "-mprefer-vector-width=512")
 SOURCE = Path(__file__).with_name("amx_gemm.cc")
 _MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 
@@ -82,7 +91,8 @@ def find_mkl() -> str | None:
 
 
 def shim_path() -> Path:
-    tag = hashlib.sha256(SOURCE.read_bytes() + jaxlib.version.__version__.encode()).hexdigest()[:16]
+    built_from = SOURCE.read_bytes() + jaxlib.version.__version__.encode() + " ".join(BUILD_FLAGS).encode()
+    tag = hashlib.sha256(built_from).hexdigest()[:16]
     return native_dir() / f"amx_gemm-{tag}.so"
 
 
@@ -101,8 +111,7 @@ def build_shim(out: Path) -> str | None:
         return "no C++ compiler to build the oneMKL shim"
     with temporaries.temporary_file(out.parent, out.name, 0o700) as (fd, tmp):
         os.close(fd)
-        cmd = [compiler, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", "-I", jax.ffi.include_dir(),
-               str(SOURCE), "-o", str(tmp), "-ldl"]
+        cmd = [compiler, *BUILD_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp), "-ldl"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -130,10 +139,12 @@ def _load(flags: frozenset[str]) -> Status:
         trust.check_private_file(shim, "oneMKL shim")
         lib = ctypes.CDLL(str(shim))
         if lib.flux2klein_amx_open(mkl.encode()) != 0:
-            return Status(None, f"{mkl} has no cblas_gemm_bf16bf16f32")
+            return Status(None, f"{mkl} has no cblas_gemm_bf16bf16f32 or MKL_Set_Num_Threads_Local")
     except (trust.Untrusted, OSError, AttributeError) as e:  # a foreign, corrupt or old shim: XLA's path
         return Status(None, f"the oneMKL shim does not load: {e}")
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_gemm), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_attention), platform="cpu")
+    jax.ffi.register_ffi_target(CONV_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_conv3x3), platform="cpu")
     return Status(f"onemkl-amx-bf16:{shim.stem.rpartition('-')[2]}", f"oneMKL bf16 GEMM ({mkl})")
 
 
@@ -148,12 +159,17 @@ def backend() -> str | None:
     return status().name
 
 
+def single_cpu_device() -> bool:
+    """The shim's kernels see whole arrays: only programs on one CPU device take them."""
+    return len(jax.devices("cpu")) == 1
+
+
 def _eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
     (lc, rc), (lb, rb) = dimension_numbers
     return (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and rhs.ndim == 2 and lhs.ndim >= 1
             and tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
             and preferred_element_type in (None, jnp.bfloat16, jnp.float32)
-            and kwargs.get("out_sharding") is None and len(jax.devices("cpu")) == 1)
+            and kwargs.get("out_sharding") is None and single_cpu_device())
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
@@ -176,3 +192,39 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precisio
         return call(rows, w).reshape(*lead, n).astype(out_dtype)
 
     return jax.lax.platform_dependent(lhs, rhs, cpu=amx, default=xla)
+
+
+def attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """Whether `attention` takes these: bf16 (B, S, H, D) on one CPU device."""
+    return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and q.ndim == 4
+            and k.shape == v.shape and k.ndim == 4 and q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:]
+            and single_cpu_device())
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any) -> jax.Array:
+    """Unmasked attention of bf16 (B, Sq, H, D) queries, already scaled, against (B, Sk, H, D) keys
+    and values, in the shim: per (batch, head, block of queries) the scores, their softmax and
+    P @ V, the products on oneMKL. The numerics of `fallback(q, k, v)`, the XLA form used
+    everywhere else: float32 scores and softmax sum, bf16 weights for P @ V, normalised after."""
+
+    def amx(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+                                vmap_method="sequential")
+        return call(q, k, v)
+
+    return jax.lax.platform_dependent(q, k, v, cpu=amx, default=fallback)
+
+
+def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+    """A 3x3 'same' convolution with bias, bf16 NHWC (B, H, W, Cin) x (3, 3, Cin, Cout) -> bf16, in
+    the shim: nine oneMKL products per tile of output rows. The numerics of `fallback(x)`, nnx.Conv
+    in bf16: float32 sums rounded to bf16, then the bias added."""
+
+    def amx(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+        b, h, w, _ = x.shape
+        padded = jnp.pad(x, ((0, 0), (1, 2), (1, 1), (0, 0)))  # the shim's layout (amx_gemm.cc)
+        call = jax.ffi.ffi_call(CONV_TARGET, jax.ShapeDtypeStruct((b, h, w, kernel.shape[-1]), jnp.bfloat16),
+                                vmap_method="sequential")
+        return call(padded, kernel, bias)
+
+    return jax.lax.platform_dependent(x, kernel, bias, cpu=amx, default=lambda x, kernel, bias: fallback(x))

@@ -159,10 +159,15 @@ def _blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, block: int = CP
     XLA's CPU attention materialises all S x S scores and is about 3x slower than torch's fused
     kernel at 1.5k tokens; a block of scores that stays in cache brings it to torch's speed.
     Scores and the softmax sum are float32; the output is normalised after P @ V."""
+    return _blocked_scaled(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k, v, block)
+
+
+def _blocked_scaled(q: jax.Array, k: jax.Array, v: jax.Array, block: int = CPU_QUERY_BLOCK) -> jax.Array:
+    """_blocked_attention of queries already scaled by 1 / sqrt(Dh)."""
     b, s, h, d = q.shape
     block = min(block, s)
     padded = -(-s // block) * block
-    qt = jnp.pad(q * jnp.asarray(d**-0.5, q.dtype), ((0, 0), (0, padded - s), (0, 0), (0, 0)))
+    qt = jnp.pad(q, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
     qt = qt.transpose(0, 2, 1, 3).reshape(b, h, padded // block, block, d).transpose(2, 0, 1, 3, 4)
     kt, vt = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
 
@@ -190,10 +195,12 @@ def gpu_fused_attention(q: jax.Array) -> bool:
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh) in the form the trace
     options name: the Pallas splash kernel on TPU (core/models/tpu_attention.py), cuDNN's fused
-    kernel on NVIDIA GPUs, the query-blocked form on the host CPU."""
+    kernel on NVIDIA GPUs, the query-blocked form on the host CPU (in the oneMKL shim on AMX CPUs)."""
     options = trace.current()
     if options.attention.startswith("splash") and tpu_attention.supports(q, k, v):
         return tpu_attention.splash_attention(q, k, v)
+    if options.onemkl and cpu_matmul.attention_eligible(q, k, v):
+        return cpu_matmul.attention(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k, v, _blocked_scaled)
     if options.platform == "cpu":
         return _blocked_attention(q, k, v)
     if gpu_fused_attention(q):

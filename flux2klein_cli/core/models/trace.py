@@ -42,6 +42,9 @@ class TraceOptions:
     convs_as_matmuls: bool = False  # the VAE's 3x3 convolutions as one matmul each (models/vae.py)
     idle_axes: str = "auto"  # one of sharding.IDLE_FORMS
     int8_compute: str = "weight-only"  # one of INT8_COMPUTE_KINDS (int8 models only)
+    # CPU programs on an AMX CPU with oneMKL (models/cpu_matmul.py): bf16 attention and the VAE's
+    # 3x3 convolutions in its shim. (Linear layers' dots follow cpu_matmul.backend() itself.)
+    onemkl: bool = False
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_KINDS:
@@ -70,7 +73,12 @@ class TraceOptions:
         int8_compute = os.environ.get(INT8_COMPUTE_ENV) or "weight-only"
         if int8_compute not in INT8_COMPUTE_KINDS:
             raise UserInputError(f"{INT8_COMPUTE_ENV}={int8_compute!r}: use one of {', '.join(INT8_COMPUTE_KINDS)}")
-        return cls(platform, attention, convs_as_matmuls, idle_axes=idle, int8_compute=int8_compute)
+        onemkl = False
+        if platform == "cpu":
+            from flux2klein_cli.core.models import cpu_matmul
+
+            onemkl = cpu_matmul.backend() is not None
+        return cls(platform, attention, convs_as_matmuls, idle_axes=idle, int8_compute=int8_compute, onemkl=onemkl)
 
     @classmethod
     def local(cls) -> TraceOptions:
@@ -80,6 +88,8 @@ class TraceOptions:
         key = asdict(self)
         if self.int8_compute == "weight-only":  # the default leaves the keys as they were before it
             del key["int8_compute"]
+        if not self.onemkl:  # as for int8_compute
+            del key["onemkl"]
         return key
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.models import trace
+from flux2klein_cli.core.models import cpu_matmul, trace
 from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, dot_product_attention, linear
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
@@ -136,8 +136,13 @@ class Conv(nnx.Conv):
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         same_3x3 = self.kernel_size == (3, 3) and self.strides in (1, (1, 1)) and self.padding == ((1, 1), (1, 1))
-        if same_3x3 and trace.current().convs_as_matmuls:
+        options = trace.current()
+        if same_3x3 and options.convs_as_matmuls:
             return self.as_matmul(x)
+        if (same_3x3 and options.onemkl and self.dtype == jnp.bfloat16 and self.bias is not None and x.ndim == 4
+                and cpu_matmul.single_cpu_device()):  # oneMKL on an AMX CPU
+            return cpu_matmul.conv3x3(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
+                                      lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
         return super().__call__(x, out_sharding=out_sharding)
 
     def as_matmul(self, x: jax.Array) -> jax.Array:
