@@ -117,12 +117,12 @@ def test_attention_takes_the_shim_only_on_the_onemkl_path(monkeypatch: pytest.Mo
     assert cpu_matmul.ATTENTION_TARGET not in traced(*(a.astype(jnp.float32) for a in (q, k, v)))
 
 
-def bf16_conv(c_in: int, c_out: int, seed: int = 0) -> nnx.Module:
+def bf16_conv(c_in: int, c_out: int, seed: int = 0, size: int = 3) -> nnx.Module:
     from flux2klein_cli.core.models.vae import conv
 
-    module = conv(c_in, c_out, 3, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    module = conv(c_in, c_out, size, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(seed)
-    module.kernel[...] = jnp.asarray(0.2 * rng.standard_normal((3, 3, c_in, c_out)), jnp.bfloat16)
+    module.kernel[...] = jnp.asarray(0.2 * rng.standard_normal((size, size, c_in, c_out)), jnp.bfloat16)
     module.bias[...] = jnp.asarray(rng.standard_normal(c_out), jnp.bfloat16)
     return module
 
@@ -142,6 +142,8 @@ def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path(monkeyp
 
     assert cpu_matmul.CONV_TARGET not in traced(False)
     assert cpu_matmul.CONV_TARGET in traced(True)
+    assert cpu_matmul.TARGET in traced(True, bf16_conv(4, 6, size=1))  # 1x1: the Linear layers' dot
+    assert cpu_matmul.TARGET not in traced(False, bf16_conv(4, 6, size=1))
     assert cpu_matmul.CONV_TARGET not in traced(True, platform="tpu")
     in_float32 = bf16_conv(4, 6)
     in_float32.dtype = jnp.float32  # an fp32 run's VAE
@@ -208,12 +210,13 @@ def test_on_amx_attention_matches_xlas_blocked_form(shape: tuple[int, ...]) -> N
 
 
 @amx
-@pytest.mark.parametrize("shape", [(1, 64, 48, 32, 32), (2, 17, 9, 5, 7), (1, 32, 32, 64, 128)])
-def test_on_amx_the_vaes_conv_matches_nnx_conv(shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("shape, size", [((1, 64, 48, 32, 32), 3), ((2, 17, 9, 5, 7), 3), ((1, 32, 32, 64, 128), 3),
+                                         ((1, 32, 16, 64, 32), 1)])
+def test_on_amx_the_vaes_conv_matches_nnx_conv(shape: tuple[int, ...], size: int) -> None:
     """nnx.Conv's numerics in bf16 (float32 sums rounded, then the bias added): equal but for
     rare one-ulp roundings (the taps' summation order differs)."""
     b, h, w, c_in, c_out = shape
-    module = bf16_conv(c_in, c_out)
+    module = bf16_conv(c_in, c_out, size=size)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.bfloat16)
     ours, xla = (np.asarray(conv_under(onemkl)(module, x), np.float32) for onemkl in (True, False))
     assert ours.shape == (b, h, w, c_out)

@@ -139,10 +139,15 @@ class Conv(nnx.Conv):
         options = trace.current()
         if same_3x3 and options.convs_as_matmuls:
             return self.as_matmul(x)
-        if (same_3x3 and options.onemkl and self.dtype == jnp.bfloat16 and self.bias is not None and x.ndim == 4
-                and cpu_matmul.single_cpu_device()):  # oneMKL on an AMX CPU
+        onemkl = (options.onemkl and self.dtype == jnp.bfloat16 and self.bias is not None and x.ndim == 4
+                  and cpu_matmul.single_cpu_device())  # oneMKL on an AMX CPU
+        if onemkl and same_3x3:
             return cpu_matmul.conv3x3(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
                                       lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
+        if onemkl and self.kernel_size == (1, 1) and self.strides in (1, (1, 1)) and self.padding == ((0, 0),) * 2:
+            # A 1x1 convolution is a Linear over channels: bf16 sums, then the bias, as nnx.Conv.
+            kernel = self.kernel[...].reshape(self.kernel.shape[-2:])
+            return cpu_matmul.dot_general(x.astype(jnp.bfloat16), kernel, (((3,), (0,)), ((), ()))) + self.bias[...]
         return super().__call__(x, out_sharding=out_sharding)
 
     def as_matmul(self, x: jax.Array) -> jax.Array:
@@ -188,13 +193,22 @@ class GroupNorm(nnx.Module):
     def __call__(self, x: jax.Array, *, silu: bool = False) -> jax.Array:
         b, *_, c = x.shape
         g = self.groups
-        x32 = x.astype(jnp.float32).reshape(b, -1, g, c // g)  # (B, positions, groups, channels/group)
-        mean = jnp.mean(x32, axis=(1, 3), keepdims=True)
+        x32 = x.astype(jnp.float32).reshape(b, -1, c)  # (B, positions, channels)
+        count = x32.shape[1] * (c // g)
+
+        def per_channel_group_mean(values: jax.Array) -> jax.Array:
+            # Each group's mean, repeated over its channels: (B, 1, C). Summed over positions first,
+            # then a group's channels, with every tensor kept (B, positions, C): XLA's CPU backend
+            # ran the (B, positions, groups, C / groups) form 3-4x slower on a decoder activation.
+            groups = jnp.sum(values, axis=1).reshape(b, g, c // g).sum(axis=2, keepdims=True) / count
+            return jnp.broadcast_to(groups, (b, g, c // g)).reshape(b, 1, c)
+
+        centred = x32 - per_channel_group_mean(x32)
         # Two-pass variance: E[x^2] - E[x]^2 cancels badly for large activations.
-        var = jnp.mean(jnp.square(x32 - mean), axis=(1, 3), keepdims=True)
-        # Fold the affine weight into the per-group scale: one multiply-add per element.
-        scale = jax.lax.rsqrt(var + self.eps) * self.weight[...].astype(jnp.float32).reshape(g, c // g)
-        y = (x32 - mean) * scale + self.bias[...].astype(jnp.float32).reshape(g, c // g)
+        var = per_channel_group_mean(jnp.square(centred))
+        # Fold the affine weight into the per-channel scale: one multiply-add per element.
+        scale = jax.lax.rsqrt(var + self.eps) * self.weight[...].astype(jnp.float32)
+        y = centred * scale + self.bias[...].astype(jnp.float32)
         if silu:
             y = jax.nn.silu(y)
         return y.reshape(x.shape).astype(x.dtype)
