@@ -6,6 +6,7 @@ diffusers (the [parity] extra).
 
     python -m flux2klein_cli.core.runs.bench.cpu matmul
     python -m flux2klein_cli.core.runs.bench.cpu image /tmp/medium --dtype bf16 --size 512 --steps 4
+    python -m flux2klein_cli.core.runs.bench.cpu step /tmp/4b/transformer --size 1024
 `image` times ours with oneMKL's dots and with XLA's (FLUX2KLEIN_CPU_MATMUL=xla, core/models/cpu_matmul.py).
 """
 
@@ -93,6 +94,70 @@ def one_form(form: str, model: str, dtype: str, size: int, steps: int, calls: in
     return {"s": interleave({form: theirs}, calls)[form]}
 
 
+STEP_FORMS = ("flux2klein", "diffusers")
+
+
+def one_step(form: str, transformer_dir: str, size: int, text_tokens: int, calls: int) -> dict[str, Any]:
+    """Best seconds of one bf16 transformer forward (one denoising step, batch 1) over `calls`
+    calls after a first, at `size` x `size` with `text_tokens` prompt tokens, in this process."""
+    from flux2klein_cli.core.pipeline.tokens import image_ids, text_ids
+
+    grid = size // 16
+    rng = np.random.default_rng(0)
+    img = rng.standard_normal((1, grid * grid, 128)).astype(np.float32)
+    if form == "flux2klein":
+        from flax import nnx
+
+        from flux2klein_cli.core.models.layers import as_words
+        from flux2klein_cli.core.models.transformer import load_transformer
+        from flux2klein_cli.core.pipeline.programs import jit_module_call
+
+        model = load_transformer(transformer_dir, dtype=jnp.bfloat16)
+        state = as_words(nnx.state(model))
+        call = jit_module_call(model)
+        txt = jnp.asarray(rng.standard_normal((1, text_tokens, model.config.joint_attention_dim)), jnp.bfloat16)
+        rope = model.rope(text_ids(text_tokens), image_ids(grid, grid))
+        x, sigma = jnp.asarray(img, jnp.bfloat16), jnp.full((1,), 0.5, jnp.float32)
+        return {"s": interleave({form: lambda: call(state, x, txt, sigma, rope).block_until_ready()}, calls)[form]}
+    import diffusers
+    import torch
+
+    torch.set_num_threads(2)
+    ref = diffusers.Flux2Transformer2DModel.from_pretrained(transformer_dir, torch_dtype=torch.bfloat16).eval()
+    joint = ref.config.joint_attention_dim
+    txt_t = torch.from_numpy(rng.standard_normal((1, text_tokens, joint)).astype(np.float32)).to(torch.bfloat16)
+    ids = torch.from_numpy(np.concatenate([text_ids(text_tokens), image_ids(grid, grid)]))
+    x_t = torch.from_numpy(img).to(torch.bfloat16)
+
+    def theirs() -> Any:
+        with torch.inference_mode():
+            return ref(hidden_states=x_t, encoder_hidden_states=txt_t, timestep=torch.full((1,), 0.5),
+                       img_ids=ids[text_tokens:][None], txt_ids=ids[:text_tokens][None], return_dict=False)
+
+    return {"s": interleave({form: theirs}, calls)[form]}
+
+
+def step(transformer_dir: str, size: int, text_tokens: int, rounds: int, calls: int) -> dict[str, Any]:
+    """One transformer step, ours (oneMKL path where the CPU has it) and diffusers', each form in
+    its own process, the processes in turn for `rounds` rounds; the median of each one's best."""
+    import os
+    import statistics
+    import subprocess
+    import sys
+
+    runs: dict[str, list[float]] = {f: [] for f in STEP_FORMS}
+    for _ in range(rounds):
+        for form in STEP_FORMS:
+            cmd = [sys.executable, "-m", "flux2klein_cli.core.runs.bench.cpu", "one-step", form, transformer_dir,
+                   "--size", str(size), "--text-tokens", str(text_tokens), "--calls", str(calls)]
+            done = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, check=True)
+            runs[form].append(json.loads(done.stdout.strip().splitlines()[-1])["s"])
+    median = {f: statistics.median(v) for f, v in runs.items()}
+    return {"step_s": {f: round(v, 3) for f, v in median.items()},
+            "ratio_to_diffusers": round(median["flux2klein"] / median["diffusers"], 3),
+            "runs_s": {f: [round(x, 3) for x in v] for f, v in runs.items()}}
+
+
 def image(model: str, dtype: str, size: int, steps: int, rounds: int, calls: int) -> dict[str, Any]:
     """Per-image seconds of each form, each in its own process, the processes in turn for
     `rounds` rounds; the median over rounds of each process's best call."""
@@ -138,6 +203,18 @@ def main() -> None:
     o.add_argument("--size", type=int, default=512)
     o.add_argument("--steps", type=int, default=4)
     o.add_argument("--calls", type=int, default=3)
+    st = sub.add_parser("step")
+    st.add_argument("transformer")
+    st.add_argument("--size", type=int, default=1024)
+    st.add_argument("--text-tokens", type=int, default=512)
+    st.add_argument("--rounds", type=int, default=2)
+    st.add_argument("--calls", type=int, default=2)
+    os_ = sub.add_parser("one-step")
+    os_.add_argument("form", choices=STEP_FORMS)
+    os_.add_argument("transformer")
+    os_.add_argument("--size", type=int, default=1024)
+    os_.add_argument("--text-tokens", type=int, default=512)
+    os_.add_argument("--calls", type=int, default=2)
     args = parser.parse_args()
     status = cpu_matmul.status()
     out = {"cpu_matmul": status.name, "why": status.reason}
@@ -145,6 +222,10 @@ def main() -> None:
         out["gflops"] = matmul(args.n, args.rounds)
     elif args.what == "one":
         out.update(one_form(args.form, args.model, args.dtype, args.size, args.steps, args.calls))
+    elif args.what == "one-step":
+        out.update(one_step(args.form, args.transformer, args.size, args.text_tokens, args.calls))
+    elif args.what == "step":
+        out.update(step(args.transformer, args.size, args.text_tokens, args.rounds, args.calls))
     else:
         out.update(image(args.model, args.dtype, args.size, args.steps, args.rounds, args.calls))
     print(json.dumps(out))
