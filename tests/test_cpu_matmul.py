@@ -224,6 +224,24 @@ def test_on_amx_the_vaes_conv_matches_nnx_conv(shape: tuple[int, ...], size: int
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
 
 
+@amx
+def test_on_amx_non_finite_values_stay_non_finite() -> None:
+    """A NaN or an infinity in the input reaches the same outputs as in XLA's forms (the image
+    checks then name the stage), never a finite value."""
+    module = bf16_conv(8, 8)
+    x = np.random.default_rng(2).standard_normal((1, 12, 10, 8)).astype(np.float32)
+    x[0, 3, 4, 1], x[0, 8, 2, 5] = np.nan, np.inf
+    x = jnp.asarray(x, jnp.bfloat16)
+    ours, xla = (np.asarray(conv_under(onemkl)(module, x), np.float32) for onemkl in (True, False))
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
+    q, k, v = qkv(1, 20, 30, 2, 16)
+    k = k.at[0, 7, 1, 3].set(jnp.nan)
+    attended = np.asarray(jax.jit(cpu_attention)(q, k, v), np.float32)
+    np.testing.assert_array_equal(np.isnan(attended),
+                                  np.isnan(np.asarray(jax.jit(layers._blocked_attention)(q, k, v), np.float32)))
+
+
 def linear_spec() -> target.ProgramSpec:
     """A bf16 Linear as a stored program (its kernel an argument, as the pipeline's are)."""
     layer = bf16_linear()

@@ -97,12 +97,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_gemm, Gemm,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// float32 -> bfloat16 bits, rounding to nearest even as XLA's convert does (no NaN reaches here:
-// the scores' row maximum is subtracted first).
+// float32 -> bfloat16 bits, rounding to nearest even as XLA's convert does; a NaN stays a (quiet)
+// NaN, where rounding its payload could carry it into the infinity's bits.
 static inline uint16_t to_bf16(float f) {
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
-  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>((bits >> 16) | 0x40u) : rounded;
 }
 
 static inline float from_bf16(uint16_t b) {
