@@ -159,6 +159,13 @@ def backend() -> str | None:
     return status().name
 
 
+def report() -> dict[str, str | None]:
+    """For a run's report: what this CPU's bf16 work runs on (`onemkl`: the shim's name, or null
+    for XLA's own forms) and why."""
+    chosen = status()
+    return {"onemkl": chosen.name, "why": chosen.reason}
+
+
 def single_cpu_device() -> bool:
     """The shim's kernels see whole arrays: only programs on one CPU device take them."""
     return len(jax.devices("cpu")) == 1

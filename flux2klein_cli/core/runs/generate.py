@@ -297,6 +297,18 @@ def run_generate(
         height=height, width=width, steps=steps, guidance=guidance,
         cfg=result.guidance_used, references=[str(p) for p in opts.references], dtype=opts.dtype, lora=loras,
         kv=opts.kv, kv_cache=result.kv_cache, mesh=None if mesh is None else dict(mesh.shape), writer=writer,
-        executables=pipeline.executables.report,
+        executables=pipeline.executables.report, cpu_kernels=_cpu_kernels(),
         seconds={k: round(v, 4) for k, v in seconds.items()},
     )
+
+
+def _cpu_kernels() -> dict[str, str | None] | None:
+    """On a CPU run (the programs trace for JAX's default backend), whether its bf16 work takes
+    the oneMKL kernels (core/models/cpu_matmul.py); None on an accelerator."""
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return None
+    from flux2klein_cli.core.models import cpu_matmul
+
+    return cpu_matmul.report()
