@@ -142,6 +142,7 @@ def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path(monkeyp
 
     assert cpu_matmul.CONV_TARGET not in traced(False)
     assert cpu_matmul.CONV_TARGET in traced(True)
+    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("fake", "test"))  # as on an AMX CPU
     assert cpu_matmul.TARGET in traced(True, bf16_conv(4, 6, size=1))  # 1x1: the Linear layers' dot
     assert cpu_matmul.TARGET not in traced(False, bf16_conv(4, 6, size=1))
     assert cpu_matmul.CONV_TARGET not in traced(True, platform="tpu")
