@@ -9,6 +9,7 @@
 // MKL is opened at run time (dlopen), so this file builds with no MKL headers and the shim loads only
 // where the Python side found libmkl_rt. Built with AVX-512 on: it is loaded on AMX CPUs only.
 #include <dlfcn.h>
+#include <immintrin.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -26,10 +28,18 @@ namespace ffi = xla::ffi;
 using GemmBf16 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const void*, int64_t, const void*,
                           int64_t, float, float*, int64_t);
 using SetThreadsLocal = int (*)(int);
+// The packed-operand form: a right-hand matrix packed once serves every block of rows after it.
+using PackSizeBf16 = size_t (*)(int, int64_t, int64_t, int64_t);
+using PackBf16 = void (*)(int, int, int, int64_t, int64_t, int64_t, const void*, int64_t, void*);
+using ComputeBf16 = void (*)(int, int64_t, int64_t, int64_t, int64_t, int64_t, float, const void*, int64_t,
+                             const void*, int64_t, float, float*, int64_t);
 static GemmBf16 gemm_bf16 = nullptr;
 static SetThreadsLocal set_threads_local = nullptr;
+static PackSizeBf16 pack_size_bf16 = nullptr;
+static PackBf16 pack_bf16 = nullptr;
+static ComputeBf16 compute_bf16 = nullptr;
 
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
 constexpr int64_t kQueryBlock = 128;  // 128 x 1536 float32 scores: 768 KB, inside a core's L2
 
 extern "C" int flux2klein_amx_open(const char* path) {
@@ -37,6 +47,10 @@ extern "C" int flux2klein_amx_open(const char* path) {
   if (lib == nullptr) return 1;
   gemm_bf16 = reinterpret_cast<GemmBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
   set_threads_local = reinterpret_cast<SetThreadsLocal>(dlsym(lib, "MKL_Set_Num_Threads_Local"));
+  pack_size_bf16 = reinterpret_cast<PackSizeBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack_get_size"));
+  pack_bf16 = reinterpret_cast<PackBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack"));
+  compute_bf16 = reinterpret_cast<ComputeBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32_compute"));
+  if (pack_size_bf16 == nullptr || pack_bf16 == nullptr || compute_bf16 == nullptr) compute_bf16 = nullptr;
   return gemm_bf16 == nullptr || set_threads_local == nullptr ? 2 : 0;
 }
 
@@ -113,82 +127,105 @@ static inline float from_bf16(uint16_t b) {
   return f;
 }
 
-// exp(x) for x <= 0 in a form the compiler vectorizes: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
-// p of degree 6 (relative error under 2e-7). Below -87, where expf leaves the normal range, it gives
-// exp(-87) (1.6e-38) instead of a subnormal: nothing a softmax weight or its sum can tell apart.
-static inline float exp_nonpositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = clamped - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &e, 4);
-  return p * scale;
+// Sixteen float32 lanes at a time (AVX-512; this file is built for AMX CPUs only).
+static inline __mmask16 lanes_left(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// Reductions over a row in kLanes independent lanes: the compiler vectorizes a fixed-width inner loop,
-// where one running value would keep the sum in order (and scalar).
-constexpr int64_t kLanes = 16;
+// to_bf16 on sixteen lanes, in integers: VCVTNEPS2BF16 would flush subnormals to zero.
+static inline __m256i to_bf16x16(__m512 f) {
+  const __m512i bits = _mm512_castps_si512(f), high = _mm512_srli_epi32(bits, 16);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  rounded = _mm512_mask_or_epi32(rounded, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), high, _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// exp(x) for x <= 0: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (relative error under
+// 2e-7). Below -87, where expf leaves the normal range, it gives exp(-87) (1.6e-38) instead of a
+// subnormal: nothing a softmax weight or its sum can tell apart. A NaN stays NaN (the clamp's max
+// returns its second operand when either is NaN).
+static inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
 
 static float row_max(const float* x, int64_t n) {
-  float lanes[kLanes];
-  std::fill(lanes, lanes + kLanes, x[0]);
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], x[j + l]);
-  float top = *std::max_element(lanes, lanes + kLanes);
-  for (; j < n; ++j) top = std::max(top, x[j]);
-  return top;
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, lanes_left(n - j), x + j));
+  return _mm512_reduce_max_ps(top);
 }
 
 // weights[j] = bf16(exp(x[j] - top)); returns the sum of the float32 exponentials.
 static float exp_row(const float* x, int64_t n, float top, uint16_t* weights) {
-  float lanes[kLanes] = {};
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) {
-      const float e = exp_nonpositive(x[j + l] - top);
-      lanes[l] += e;
-      weights[j + l] = to_bf16(e);
-    }
-  float sum = 0.0f;
-  for (int64_t l = 0; l < kLanes; ++l) sum += lanes[l];
-  for (; j < n; ++j) {
-    const float e = exp_nonpositive(x[j] - top);
-    sum += e;
-    weights[j] = to_bf16(e);
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = lanes_left(n - j);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + j), shift));
+    sum = _mm512_mask_add_ps(sum, lanes, sum, e);
+    _mm256_mask_storeu_epi16(weights + j, lanes, to_bf16x16(e));
   }
-  return sum;
+  return _mm512_reduce_add_ps(sum);
 }
 
 struct AttentionShape {
   int64_t batch, sq, sk, heads, dim;
 };
 
-// One block of `rows` queries of head h in batch b: scores, softmax, P @ V, normalised.
+// A worker's scratch for one block of queries, and the keys and values of the head it last packed.
+struct AttentionScratch {
+  std::vector<float> scores, sums, acc;
+  std::vector<uint16_t> weights;
+  std::unique_ptr<uint8_t[]> keys, values;  // MKL's packed forms; uninitialised, MKL writes what it reads
+  int64_t packed_head = -1;                 // batch * heads + head, or -1
+};
+
+// One block of `rows` queries of head h in batch b: scores, softmax, P @ V, normalised. With MKL's
+// packed form the keys (transposed) and values of a head are packed once per worker, not per block.
 static void attend_block(const AttentionShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                         uint16_t* out, int64_t b, int64_t h, int64_t row0, int64_t rows, float* scores,
-                         uint16_t* weights, float* sums, float* acc) {
+                         uint16_t* out, int64_t b, int64_t h, int64_t row0, int64_t rows, AttentionScratch& w) {
   const int64_t stride = s.heads * s.dim;  // between tokens, in elements
   const uint16_t* qb = q + (b * s.sq + row0) * stride + h * s.dim;
   const uint16_t* kb = k + b * s.sk * stride + h * s.dim;
   const uint16_t* vb = v + b * s.sk * stride + h * s.dim;
-  gemm_bf16(kRowMajor, kNoTrans, kTrans, rows, s.sk, s.dim, 1.0f, qb, stride, kb, stride, 0.0f, scores, s.sk);
+  float* scores = w.scores.data();
+  uint16_t* weights = w.weights.data();
+  if (w.keys) {
+    if (w.packed_head != b * s.heads + h) {
+      pack_bf16(kRowMajor, kBMatrix, kTrans, kQueryBlock, s.sk, s.dim, kb, stride, w.keys.get());
+      pack_bf16(kRowMajor, kBMatrix, kNoTrans, kQueryBlock, s.dim, s.sk, vb, stride, w.values.get());
+      w.packed_head = b * s.heads + h;
+    }
+    compute_bf16(kRowMajor, kNoTrans, kPacked, rows, s.sk, s.dim, 1.0f, qb, stride, w.keys.get(), s.sk, 0.0f,
+                 scores, s.sk);
+  } else {
+    gemm_bf16(kRowMajor, kNoTrans, kTrans, rows, s.sk, s.dim, 1.0f, qb, stride, kb, stride, 0.0f, scores, s.sk);
+  }
   for (int64_t i = 0; i < rows; ++i) {
     const float* row = scores + i * s.sk;
-    sums[i] = exp_row(row, s.sk, row_max(row, s.sk), weights + i * s.sk);
+    w.sums[i] = exp_row(row, s.sk, row_max(row, s.sk), weights + i * s.sk);
   }
-  gemm_bf16(kRowMajor, kNoTrans, kNoTrans, rows, s.dim, s.sk, 1.0f, weights, s.sk, vb, stride, 0.0f, acc, s.dim);
+  float* acc = w.acc.data();
+  if (w.values)
+    compute_bf16(kRowMajor, kNoTrans, kPacked, rows, s.dim, s.sk, 1.0f, weights, s.sk, w.values.get(), s.dim, 0.0f,
+                 acc, s.dim);
+  else
+    gemm_bf16(kRowMajor, kNoTrans, kNoTrans, rows, s.dim, s.sk, 1.0f, weights, s.sk, vb, stride, 0.0f, acc, s.dim);
   for (int64_t i = 0; i < rows; ++i) {
     uint16_t* o = out + (b * s.sq + row0 + i) * stride + h * s.dim;
-    for (int64_t d = 0; d < s.dim; ++d) o[d] = to_bf16(acc[i * s.dim + d] / sums[i]);
+    const __m512 sum = _mm512_set1_ps(w.sums[i]);
+    for (int64_t d = 0; d < s.dim; d += 16) {
+      const __mmask16 lanes = lanes_left(s.dim - d);
+      _mm256_mask_storeu_epi16(o + d, lanes, to_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, acc + i * s.dim + d), sum)));
+    }
   }
 }
 
@@ -206,23 +243,21 @@ static ffi::Error Attention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, 
   const auto* kp = reinterpret_cast<const uint16_t*>(k.untyped_data());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.untyped_data());
   auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
-  // Tasks are (batch, head, query block); each worker has its scratch for one block.
-  struct Scratch {
-    std::vector<float> scores, sums, acc;
-    std::vector<uint16_t> weights;
-  };
+  // Tasks are (batch, head, query block), in that order, so a worker mostly keeps the head it packed.
   const int workers = workers_for(tasks);
-  std::vector<Scratch> scratch(workers);
+  std::vector<AttentionScratch> scratch(workers);
   for (auto& w : scratch) {
     w.scores.resize(kQueryBlock * s.sk), w.weights.resize(kQueryBlock * s.sk);
     w.sums.resize(kQueryBlock), w.acc.resize(kQueryBlock * s.dim);
+    if (compute_bf16 != nullptr) {
+      w.keys.reset(new uint8_t[pack_size_bf16(kBMatrix, kQueryBlock, s.sk, s.dim)]);
+      w.values.reset(new uint8_t[pack_size_bf16(kBMatrix, kQueryBlock, s.dim, s.sk)]);
+    }
   }
   parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
-    Scratch& w = scratch[worker];
     const int64_t block = t % blocks, bh = t / blocks;
     const int64_t row0 = block * kQueryBlock, rows = std::min(kQueryBlock, s.sq - row0);
-    attend_block(s, qp, kp, vp, op, bh / s.heads, bh % s.heads, row0, rows, w.scores.data(), w.weights.data(),
-                 w.sums.data(), w.acc.data());
+    attend_block(s, qp, kp, vp, op, bh / s.heads, bh % s.heads, row0, rows, scratch[worker]);
   });
   return ffi::Error::Success();
 }
