@@ -80,10 +80,6 @@ static void parallel_tasks(int64_t tasks, int workers, Work work) {
   for (auto& t : threads) t.join();
 }
 
-// From this output width on, the rows are split between the cores, each product single-threaded:
-// MKL's own threads took 1.9x as long for (1536, 512) x (512, 4608), and were faster below 4096.
-constexpr int64_t kSplitRowsFromWidth = 4096;
-
 static ffi::Error Gemm(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
   auto xd = x.dimensions(), wd = w.dimensions();
@@ -92,18 +88,9 @@ static ffi::Error Gemm(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::
   const int64_t m = xd[0], k = xd[1], n = wd[1];
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   float* yp = y->typed_data();
-  const int workers = n >= kSplitRowsFromWidth ? workers_for(m) : 1;
-  if (workers == 1) {
-    gemm_bf16(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, xp, k, w.untyped_data(), n, 0.0f, yp, n);
-    return ffi::Error::Success();
-  }
-  const int64_t rows = (m + workers - 1) / workers;
-  parallel_tasks(workers, workers, [&](int64_t t, int) {
-    const int64_t row0 = t * rows, count = std::min(rows, m - row0);
-    if (count > 0)
-      gemm_bf16(kRowMajor, kNoTrans, kNoTrans, count, n, k, 1.0f, xp + row0 * k, k, w.untyped_data(), n, 0.0f,
-                yp + row0 * n, n);
-  });
+  // MKL's own threads: with them sleeping between products (KMP_BLOCKTIME=0, set in cpu_matmul.py)
+  // they were as fast as splitting the rows between the cores, or faster, at every width.
+  gemm_bf16(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, xp, k, w.untyped_data(), n, 0.0f, yp, n);
   return ffi::Error::Success();
 }
 

@@ -135,6 +135,9 @@ def _load(flags: frozenset[str]) -> Status:
     why = build_shim(shim)
     if why is not None:
         return Status(None, why)
+    # MKL's OpenMP threads spin for 200 ms after each product by default, holding the cores that
+    # XLA's threads need for the work between products: they sleep at once unless the user says.
+    os.environ.setdefault("KMP_BLOCKTIME", "0")
     try:
         trust.check_private_file(shim, "oneMKL shim")
         lib = ctypes.CDLL(str(shim))
