@@ -59,6 +59,12 @@ def layer_norm(x: jax.Array, eps: float) -> jax.Array:
     return ((x32 - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
+def silu(x: jax.Array) -> jax.Array:
+    """SiLU as torch computes it on bf16: in float32, rounded once. (jax.nn.silu on bf16 rounds after
+    each of its five operations, and XLA's CPU backend runs that chain several times slower.)"""
+    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, dtype: Any):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core.devices.sharding import model_rule
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, stack_blocks
+from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, silu, stack_blocks
 from flux2klein_cli.core.weights.configs import pick, read_config
 from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
 
@@ -129,7 +129,7 @@ class Qwen3MLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         gate = self.gate_proj(x)
         # SiLU in float32 and one rounding, as torch's fused bf16 kernel computes it.
-        return self.down_proj(jax.nn.silu(gate.astype(jnp.float32)).astype(x.dtype) * self.up_proj(x))
+        return self.down_proj(silu(gate) * self.up_proj(x))
 
 
 class Qwen3DecoderLayer(nnx.Module):

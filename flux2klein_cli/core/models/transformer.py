@@ -27,6 +27,7 @@ from flux2klein_cli.core.models.layers import (
     layer_norm,
     linear,
     run_blocks,
+    silu,
     stack_blocks,
 )
 from flux2klein_cli.core.weights.configs import read_config
@@ -204,7 +205,7 @@ def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array, eps: float) -> ja
 
 def swiglu(x: jax.Array) -> jax.Array:
     gate, value = jnp.split(x, 2, axis=-1)
-    return jax.nn.silu(gate) * value
+    return silu(gate) * value
 
 
 class TimestepEmbedding(nnx.Module):
@@ -215,7 +216,7 @@ class TimestepEmbedding(nnx.Module):
         self.linear_2 = linear(d, d, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.linear_2(jax.nn.silu(self.linear_1(x)))
+        return self.linear_2(silu(self.linear_1(x)))
 
 
 class TimestepGuidanceEmbeddings(nnx.Module):
@@ -431,7 +432,7 @@ class Flux2Transformer(nnx.Module):
         """The SiLU'd time embedding that every modulation reads."""
         # The reference casts sigma to the model dtype before scaling it to the 0..1000 range.
         t = sigma.astype(self.dtype).astype(jnp.float32) * 1000
-        return jax.nn.silu(self.time_guidance_embed(t))
+        return silu(self.time_guidance_embed(t))
 
     def _forward(
         self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, *,

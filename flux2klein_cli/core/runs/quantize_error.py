@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from flux2klein_cli.core.hub import random_checkpoint as rc
-from flux2klein_cli.core.models.layers import layer_norm, linear
+from flux2klein_cli.core.models.layers import layer_norm, linear, silu
 from flux2klein_cli.core.models.quantized import QuantizedLinear, quantize_abstract, quantize_weights
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.models.transformer import (
@@ -134,7 +134,7 @@ def make_inputs(cfg: TransformerConfig, model: Embedders, tokens: tuple[int, int
     latents = rng.standard_normal((1, tokens[0] * tokens[1], cfg.in_channels), np.float32)
     features = rng.standard_normal((1, text, cfg.joint_attention_dim), np.float32)
     t = jnp.full((1,), sigma * 1000, jnp.float32)
-    temb = jax.nn.silu(model.time_guidance_embed(t))
+    temb = silu(model.time_guidance_embed(t))
 
     def chunks(parts: list[jax.Array]) -> list[np.ndarray]:
         return [np.asarray(c) for c in parts]
