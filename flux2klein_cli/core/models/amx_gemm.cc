@@ -1,16 +1,19 @@
-// XLA FFI handlers on oneMKL's bf16 GEMM (cblas_gemm_bf16bf16f32), which runs on AMX tiles where the
-// CPU has them:
-//   flux2klein_amx_gemm:      bf16 (M, K) x bf16 (K, N) -> f32 (M, N);
+// XLA FFI handlers for bf16 work on the AMX tiles, mostly through oneMKL's bf16 GEMM
+// (cblas_gemm_bf16bf16f32):
+//   flux2klein_amx_gemm:      bf16 (M, K) x bf16 (K, N) -> f32 (M, N), on MKL;
 //   flux2klein_amx_attention: unmasked attention, bf16 (B, Sq, H, D) queries (already scaled) against
 //                             (B, Sk, H, D) keys and values -> bf16 (B, Sq, H, D), a block of queries
-//                             at a time so its scores stay in the core's cache;
+//                             at a time so its scores stay in the core's cache; its products on the
+//                             tiles directly (AMX intrinsics);
 //   flux2klein_amx_conv3x3:   a 3x3 'same' convolution with bias, NHWC bf16 -> bf16, as nine products
 //                             per tile of output rows (no copy of the taps).
 // MKL is opened at run time (dlopen), so this file builds with no MKL headers and the shim loads only
-// where the Python side found libmkl_rt. Built with AVX-512 on: it is loaded on AMX CPUs only.
+// where the Python side found libmkl_rt. Built with AVX-512 and AMX on: it is loaded on AMX CPUs only.
 #include <dlfcn.h>
 #include <immintrin.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -28,18 +31,9 @@ namespace ffi = xla::ffi;
 using GemmBf16 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const void*, int64_t, const void*,
                           int64_t, float, float*, int64_t);
 using SetThreadsLocal = int (*)(int);
-// The packed-operand form: a right-hand matrix packed once serves every block of rows after it.
-using PackSizeBf16 = size_t (*)(int, int64_t, int64_t, int64_t);
-using PackBf16 = void (*)(int, int, int, int64_t, int64_t, int64_t, const void*, int64_t, void*);
-using ComputeBf16 = void (*)(int, int64_t, int64_t, int64_t, int64_t, int64_t, float, const void*, int64_t,
-                             const void*, int64_t, float, float*, int64_t);
 static GemmBf16 gemm_bf16 = nullptr;
 static SetThreadsLocal set_threads_local = nullptr;
-static PackSizeBf16 pack_size_bf16 = nullptr;
-static PackBf16 pack_bf16 = nullptr;
-static ComputeBf16 compute_bf16 = nullptr;
-
-constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112, kPacked = 151, kBMatrix = 162;
+constexpr int kRowMajor = 101, kNoTrans = 111;
 constexpr int64_t kQueryBlock = 128;  // 128 x 1536 float32 scores: 768 KB, inside a core's L2
 
 extern "C" int flux2klein_amx_open(const char* path) {
@@ -47,11 +41,10 @@ extern "C" int flux2klein_amx_open(const char* path) {
   if (lib == nullptr) return 1;
   gemm_bf16 = reinterpret_cast<GemmBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
   set_threads_local = reinterpret_cast<SetThreadsLocal>(dlsym(lib, "MKL_Set_Num_Threads_Local"));
-  pack_size_bf16 = reinterpret_cast<PackSizeBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack_get_size"));
-  pack_bf16 = reinterpret_cast<PackBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32_pack"));
-  compute_bf16 = reinterpret_cast<ComputeBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32_compute"));
-  if (pack_size_bf16 == nullptr || pack_bf16 == nullptr || compute_bf16 == nullptr) compute_bf16 = nullptr;
-  return gemm_bf16 == nullptr || set_threads_local == nullptr ? 2 : 0;
+  if (gemm_bf16 == nullptr || set_threads_local == nullptr) return 2;
+  // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: a process asks Linux (5.16 and later) once before its
+  // first tile instruction. MKL asks too; the attention's own tile code needs it granted here.
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 3;
 }
 
 static int worker_count() {
@@ -158,7 +151,8 @@ static float exp_row(const float* x, int64_t n, float top, uint16_t* weights) {
     const __mmask16 lanes = lanes_left(n - j);
     const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + j), shift));
     sum = _mm512_mask_add_ps(sum, lanes, sum, e);
-    _mm256_mask_storeu_epi16(weights + j, lanes, to_bf16x16(e));
+    // VCVTNEPS2BF16 flushes subnormals, and no weight is one (they are at least exp(-87)).
+    _mm256_mask_storeu_epi16(weights + j, lanes, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e)));
   }
   return _mm512_reduce_add_ps(sum);
 }
@@ -167,51 +161,133 @@ struct AttentionShape {
   int64_t batch, sq, sk, heads, dim;
 };
 
-// A worker's scratch for one block of queries, and the keys and values of the head it last packed.
-struct AttentionScratch {
-  std::vector<float> scores, sums, acc;
-  std::vector<uint16_t> weights;
-  std::unique_ptr<uint8_t[]> keys, values;  // MKL's packed forms; uninitialised, MKL writes what it reads
-  int64_t packed_head = -1;                 // batch * heads + head, or -1
+// The attention's products on the AMX tiles directly. MKL's bf16 GEMM on blocks this small (128 queries
+// by a head's keys) ran at a fifth of the tiles' rate; here the queries of a block and one packed panel
+// of keys stay in L1 while the tiles work through them.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
 };
 
-// One block of `rows` queries of head h in batch b: scores, softmax, P @ V, normalised. With MKL's
-// packed form the keys (transposed) and values of a head are packed once per worker, not per block.
+// Tiles 0-7 all 16 rows of 64 bytes: A tiles 16 x 32 bf16, B tiles 16 pairs x 16 columns (pairs of
+// bf16 along the inner dimension), C tiles 16 x 16 float32.
+static void configure_tiles() {
+  TileConfig config;
+  for (int i = 0; i < 8; ++i) config.rows[i] = 16, config.colsb[i] = 64;
+  _tile_loadconfig(&config);
+}
+
+constexpr int64_t kPanel = 32;  // columns of a packed right-hand panel: two B tiles side by side
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// c (32 x 32 float32, row stride ldc) = a (32 x depth bf16, row stride lda) x one packed panel
+// (depth / 2 pairs x 32 columns x 2); depth a multiple of 32. Tiles 4-7 hold C; each A and B tile is
+// loaded just before its first use, so the loads overlap the products before them.
+static void tile_product(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
+                         int64_t ldc) {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t k = 0; k < depth; k += 32) {
+    _tile_loadd(0, a + k, lda * 2);
+    _tile_loadd(2, panel + k * kPanel, kPanel * 4);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_loadd(3, panel + k * kPanel + 32, kPanel * 4);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_loadd(1, a + 16 * lda + k, lda * 2);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, c, ldc * 4);
+  _tile_stored(5, c + 16, ldc * 4);
+  _tile_stored(6, c + 16 * ldc, ldc * 4);
+  _tile_stored(7, c + 16 * ldc + 16, ldc * 4);
+}
+
+// A head's keys as the right-hand side of Q K^T: panels of 32 keys, each [dim pair][key][2], i.e. the
+// keys' 32-bit pairs of dims transposed; dims zero-padded to `depth`, keys to a whole panel.
+static void pack_keys(const uint16_t* k, int64_t stride, int64_t sk, int64_t dim, int64_t depth, uint16_t* out) {
+  for (int64_t p = 0; p < round_up(sk, kPanel); p += kPanel)
+    for (int64_t d = 0; d < depth; d += 2)
+      for (int64_t c = 0; c < kPanel; ++c, out += 2) {
+        const uint16_t* key = k + (p + c) * stride;
+        const bool real = p + c < sk;
+        out[0] = real && d < dim ? key[d] : 0;
+        out[1] = real && d + 1 < dim ? key[d + 1] : 0;
+      }
+}
+
+// A head's values as the right-hand side of P V: panels of 32 dims, each [key pair][dim][2]; keys
+// zero-padded to a whole panel (their weights are zero too), dims to a whole panel.
+static void pack_values(const uint16_t* v, int64_t stride, int64_t sk, int64_t dim, uint16_t* out) {
+  for (int64_t p = 0; p < round_up(dim, kPanel); p += kPanel)
+    for (int64_t key = 0; key < round_up(sk, kPanel); key += 2)
+      for (int64_t c = 0; c < kPanel; ++c, out += 2) {
+        const bool real = p + c < dim;
+        out[0] = real && key < sk ? v[key * stride + p + c] : 0;
+        out[1] = real && key + 1 < sk ? v[(key + 1) * stride + p + c] : 0;
+      }
+}
+
+// A worker's scratch for one block of queries, and the keys and values of the head it last packed.
+struct AttentionScratch {
+  int64_t depth, keys, dims;  // the head dim, the keys and the value dims, each padded for the tiles
+  std::vector<uint16_t> queries, packed_keys, packed_values, weights;
+  std::vector<float> scores, acc;
+  int64_t packed_head = -1;
+  explicit AttentionScratch(const AttentionShape& s)
+      : depth(round_up(s.dim, 32)), keys(round_up(s.sk, kPanel)), dims(round_up(s.dim, kPanel)),
+        queries(kQueryBlock * depth), packed_keys(keys * depth), packed_values(dims * keys),
+        weights(kQueryBlock * keys), scores(kQueryBlock * keys), acc(kQueryBlock * dims) {}
+};
+
+// One block of `rows` queries of head h in batch b: scores, softmax, P @ V, normalised. The keys and
+// values of a head are packed once per worker, not per block.
 static void attend_block(const AttentionShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
                          uint16_t* out, int64_t b, int64_t h, int64_t row0, int64_t rows, AttentionScratch& w) {
-  const int64_t stride = s.heads * s.dim;  // between tokens, in elements
-  const uint16_t* qb = q + (b * s.sq + row0) * stride + h * s.dim;
-  const uint16_t* kb = k + b * s.sk * stride + h * s.dim;
-  const uint16_t* vb = v + b * s.sk * stride + h * s.dim;
-  float* scores = w.scores.data();
-  uint16_t* weights = w.weights.data();
-  if (w.keys) {
-    if (w.packed_head != b * s.heads + h) {
-      pack_bf16(kRowMajor, kBMatrix, kTrans, kQueryBlock, s.sk, s.dim, kb, stride, w.keys.get());
-      pack_bf16(kRowMajor, kBMatrix, kNoTrans, kQueryBlock, s.dim, s.sk, vb, stride, w.values.get());
-      w.packed_head = b * s.heads + h;
+  const int64_t stride = s.heads * s.dim;
+  if (w.packed_head != b * s.heads + h) {
+    pack_keys(k + b * s.sk * stride + h * s.dim, stride, s.sk, s.dim, w.depth, w.packed_keys.data());
+    pack_values(v + b * s.sk * stride + h * s.dim, stride, s.sk, s.dim, w.packed_values.data());
+    w.packed_head = b * s.heads + h;
+  }
+  // The block's queries, contiguous and zero-padded to whole tiles (rows past the last stay zero).
+  const int64_t tile_rows = round_up(rows, 32);
+  std::fill(w.queries.begin(), w.queries.begin() + tile_rows * w.depth, 0);
+  for (int64_t i = 0; i < rows; ++i)
+    std::memcpy(w.queries.data() + i * w.depth, q + (b * s.sq + row0 + i) * stride + h * s.dim, s.dim * 2);
+  configure_tiles();
+  for (int64_t p = 0; p < w.keys; p += kPanel)
+    for (int64_t r = 0; r < tile_rows; r += 32)
+      tile_product(w.queries.data() + r * w.depth, w.depth, w.packed_keys.data() + p * w.depth, w.depth,
+                   w.scores.data() + r * w.keys + p, w.keys);
+  std::vector<float> sums(tile_rows, 1.0f);
+  for (int64_t i = 0; i < tile_rows; ++i) {
+    uint16_t* weights = w.weights.data() + i * w.keys;
+    if (i < rows) {
+      const float* row = w.scores.data() + i * w.keys;
+      sums[i] = exp_row(row, s.sk, row_max(row, s.sk), weights);
+      std::fill(weights + s.sk, weights + w.keys, 0);
+    } else {
+      std::fill(weights, weights + w.keys, 0);
     }
-    compute_bf16(kRowMajor, kNoTrans, kPacked, rows, s.sk, s.dim, 1.0f, qb, stride, w.keys.get(), s.sk, 0.0f,
-                 scores, s.sk);
-  } else {
-    gemm_bf16(kRowMajor, kNoTrans, kTrans, rows, s.sk, s.dim, 1.0f, qb, stride, kb, stride, 0.0f, scores, s.sk);
   }
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* row = scores + i * s.sk;
-    w.sums[i] = exp_row(row, s.sk, row_max(row, s.sk), weights + i * s.sk);
-  }
-  float* acc = w.acc.data();
-  if (w.values)
-    compute_bf16(kRowMajor, kNoTrans, kPacked, rows, s.dim, s.sk, 1.0f, weights, s.sk, w.values.get(), s.dim, 0.0f,
-                 acc, s.dim);
-  else
-    gemm_bf16(kRowMajor, kNoTrans, kNoTrans, rows, s.dim, s.sk, 1.0f, weights, s.sk, vb, stride, 0.0f, acc, s.dim);
+  for (int64_t p = 0; p < w.dims; p += kPanel)
+    for (int64_t r = 0; r < tile_rows; r += 32)
+      tile_product(w.weights.data() + r * w.keys, w.keys, w.packed_values.data() + p * w.keys, w.keys,
+                   w.acc.data() + r * w.dims + p, w.dims);
+  _tile_release();
   for (int64_t i = 0; i < rows; ++i) {
     uint16_t* o = out + (b * s.sq + row0 + i) * stride + h * s.dim;
-    const __m512 sum = _mm512_set1_ps(w.sums[i]);
+    const __m512 sum = _mm512_set1_ps(sums[i]);
     for (int64_t d = 0; d < s.dim; d += 16) {
       const __mmask16 lanes = lanes_left(s.dim - d);
-      _mm256_mask_storeu_epi16(o + d, lanes, to_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, acc + i * s.dim + d), sum)));
+      _mm256_mask_storeu_epi16(o + d, lanes,
+                               to_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, w.acc.data() + i * w.dims + d), sum)));
     }
   }
 }
@@ -232,15 +308,8 @@ static ffi::Error Attention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, 
   auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
   // Tasks are (batch, head, query block), in that order, so a worker mostly keeps the head it packed.
   const int workers = workers_for(tasks);
-  std::vector<AttentionScratch> scratch(workers);
-  for (auto& w : scratch) {
-    w.scores.resize(kQueryBlock * s.sk), w.weights.resize(kQueryBlock * s.sk);
-    w.sums.resize(kQueryBlock), w.acc.resize(kQueryBlock * s.dim);
-    if (compute_bf16 != nullptr) {
-      w.keys.reset(new uint8_t[pack_size_bf16(kBMatrix, kQueryBlock, s.sk, s.dim)]);
-      w.values.reset(new uint8_t[pack_size_bf16(kBMatrix, kQueryBlock, s.dim, s.sk)]);
-    }
-  }
+  std::vector<AttentionScratch> scratch;
+  for (int i = 0; i < workers; ++i) scratch.emplace_back(s);
   parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
     const int64_t block = t % blocks, bh = t / blocks;
     const int64_t row0 = block * kQueryBlock, rows = std::min(kQueryBlock, s.sq - row0);

@@ -8,7 +8,7 @@ attention (`attention`) and the VAE's 3x3 convolutions (`conv3x3`), each with th
 XLA form it replaces.
 
 Used only when all of these hold, else every dot stays XLA's own (today's path):
-  * the CPU reports `amx_bf16` and `amx_tile` (/proc/cpuinfo);
+  * the CPU reports `amx_bf16`, `amx_tile` and `avx512_bf16` (/proc/cpuinfo);
   * oneMKL's runtime library is installed (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the
     environment's lib/);
   * the small shim in amx_gemm.cc builds: on first use, with the C++ compiler (`$CXX`, else g++ or
@@ -47,9 +47,10 @@ ENV = "FLUX2KLEIN_CPU_MATMUL"
 TARGET = "flux2klein_amx_bf16_gemm"
 ATTENTION_TARGET = "flux2klein_amx_bf16_attention"
 CONV_TARGET = "flux2klein_amx_bf16_conv3x3"
-# AVX-512 and FMA on: the shim is loaded on AMX CPUs only, and every one of them has these.
+# AVX-512 (with bf16), FMA and AMX on: the shim is loaded on AMX CPUs only, and every one of them has these.
 BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno", "-mavx512f",
-               "-mavx512bw", "-mavx512vl", "-mfma", "-mprefer-vector-width=512")
+               "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
+               "-mprefer-vector-width=512")
 SOURCE = Path(__file__).with_name("amx_gemm.cc")
 _MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 
@@ -77,7 +78,8 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
 
 
 def has_amx_bf16(flags: frozenset[str]) -> bool:
-    return {"amx_bf16", "amx_tile"} <= flags
+    # Every AMX CPU has AVX-512 bf16 too; the shim's softmax rounds with it.
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
 
 
 def find_mkl() -> str | None:
@@ -127,7 +129,7 @@ def _load(flags: frozenset[str]) -> Status:
     if os.environ.get(ENV, "auto") == "xla":
         return Status(None, f"{ENV}=xla")
     if platform.machine().lower() not in ("x86_64", "amd64") or not has_amx_bf16(flags):
-        return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile)")
+        return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile, avx512_bf16)")
     mkl = find_mkl()
     if mkl is None:
         return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
@@ -141,7 +143,10 @@ def _load(flags: frozenset[str]) -> Status:
     try:
         trust.check_private_file(shim, "oneMKL shim")
         lib = ctypes.CDLL(str(shim))
-        if lib.flux2klein_amx_open(mkl.encode()) != 0:
+        opened = lib.flux2klein_amx_open(mkl.encode())
+        if opened == 3:
+            return Status(None, "Linux does not let this process use the AMX tiles (it needs kernel 5.16 or later)")
+        if opened != 0:
             return Status(None, f"{mkl} has no cblas_gemm_bf16bf16f32 or MKL_Set_Num_Threads_Local")
     except (trust.Untrusted, OSError, AttributeError) as e:  # a foreign, corrupt or old shim: XLA's path
         return Status(None, f"the oneMKL shim does not load: {e}")
