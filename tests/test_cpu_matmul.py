@@ -117,6 +117,36 @@ def test_attention_takes_the_shim_only_on_the_onemkl_path(monkeypatch: pytest.Mo
     assert cpu_matmul.ATTENTION_TARGET not in traced(*(a.astype(jnp.float32) for a in (q, k, v)))
 
 
+def text_attention_inputs(batch: int, length: int, heads: int, kv_heads: int, dim: int) -> tuple[jax.Array, ...]:
+    """Queries, keys, values and mask as the text encoder makes them: causal over real tokens, the
+    first prompt padded on the right, the second (if any) on the left, so that its first queries
+    see no key at all."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(2 * rng.standard_normal((batch, length, heads, dim)), jnp.bfloat16)
+    k, v = (jnp.asarray(2 * rng.standard_normal((batch, length, kv_heads, dim)), jnp.bfloat16) for _ in range(2))
+    real = np.ones((batch, length), bool)
+    real[0, length - length // 3:] = False
+    real[1:, :2] = False
+    mask = np.tril(np.ones((length, length), bool))[None] & real[:, None, :]
+    return q, k, v, jnp.asarray(mask)
+
+
+def text_attention_under(onemkl: bool) -> object:
+    """The text encoder's attention as a CPU program traced with the oneMKL kernels on or off."""
+    from flux2klein_cli.core.models.qwen3 import _attention
+
+    return jax.jit(traced_under(lambda q, k, v, mask: _attention(q, k, v, mask, q.shape[-1] ** -0.5),
+                                TraceOptions("cpu", "blocked", onemkl=onemkl)))
+
+
+def test_the_text_encoders_attention_takes_the_shim_only_on_the_onemkl_path() -> None:
+    args = text_attention_inputs(2, 9, 4, 2, 16)
+    assert cpu_matmul.MASKED_ATTENTION_TARGET in text_attention_under(True).trace(*args).lower().as_text()
+    assert cpu_matmul.MASKED_ATTENTION_TARGET not in text_attention_under(False).trace(*args).lower().as_text()
+    f32 = [a.astype(jnp.float32) for a in args[:3]] + [args[3]]
+    assert cpu_matmul.MASKED_ATTENTION_TARGET not in text_attention_under(True).trace(*f32).lower().as_text()
+
+
 def bf16_conv(c_in: int, c_out: int, seed: int = 0, size: int = 3) -> nnx.Module:
     from flux2klein_cli.core.models.vae import conv
 
@@ -208,6 +238,45 @@ def test_on_amx_attention_matches_xlas_blocked_form(shape: tuple[int, ...]) -> N
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
     ours_err, xla_err = np.abs(ours - exact).mean(), np.abs(xla - exact).mean()
     assert ours_err <= 1.01 * xla_err, (ours_err, xla_err)
+
+
+def text_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                             round_weights: bool) -> np.ndarray:
+    """jax.nn.dot_product_attention's form as written, in float64 with the mask applied exactly: the
+    weights normalised, then (with `round_weights`) rounded to bf16 before P @ V. XLA computes
+    this form but at some sizes keeps the weights float32 (its excess-precision rule), so its own
+    output is not the reference for the rounding."""
+    import ml_dtypes
+
+    group = q.shape[2] // k.shape[2]
+    qf, kf, vf = (np.asarray(a, np.float64) for a in (q, k, v))
+    kf, vf = np.repeat(kf, group, axis=2), np.repeat(vf, group, axis=2)
+    allowed = np.asarray(mask)[:, None]
+    scores = np.where(allowed, np.einsum("bqhd,bkhd->bhqk", qf, kf) * q.shape[-1] ** -0.5, -np.inf)
+    top = scores.max(-1, keepdims=True)
+    weights = np.where(allowed, np.exp(scores - np.where(np.isfinite(top), top, 0)), 0)
+    weights /= np.maximum(weights.sum(-1, keepdims=True), 1e-300)
+    if round_weights:
+        weights = weights.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    out = np.einsum("bhqk,bkhd->bqhd", weights, vf).astype(np.float32)
+    return out.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@amx
+@pytest.mark.parametrize("shape", [(2, 300, 8, 2, 64), (2, 37, 6, 3, 16), (2, 130, 4, 4, 128)])
+def test_on_amx_the_text_encoders_attention_matches_xlas_form(shape: tuple[int, ...]) -> None:
+    """The masked, grouped-query form: jax.nn.dot_product_attention's numerics (scores scaled after
+    the product, weights normalised and rounded to bf16 before P @ V), masked keys left out, a query
+    with no allowed key zero. Equal to that form in float64 but for rare one-ulp roundings, and close
+    to XLA's output (which at some sizes keeps the weights float32)."""
+    q, k, v, mask = text_attention_inputs(*shape)
+    ours, xla = (np.asarray(text_attention_under(onemkl)(q, k, v, mask), np.float32) for onemkl in (True, False))
+    assert not np.any(ours[1, :2]) and np.all(np.isfinite(ours))
+    rounded = text_attention_reference(q, k, v, mask, round_weights=True)
+    assert np.mean(ours != rounded) < 1e-3
+    np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
+    exact = text_attention_reference(q, k, v, mask, round_weights=False)
+    assert np.abs(ours - exact).mean() <= 1.01 * np.abs(rounded - exact).mean()
 
 
 @amx

@@ -157,8 +157,50 @@ static float exp_row(const float* x, int64_t n, float top, uint16_t* weights) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// The masked form's softmax of one row, in place: x[j] = exp(scale * x[j] - top) where allowed, else
+// 0; weights[j] = bf16(x[j] / sum). Returns false when no key is allowed (the row's output is zero).
+static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* allowed, uint16_t* weights) {
+  const __m512 factor = _mm512_set1_ps(scale);
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  bool any = false;
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = lanes_left(n - j);
+    const __mmask16 keep = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed + j), _mm_setzero_si128());
+    const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + j), factor);
+    _mm512_mask_storeu_ps(x + j, lanes, scaled);
+    top = _mm512_mask_max_ps(top, keep, top, scaled);
+    any = any || keep != 0;
+  }
+  if (!any) return false;
+  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = lanes_left(n - j);
+    const __mmask16 keep = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed + j), _mm_setzero_si128());
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + j), shift)));
+    _mm512_mask_storeu_ps(x + j, lanes, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = lanes_left(n - j);
+    _mm256_mask_storeu_epi16(weights + j, lanes, to_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, x + j), total)));
+  }
+  return true;
+}
+
 struct AttentionShape {
-  int64_t batch, sq, sk, heads, dim;
+  int64_t batch, sq, sk, heads, kv_heads, dim;
+  int64_t group() const { return heads / kv_heads; }  // query heads per key/value head
+};
+
+// What a masked attention adds (jax.nn.dot_product_attention's XLA form, as the text encoder calls it):
+// the scores scaled after the product, a (B, Sq, Sk) mask of allowed keys, the weights normalised
+// before P @ V, and a zero output for a query with no allowed key. Without a mask: queries already
+// scaled, every key allowed, normalised after P @ V (the transformer's and the VAE's form).
+struct Masking {
+  const bool* allowed = nullptr;
+  float scale = 1.0f;
 };
 
 // The attention's products on the AMX tiles directly. MKL's bf16 GEMM on blocks this small (128 queries
@@ -247,34 +289,39 @@ struct AttentionScratch {
 
 // One block of `rows` queries of head h in batch b: scores, softmax, P @ V, normalised. The keys and
 // values of a head are packed once per worker, not per block.
-static void attend_block(const AttentionShape& s, const uint16_t* q, const uint16_t* k, const uint16_t* v,
-                         uint16_t* out, int64_t b, int64_t h, int64_t row0, int64_t rows, AttentionScratch& w) {
-  const int64_t stride = s.heads * s.dim;
-  if (w.packed_head != b * s.heads + h) {
-    pack_keys(k + b * s.sk * stride + h * s.dim, stride, s.sk, s.dim, w.depth, w.packed_keys.data());
-    pack_values(v + b * s.sk * stride + h * s.dim, stride, s.sk, s.dim, w.packed_values.data());
-    w.packed_head = b * s.heads + h;
+static void attend_block(const AttentionShape& s, const Masking& m, const uint16_t* q, const uint16_t* k,
+                         const uint16_t* v, uint16_t* out, int64_t b, int64_t h, int64_t row0, int64_t rows,
+                         AttentionScratch& w) {
+  const int64_t q_stride = s.heads * s.dim, kv_stride = s.kv_heads * s.dim, kv_head = h / s.group();
+  if (w.packed_head != b * s.kv_heads + kv_head) {
+    const int64_t offset = b * s.sk * kv_stride + kv_head * s.dim;
+    pack_keys(k + offset, kv_stride, s.sk, s.dim, w.depth, w.packed_keys.data());
+    pack_values(v + offset, kv_stride, s.sk, s.dim, w.packed_values.data());
+    w.packed_head = b * s.kv_heads + kv_head;
   }
   // The block's queries, contiguous and zero-padded to whole tiles (rows past the last stay zero).
   const int64_t tile_rows = round_up(rows, 32);
   std::fill(w.queries.begin(), w.queries.begin() + tile_rows * w.depth, 0);
   for (int64_t i = 0; i < rows; ++i)
-    std::memcpy(w.queries.data() + i * w.depth, q + (b * s.sq + row0 + i) * stride + h * s.dim, s.dim * 2);
+    std::memcpy(w.queries.data() + i * w.depth, q + (b * s.sq + row0 + i) * q_stride + h * s.dim, s.dim * 2);
   configure_tiles();
   for (int64_t p = 0; p < w.keys; p += kPanel)
     for (int64_t r = 0; r < tile_rows; r += 32)
       tile_product(w.queries.data() + r * w.depth, w.depth, w.packed_keys.data() + p * w.depth, w.depth,
                    w.scores.data() + r * w.keys + p, w.keys);
-  std::vector<float> sums(tile_rows, 1.0f);
+  // Per row: the divisor of its P @ V (1 where the weights are normalised already, 0 for no key).
+  std::vector<float> divisors(tile_rows, 1.0f);
   for (int64_t i = 0; i < tile_rows; ++i) {
     uint16_t* weights = w.weights.data() + i * w.keys;
-    if (i < rows) {
-      const float* row = w.scores.data() + i * w.keys;
-      sums[i] = exp_row(row, s.sk, row_max(row, s.sk), weights);
-      std::fill(weights + s.sk, weights + w.keys, 0);
-    } else {
-      std::fill(weights, weights + w.keys, 0);
+    float* row = w.scores.data() + i * w.keys;
+    bool filled = i < rows;
+    if (filled && m.allowed == nullptr) {
+      divisors[i] = exp_row(row, s.sk, row_max(row, s.sk), weights);
+    } else if (filled) {
+      filled = masked_softmax_row(row, s.sk, m.scale, m.allowed + (b * s.sq + row0 + i) * s.sk, weights);
+      if (!filled) divisors[i] = 0.0f;
     }
+    std::fill(weights + (filled ? s.sk : 0), weights + w.keys, 0);
   }
   for (int64_t p = 0; p < w.dims; p += kPanel)
     for (int64_t r = 0; r < tile_rows; r += 32)
@@ -282,45 +329,76 @@ static void attend_block(const AttentionShape& s, const uint16_t* q, const uint1
                    w.acc.data() + r * w.dims + p, w.dims);
   _tile_release();
   for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* o = out + (b * s.sq + row0 + i) * stride + h * s.dim;
-    const __m512 sum = _mm512_set1_ps(sums[i]);
+    uint16_t* o = out + (b * s.sq + row0 + i) * q_stride + h * s.dim;
+    const __m512 divisor = _mm512_set1_ps(divisors[i]);
     for (int64_t d = 0; d < s.dim; d += 16) {
       const __mmask16 lanes = lanes_left(s.dim - d);
-      _mm256_mask_storeu_epi16(o + d, lanes,
-                               to_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, w.acc.data() + i * w.dims + d), sum)));
+      const __m512 sums = _mm512_maskz_loadu_ps(lanes, w.acc.data() + i * w.dims + d);
+      // A row with no allowed key: its weights are all zero, and so is its output.
+      const __m512 value = divisors[i] == 0.0f ? _mm512_setzero_ps() : _mm512_div_ps(sums, divisor);
+      _mm256_mask_storeu_epi16(o + d, lanes, to_bf16x16(value));
     }
   }
 }
 
-static ffi::Error Attention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
-                            ffi::ResultBuffer<ffi::BF16> out) {
-  if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] || qd[2] != kd[2] ||
-      qd[3] != kd[3] || !std::equal(kd.begin(), kd.end(), vd.begin()))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, Sq, H, D) and two (B, Sk, H, D)");
-  const AttentionShape s{qd[0], qd[1], kd[1], qd[2], qd[3]};
+static ffi::Error attend(const AttentionShape& s, const Masking& m, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
+                         ffi::Buffer<ffi::BF16> v, ffi::ResultBuffer<ffi::BF16> out) {
   const int64_t blocks = (s.sq + kQueryBlock - 1) / kQueryBlock;
   const int64_t tasks = s.batch * s.heads * blocks;
   const auto* qp = reinterpret_cast<const uint16_t*>(q.untyped_data());
   const auto* kp = reinterpret_cast<const uint16_t*>(k.untyped_data());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.untyped_data());
   auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
-  // Tasks are (batch, head, query block), in that order, so a worker mostly keeps the head it packed.
+  // Tasks are (batch, head, query block), in that order, so a worker mostly keeps the head it packed
+  // (and the heads of a group share it).
   const int workers = workers_for(tasks);
   std::vector<AttentionScratch> scratch;
   for (int i = 0; i < workers; ++i) scratch.emplace_back(s);
   parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
     const int64_t block = t % blocks, bh = t / blocks;
     const int64_t row0 = block * kQueryBlock, rows = std::min(kQueryBlock, s.sq - row0);
-    attend_block(s, qp, kp, vp, op, bh / s.heads, bh % s.heads, row0, rows, scratch[worker]);
+    attend_block(s, m, qp, kp, vp, op, bh / s.heads, bh % s.heads, row0, rows, scratch[worker]);
   });
   return ffi::Error::Success();
+}
+
+// (B, Sq, H, D) queries against (B, Sk, Hkv, D) keys and values, H a multiple of Hkv.
+static bool attention_shapes(ffi::Buffer<ffi::BF16>& q, ffi::Buffer<ffi::BF16>& k, ffi::Buffer<ffi::BF16>& v,
+                             AttentionShape* s) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] || qd[3] != kd[3] || kd[2] == 0 ||
+      qd[2] % kd[2] != 0 || !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return false;
+  *s = AttentionShape{qd[0], qd[1], kd[1], qd[2], kd[2], qd[3]};
+  return true;
+}
+
+static ffi::Error Attention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
+                            ffi::ResultBuffer<ffi::BF16> out) {
+  AttentionShape s;
+  if (!attention_shapes(q, k, v, &s) || s.kv_heads != s.heads)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, Sq, H, D) and two (B, Sk, H, D)");
+  return attend(s, Masking{}, q, k, v, out);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_attention, Attention,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>());
+
+static ffi::Error MaskedAttention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
+                                  ffi::Buffer<ffi::PRED> allowed, float scale, ffi::ResultBuffer<ffi::BF16> out) {
+  AttentionShape s;
+  auto md = allowed.dimensions();
+  if (!attention_shapes(q, k, v, &s) || md.size() != 3 || md[0] != s.batch || md[1] != s.sq || md[2] != s.sk)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "expected (B, Sq, H, D), two (B, Sk, Hkv, D) with H a multiple of Hkv, and a (B, Sq, Sk) mask");
+  return attend(s, Masking{allowed.typed_data(), scale}, q, k, v, out);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 // Rows of output per task: a tile's float32 sums stay within about 512 KB.
 constexpr int64_t kConvTileFloats = 128 * 1024;

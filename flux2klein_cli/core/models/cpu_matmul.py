@@ -39,6 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from flux2klein_cli.core import temporaries, trust
 from flux2klein_cli.core.cache_paths import native_dir
@@ -46,6 +47,7 @@ from flux2klein_cli.core.cache_paths import native_dir
 ENV = "FLUX2KLEIN_CPU_MATMUL"
 TARGET = "flux2klein_amx_bf16_gemm"
 ATTENTION_TARGET = "flux2klein_amx_bf16_attention"
+MASKED_ATTENTION_TARGET = "flux2klein_amx_bf16_masked_attention"
 CONV_TARGET = "flux2klein_amx_bf16_conv3x3"
 # AVX-512 (with bf16), FMA and AMX on: the shim is loaded on AMX CPUs only, and every one of them has these.
 BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno", "-mavx512f",
@@ -152,6 +154,8 @@ def _load(flags: frozenset[str]) -> Status:
         return Status(None, f"the oneMKL shim does not load: {e}")
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_gemm), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_attention), platform="cpu")
+    jax.ffi.register_ffi_target(MASKED_ATTENTION_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_masked_attention),
+                                platform="cpu")
     jax.ffi.register_ffi_target(CONV_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_conv3x3), platform="cpu")
     return Status(f"onemkl-amx-bf16:{shim.stem.rpartition('-')[2]}", f"oneMKL bf16 GEMM ({mkl})")
 
@@ -228,6 +232,30 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any) -> jax.Ar
         return call(q, k, v)
 
     return jax.lax.platform_dependent(q, k, v, cpu=amx, default=fallback)
+
+
+def masked_attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> bool:
+    """Whether `masked_attention` takes these: bf16 (B, Sq, H, D) queries, (B, Sk, Hkv, D) keys and
+    values with H a multiple of Hkv, a bool (B, Sq, Sk) mask, on one CPU device."""
+    return (q.dtype == k.dtype == v.dtype == jnp.bfloat16 and q.ndim == 4 and k.ndim == 4 and k.shape == v.shape
+            and q.shape[0] == k.shape[0] and q.shape[3] == k.shape[3] and q.shape[2] % k.shape[2] == 0
+            and mask.dtype == jnp.bool_ and mask.shape == (q.shape[0], q.shape[1], k.shape[1])
+            and single_cpu_device())
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                     fallback: Any) -> jax.Array:
+    """Grouped-query attention with a (B, Sq, Sk) mask of allowed keys, in the shim: the numerics of
+    `jax.nn.dot_product_attention`'s XLA form (`fallback(q, k, v, mask)`): float32 scores scaled after
+    the product, masked keys left out of the softmax, the weights normalised and rounded to bf16
+    before P @ V. A query with no allowed key gets a zero output."""
+
+    def amx(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+        call = jax.ffi.ffi_call(MASKED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+                                vmap_method="sequential")
+        return call(q, k, v, mask, scale=np.float32(scale))
+
+    return jax.lax.platform_dependent(q, k, v, mask, cpu=amx, default=fallback)
 
 
 def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
