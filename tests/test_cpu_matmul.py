@@ -181,6 +181,33 @@ def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path(monkeyp
     assert cpu_matmul.CONV_TARGET not in traced(True, in_float32)
 
 
+def bf16_resnet(c_in: int, c_out: int, groups: int, seed: int = 0) -> nnx.Module:
+    from flux2klein_cli.core.models.vae import ResnetBlock
+
+    block = ResnetBlock(c_in, c_out, groups, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(block)):
+        offset = 1.0 if "norm" in str(path[0]) and path[-1] == "weight" else 0.0  # norm weights near one
+        var.set_value(jnp.asarray(offset + 0.2 * rng.standard_normal(var.get_value().shape), jnp.bfloat16))
+    return block
+
+
+def test_the_vaes_norm_silu_conv_takes_one_shim_call_only_on_the_onemkl_path(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    block, x = bf16_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)
+
+    def traced(onemkl: bool, block: nnx.Module = block, platform: str = "cpu") -> str:
+        graphdef, state = nnx.split(block)
+        fn = traced_under(lambda s, x: nnx.merge(graphdef, s)(x), TraceOptions("cpu", "blocked", onemkl=onemkl))
+        return hlo(fn, state, x, platform=platform)
+
+    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("fake", "test"))  # as on an AMX CPU
+    assert traced(True).count(f"@{cpu_matmul.NORM_CONV_TARGET}(") == 2  # conv1 and conv2, each with its norm
+    assert f"@{cpu_matmul.CONV_TARGET}(" not in traced(True)
+    assert cpu_matmul.NORM_CONV_TARGET not in traced(False)
+    assert cpu_matmul.NORM_CONV_TARGET not in traced(True, platform="tpu")
+
+
 def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = target.ProgramSpec("axpy", jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),))
     keys = set()
@@ -295,6 +322,26 @@ def test_on_amx_the_vaes_conv_matches_nnx_conv(shape: tuple[int, ...], size: int
 
 
 @amx
+@pytest.mark.parametrize("shape", [(1, 40, 24, 32, 32, 8), (2, 17, 9, 16, 48, 4)])
+def test_on_amx_the_fused_norm_silu_conv_matches_xlas_forms(shape: tuple[int, ...]) -> None:
+    """GroupNorm, SiLU and the 3x3 convolution in one shim call: the XLA forms' numerics (float32
+    norm and SiLU rounded to bf16, then nnx.Conv's), equal but for rare one-ulp roundings."""
+    b, h, w, c_in, c_out, groups = shape
+    block = bf16_resnet(c_in, c_out, groups)
+    x = jnp.asarray(3 * np.random.default_rng(1).standard_normal((b, h, w, c_in)) + 1, jnp.bfloat16)
+
+    def first_conv(onemkl: bool) -> np.ndarray:
+        options = TraceOptions("cpu", "blocked", onemkl=onemkl)
+        fn = traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), options)
+        return np.asarray(nnx.jit(fn)(block, x), np.float32)
+
+    ours, xla = first_conv(True), first_conv(False)
+    assert ours.shape == (b, h, w, c_out)
+    assert np.mean(ours != xla) < 1e-3
+    np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
+
+
+@amx
 def test_on_amx_non_finite_values_stay_non_finite() -> None:
     """A NaN or an infinity in the input reaches the same outputs as in XLA's forms (the image
     checks then name the stage), never a finite value."""
@@ -305,6 +352,11 @@ def test_on_amx_non_finite_values_stay_non_finite() -> None:
     ours, xla = (np.asarray(conv_under(onemkl)(module, x), np.float32) for onemkl in (True, False))
     np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
     np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
+    block = bf16_resnet(8, 8, 4)
+    resnet = [np.asarray(nnx.jit(traced_under(lambda m, x: m(x), TraceOptions("cpu", "blocked", onemkl=onemkl)))(
+        block, x), np.float32) for onemkl in (True, False)]
+    np.testing.assert_array_equal(np.isnan(resnet[0]), np.isnan(resnet[1]))
+    assert np.isnan(resnet[0]).any()
     q, k, v = qkv(1, 20, 30, 2, 16)
     k = k.at[0, 7, 1, 3].set(jnp.nan)
     attended = np.asarray(jax.jit(cpu_attention)(q, k, v), np.float32)

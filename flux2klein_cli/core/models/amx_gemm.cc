@@ -121,6 +121,10 @@ static inline __m256i to_bf16x16(__m512 f) {
   return _mm512_cvtepi32_epi16(rounded);
 }
 
+static inline __m512 from_bf16x16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // exp(x) for x <= 0: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (relative error under
 // 2e-7). Below -87, where expf leaves the normal range, it gives exp(-87) (1.6e-38) instead of a
 // subnormal: nothing a softmax weight or its sum can tell apart. A NaN stays NaN (the clamp's max
@@ -400,14 +404,69 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention,
                                   .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
-// Rows of output per task: a tile's float32 sums stay within about 512 KB.
 constexpr int64_t kConvTileFloats = 128 * 1024;
 
-// x: the input padded by the caller, (B, H + 3, W + 2, Cin): one row above and two below, one column
-// each side. Output position (y, c) of a tile is row y of the padded width; tap (dy, dx) of all of them
-// is then one (rows x Wp, Cin) matrix starting dy rows and dx columns further on, so each tap is one
-// product accumulated into the tile (the two columns past W are computed and dropped; the second row
-// below keeps the last tap of the last one inside the buffer).
+// The nine products of one tile of output rows and their epilogue. `padded` holds the tile's input rows
+// padded: rows + 3 rows of (W + 2) x Cin, one row above the tile and two below, one column each side.
+// Output position (y, c) of the tile is row y of the padded width; tap (dy, dx) of all of them is then
+// one (rows x Wp, Cin) matrix starting dy rows and dx columns further on, so each tap is one product
+// accumulated into `sums` (the two columns past W are computed and dropped; the second row below keeps
+// the last tap of the last one inside the buffer).
+struct ConvShape {
+  int64_t batch, h, w, c_in, c_out;
+  int64_t wp() const { return w + 2; }
+};
+
+static void conv_tile(const ConvShape& s, const uint16_t* padded, const uint16_t* kernel, const float* bias,
+                      int64_t rows, float* sums, uint16_t* out) {
+  const int64_t wp = s.wp();
+  for (int64_t tap = 0; tap < 9; ++tap) {
+    const int64_t dy = tap / 3, dx = tap % 3;
+    gemm_bf16(kRowMajor, kNoTrans, kNoTrans, rows * wp, s.c_out, s.c_in, 1.0f, padded + (dy * wp + dx) * s.c_in,
+              s.c_in, kernel + tap * s.c_in * s.c_out, s.c_out, tap == 0 ? 0.0f : 1.0f, sums, s.c_out);
+  }
+  // As nnx.Conv in bf16: the sums rounded to bf16, then the bias added and rounded again.
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t col = 0; col < s.w; ++col) {
+      const float* src = sums + (r * wp + col) * s.c_out;
+      uint16_t* dst = out + (r * s.w + col) * s.c_out;
+      for (int64_t c = 0; c < s.c_out; c += 16) {
+        const __mmask16 lanes = lanes_left(s.c_out - c);
+        const __m512 rounded = from_bf16x16(to_bf16x16(_mm512_maskz_loadu_ps(lanes, src + c)));
+        _mm256_mask_storeu_epi16(dst + c, lanes,
+                                 to_bf16x16(_mm512_add_ps(rounded, _mm512_maskz_loadu_ps(lanes, bias + c))));
+      }
+    }
+}
+
+// Rows of output per task: a tile's float32 sums stay within about 512 KB.
+static int64_t conv_tile_rows(const ConvShape& s) {
+  return std::max<int64_t>(1, std::min(s.h, kConvTileFloats / (s.wp() * s.c_out)));
+}
+
+// For every tile of output rows, the tiles shared between the cores: rows = fill(b, y0, rows, scratch),
+// the tile's padded input rows (in place, or made in the worker's scratch), then conv_tile.
+template <typename Fill>
+static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_t* bias, uint16_t* out, Fill fill) {
+  const int64_t tile_rows = conv_tile_rows(s), tiles = (s.h + tile_rows - 1) / tile_rows;
+  std::vector<float> bias32(s.c_out);
+  for (int64_t c = 0; c < s.c_out; ++c) bias32[c] = from_bf16(bias[c]);
+  const int workers = workers_for(s.batch * tiles);
+  struct Scratch {
+    std::vector<float> sums;
+    std::vector<uint16_t> padded;
+  };
+  std::vector<Scratch> scratch(workers);
+  for (auto& w : scratch) w.sums.resize(tile_rows * s.wp() * s.c_out);
+  parallel_tasks(s.batch * tiles, workers, [&](int64_t t, int worker) {
+    const int64_t b = t / tiles, y0 = (t % tiles) * tile_rows, rows = std::min(tile_rows, s.h - y0);
+    const uint16_t* padded = fill(b, y0, rows, scratch[worker].padded);
+    conv_tile(s, padded, kernel, bias32.data(), rows, scratch[worker].sums.data(),
+              out + (b * s.h + y0) * s.w * s.c_out);
+  });
+}
+
+// x: the input padded by the caller, (B, H + 3, W + 2, Cin) (see conv_tile).
 static ffi::Error Conv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                           ffi::ResultBuffer<ffi::BF16> out) {
   if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
@@ -415,37 +474,89 @@ static ffi::Error Conv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kerne
   if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
       od[0] != xd[0] || od[1] + 3 != xd[1] || od[2] + 2 != xd[2] || od[3] != kd[3] || bias.element_count() != kd[3])
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, H+3, W+2, Cin), (3, 3, Cin, Cout), (Cout,)");
-  const int64_t batch = od[0], h = od[1], w = od[2], c_in = xd[3], c_out = kd[3], wp = xd[2];
-  const int64_t tile_rows = std::max<int64_t>(1, std::min(h, kConvTileFloats / (wp * c_out)));
-  const int64_t tiles = (h + tile_rows - 1) / tile_rows, tasks = batch * tiles;
+  const ConvShape s{od[0], od[1], od[2], xd[3], kd[3]};
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  const auto* kp = reinterpret_cast<const uint16_t*>(kernel.untyped_data());
-  const auto* bp = reinterpret_cast<const uint16_t*>(bias.untyped_data());
-  auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
-  std::vector<float> bias32(c_out);
-  for (int64_t c = 0; c < c_out; ++c) bias32[c] = from_bf16(bp[c]);
-  const int workers = workers_for(tasks);
-  std::vector<std::vector<float>> sums(workers, std::vector<float>(tile_rows * wp * c_out));
-  parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
-    const int64_t b = t / tiles, y0 = (t % tiles) * tile_rows, rows = std::min(tile_rows, h - y0);
-    float* tile = sums[worker].data();
-    for (int64_t tap = 0; tap < 9; ++tap) {
-      const int64_t dy = tap / 3, dx = tap % 3;
-      const uint16_t* a = xp + ((b * (h + 3) + y0 + dy) * wp + dx) * c_in;
-      gemm_bf16(kRowMajor, kNoTrans, kNoTrans, rows * wp, c_out, c_in, 1.0f, a, c_in, kp + tap * c_in * c_out,
-                c_out, tap == 0 ? 0.0f : 1.0f, tile, c_out);
-    }
-    // As nnx.Conv in bf16: the sums rounded to bf16, then the bias added and rounded again.
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t col = 0; col < w; ++col) {
-        const float* src = tile + (r * wp + col) * c_out;
-        uint16_t* dst = op + ((b * h + y0 + r) * w + col) * c_out;
-        for (int64_t c = 0; c < c_out; ++c) dst[c] = to_bf16(from_bf16(to_bf16(src[c])) + bias32[c]);
-      }
-  });
+  conv_tiles(s, reinterpret_cast<const uint16_t*>(kernel.untyped_data()),
+             reinterpret_cast<const uint16_t*>(bias.untyped_data()), reinterpret_cast<uint16_t*>(out->untyped_data()),
+             [&](int64_t b, int64_t y0, int64_t, std::vector<uint16_t>&) {
+               return xp + (b * (s.h + 3) + y0) * s.wp() * s.c_in;
+             });
   return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_conv3x3, Conv3x3,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>());
+
+// silu(y) = y * sigmoid(y) on sixteen lanes, with e = exp(-|y|) only: sigmoid(y) = 1 / (1 + e) for
+// y >= 0, e / (1 + e) below. A NaN stays NaN, and -inf gives NaN as XLA's form does (-inf * 0).
+static inline __m512 silu16(__m512 y) {
+  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(zero, _mm512_abs_ps(y)));
+  const __mmask16 negative = _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ);
+  const __m512 silu = _mm512_mul_ps(y, _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e)));
+  return _mm512_mask_mov_ps(silu, _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
+                            _mm512_set1_ps(NAN));
+}
+
+// The VAE's GroupNorm then SiLU, applied to the input as conv_tile reads it, instead of in a pass of
+// its own: y = (x - mean) * scale + shift per (batch, channel), in float32, SiLU, rounded to bf16 (the
+// numerics of GroupNorm(x, silu=True) in core/models/vae.py).
+struct Normalisation {
+  const uint16_t* x;  // (B, H, W, Cin), unpadded
+  const float *mean, *scale, *shift;  // (B, Cin), (B, Cin), (Cin)
+};
+
+// Padded row y (its input row, or zeros above and below the image) into dst, (W + 2) x Cin.
+static void normalised_row(const ConvShape& s, const Normalisation& n, int64_t b, int64_t y, uint16_t* dst) {
+  const int64_t cin = s.c_in;
+  if (y < 0 || y >= s.h) {
+    std::fill(dst, dst + s.wp() * cin, 0);
+    return;
+  }
+  std::fill(dst, dst + cin, 0);
+  std::fill(dst + (s.w + 1) * cin, dst + s.wp() * cin, 0);
+  const uint16_t* src = n.x + (b * s.h + y) * s.w * cin;
+  for (int64_t col = 0; col < s.w; ++col)
+    for (int64_t c = 0; c < cin; c += 16) {
+      const __mmask16 lanes = lanes_left(cin - c);
+      const __m512 x = from_bf16x16(_mm256_maskz_loadu_epi16(lanes, src + col * cin + c));
+      const __m512 centred = _mm512_sub_ps(x, _mm512_maskz_loadu_ps(lanes, n.mean + b * cin + c));
+      const __m512 y = _mm512_add_ps(_mm512_mul_ps(centred, _mm512_maskz_loadu_ps(lanes, n.scale + b * cin + c)),
+                                     _mm512_maskz_loadu_ps(lanes, n.shift + c));
+      _mm256_mask_storeu_epi16(dst + (col + 1) * cin + c, lanes, to_bf16x16(silu16(y)));
+    }
+}
+
+static ffi::Error NormSiluConv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> scale,
+                                  ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::BF16> kernel,
+                                  ffi::Buffer<ffi::BF16> bias, ffi::ResultBuffer<ffi::BF16> out) {
+  if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
+  auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
+  if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
+      !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] || bias.element_count() != kd[3] ||
+      mean.element_count() != xd[0] * xd[3] || scale.element_count() != xd[0] * xd[3] ||
+      shift.element_count() != xd[3])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "expected (B, H, W, Cin), (B, Cin), (B, Cin), (Cin,), (3, 3, Cin, Cout), (Cout,)");
+  const ConvShape s{xd[0], xd[1], xd[2], xd[3], kd[3]};
+  const Normalisation n{reinterpret_cast<const uint16_t*>(x.untyped_data()), mean.typed_data(), scale.typed_data(),
+                        shift.typed_data()};
+  const int64_t row = s.wp() * s.c_in;
+  conv_tiles(s, reinterpret_cast<const uint16_t*>(kernel.untyped_data()),
+             reinterpret_cast<const uint16_t*>(bias.untyped_data()), reinterpret_cast<uint16_t*>(out->untyped_data()),
+             [&](int64_t b, int64_t y0, int64_t rows, std::vector<uint16_t>& padded) {
+               padded.resize((rows + 3) * row);
+               for (int64_t j = 0; j < rows + 2; ++j) normalised_row(s, n, b, y0 - 1 + j, padded.data() + j * row);
+               // Read only for the dropped columns past W (see conv_tile).
+               std::fill(padded.data() + (rows + 2) * row, padded.data() + (rows + 3) * row, 0);
+               return padded.data();
+             });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());

@@ -49,6 +49,7 @@ TARGET = "flux2klein_amx_bf16_gemm"
 ATTENTION_TARGET = "flux2klein_amx_bf16_attention"
 MASKED_ATTENTION_TARGET = "flux2klein_amx_bf16_masked_attention"
 CONV_TARGET = "flux2klein_amx_bf16_conv3x3"
+NORM_CONV_TARGET = "flux2klein_amx_bf16_norm_silu_conv3x3"
 # AVX-512 (with bf16), FMA and AMX on: the shim is loaded on AMX CPUs only, and every one of them has these.
 BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno", "-mavx512f",
                "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
@@ -157,6 +158,8 @@ def _load(flags: frozenset[str]) -> Status:
     jax.ffi.register_ffi_target(MASKED_ATTENTION_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_masked_attention),
                                 platform="cpu")
     jax.ffi.register_ffi_target(CONV_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_conv3x3), platform="cpu")
+    jax.ffi.register_ffi_target(NORM_CONV_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_norm_silu_conv3x3),
+                                platform="cpu")
     return Status(f"onemkl-amx-bf16:{shim.stem.rpartition('-')[2]}", f"oneMKL bf16 GEMM ({mkl})")
 
 
@@ -271,3 +274,21 @@ def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> 
         return call(padded, kernel, bias)
 
     return jax.lax.platform_dependent(x, kernel, bias, cpu=amx, default=lambda x, kernel, bias: fallback(x))
+
+
+def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: jax.Array, kernel: jax.Array,
+                      bias: jax.Array, fallback: Any) -> jax.Array:
+    """`conv3x3` of SiLU(GroupNorm(x)) in one shim call: each tile of input rows is normalised
+    ((x - mean) * scale + shift per batch and channel, float32), activated and rounded to bf16 just
+    before its products, instead of in a pass of XLA's over the whole padded activation. mean and
+    scale are (B, Cin), shift (Cin,), all float32. The numerics of `fallback(x)`, the VAE's
+    GroupNorm(x, silu=True) then its Conv."""
+
+    def amx(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: jax.Array, kernel: jax.Array,
+            bias: jax.Array) -> jax.Array:
+        call = jax.ffi.ffi_call(NORM_CONV_TARGET, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
+                                vmap_method="sequential")
+        return call(x, mean, scale, shift, kernel, bias)
+
+    return jax.lax.platform_dependent(x, mean, scale, shift, kernel, bias, cpu=amx,
+                                      default=lambda x, *_: fallback(x))

@@ -134,13 +134,29 @@ def convs_as_matmuls() -> Iterator[None]:
 class Conv(nnx.Conv):
     """nnx.Conv (the same parameters), with a matmul form of the 3x3 'same' convolution."""
 
+    def _same_3x3(self) -> bool:
+        return self.kernel_size == (3, 3) and self.strides in (1, (1, 1)) and self.padding == ((1, 1), (1, 1))
+
+    def _onemkl(self, x: jax.Array) -> bool:
+        """Whether this call takes the oneMKL shim (an AMX CPU, bf16)."""
+        return (trace.current().onemkl and self.dtype == jnp.bfloat16 and self.bias is not None and x.ndim == 4
+                and cpu_matmul.single_cpu_device())
+
+    def after_norm_silu(self, norm: GroupNorm, x: jax.Array) -> jax.Array:
+        """self(norm(x, silu=True)); on the oneMKL path as one shim call that normalises and
+        activates each tile of rows just before its products (XLA's pass over the padded
+        activation was the decode's largest elementwise cost)."""
+        if not (self._onemkl(x) and self._same_3x3() and not trace.current().convs_as_matmuls):
+            return self(norm(x, silu=True))
+        mean, scale = (a.reshape(x.shape[0], -1) for a in norm.statistics(x))
+        return cpu_matmul.norm_silu_conv3x3(x.astype(jnp.bfloat16), mean, scale, norm.bias[...].astype(jnp.float32),
+                                            self.kernel[...], self.bias[...], lambda x: self(norm(x, silu=True)))
+
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
-        same_3x3 = self.kernel_size == (3, 3) and self.strides in (1, (1, 1)) and self.padding == ((1, 1), (1, 1))
-        options = trace.current()
-        if same_3x3 and options.convs_as_matmuls:
+        same_3x3 = self._same_3x3()
+        if same_3x3 and trace.current().convs_as_matmuls:
             return self.as_matmul(x)
-        onemkl = (options.onemkl and self.dtype == jnp.bfloat16 and self.bias is not None and x.ndim == 4
-                  and cpu_matmul.single_cpu_device())  # oneMKL on an AMX CPU
+        onemkl = self._onemkl(x)  # oneMKL on an AMX CPU
         if onemkl and same_3x3:
             return cpu_matmul.conv3x3(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
                                       lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
@@ -190,7 +206,9 @@ class GroupNorm(nnx.Module):
         self.groups = groups
         self.eps = eps
 
-    def __call__(self, x: jax.Array, *, silu: bool = False) -> jax.Array:
+    def statistics(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Each group's mean and the per-channel scale (its 1 / std times the weight), float32,
+        (B, 1, C) each: the norm is (x - mean) * scale + bias."""
         b, *_, c = x.shape
         g = self.groups
         x32 = x.astype(jnp.float32).reshape(b, -1, c)  # (B, positions, channels)
@@ -203,12 +221,16 @@ class GroupNorm(nnx.Module):
             groups = jnp.sum(values, axis=1).reshape(b, g, c // g).sum(axis=2, keepdims=True) / count
             return jnp.broadcast_to(groups, (b, g, c // g)).reshape(b, 1, c)
 
-        centred = x32 - per_channel_group_mean(x32)
+        mean = per_channel_group_mean(x32)
         # Two-pass variance: E[x^2] - E[x]^2 cancels badly for large activations.
-        var = per_channel_group_mean(jnp.square(centred))
+        var = per_channel_group_mean(jnp.square(x32 - mean))
         # Fold the affine weight into the per-channel scale: one multiply-add per element.
-        scale = jax.lax.rsqrt(var + self.eps) * self.weight[...].astype(jnp.float32)
-        y = centred * scale + self.bias[...].astype(jnp.float32)
+        return mean, jax.lax.rsqrt(var + self.eps) * self.weight[...].astype(jnp.float32)
+
+    def __call__(self, x: jax.Array, *, silu: bool = False) -> jax.Array:
+        b, *_, c = x.shape
+        mean, scale = self.statistics(x)
+        y = (x.astype(jnp.float32).reshape(b, -1, c) - mean) * scale + self.bias[...].astype(jnp.float32)
         if silu:
             y = jax.nn.silu(y)
         return y.reshape(x.shape).astype(x.dtype)
@@ -226,8 +248,8 @@ class ResnetBlock(nnx.Module):
         self.conv_shortcut = conv(d_in, d_out, 1, dtype=dtype, rngs=rngs) if d_in != d_out else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.conv1(self.norm1(x, silu=True))
-        h = self.conv2(self.norm2(h, silu=True))
+        h = self.conv1.after_norm_silu(self.norm1, x)
+        h = self.conv2.after_norm_silu(self.norm2, h)
         skip = x if self.conv_shortcut is None else self.conv_shortcut(x)
         return skip + h
 
@@ -366,7 +388,7 @@ class Encoder(nnx.Module):
         for block in self.down_blocks:
             x = block(x)
         x = self.mid_block(x)
-        return self.conv_out(self.conv_norm_out(x, silu=True))
+        return self.conv_out.after_norm_silu(self.conv_norm_out, x)
 
 
 class Decoder(nnx.Module):
@@ -396,7 +418,7 @@ class Decoder(nnx.Module):
         x = self.mid_block(self.conv_in(z))
         for block in self.up_blocks:
             x = block(x)
-        return self.conv_out(self.conv_norm_out(x, silu=True))
+        return self.conv_out.after_norm_silu(self.conv_norm_out, x)
 
 
 class LatentStats(nnx.Module):
