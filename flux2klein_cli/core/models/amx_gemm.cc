@@ -1,12 +1,17 @@
-// XLA FFI handlers for bf16 work on the AMX tiles, mostly through oneMKL's bf16 GEMM
-// (cblas_gemm_bf16bf16f32):
-//   flux2klein_amx_gemm:      bf16 (M, K) x bf16 (K, N) -> f32 (M, N), on MKL;
-//   flux2klein_amx_attention: unmasked attention, bf16 (B, Sq, H, D) queries (already scaled) against
-//                             (B, Sk, H, D) keys and values -> bf16 (B, Sq, H, D), a block of queries
-//                             at a time so its scores stay in the core's cache; its products on the
-//                             tiles directly (AMX intrinsics);
-//   flux2klein_amx_conv3x3:   a 3x3 'same' convolution with bias, NHWC bf16 -> bf16, as nine products
-//                             per tile of output rows (no copy of the taps).
+// XLA FFI handlers for bf16 work on the AMX tiles, through oneMKL's bf16 GEMM (cblas_gemm_bf16bf16f32)
+// or the tiles' intrinsics directly where MKL's products are too small to reach their rate:
+//   flux2klein_amx_gemm:              bf16 (M, K) x bf16 (K, N) -> f32 (M, N), on MKL;
+//   flux2klein_amx_attention:         unmasked attention, bf16 (B, Sq, H, D) queries (already scaled)
+//                                     against (B, Sk, H, D) keys and values -> bf16 (B, Sq, H, D), a
+//                                     block of queries at a time so its scores stay in the core's
+//                                     cache, the products on the tiles;
+//   flux2klein_amx_masked_attention:  the same with a (B, Sq, Sk) mask and grouped keys and values
+//                                     (the text encoder's);
+//   flux2klein_amx_conv3x3:           a 3x3 'same' convolution with bias, NHWC bf16 -> bf16, per tile of
+//                                     output rows (on the tiles for input widths of whole tiles, else
+//                                     nine MKL products);
+//   flux2klein_amx_norm_silu_conv3x3: the same convolution of SiLU(GroupNorm(x)), normalised as each
+//                                     tile reads its rows.
 // MKL is opened at run time (dlopen), so this file builds with no MKL headers and the shim loads only
 // where the Python side found libmkl_rt. Built with AVX-512 and AMX on: it is loaded on AMX CPUs only.
 #include <dlfcn.h>
@@ -229,15 +234,10 @@ constexpr int64_t kPanel = 32;  // columns of a packed right-hand panel: two B t
 
 static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// c (32 x 32 float32, row stride ldc) = a (32 x depth bf16, row stride lda) x one packed panel
-// (depth / 2 pairs x 32 columns x 2); depth a multiple of 32. Tiles 4-7 hold C; each A and B tile is
-// loaded just before its first use, so the loads overlap the products before them.
-static void tile_product(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
-                         int64_t ldc) {
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
+// C (tiles 4-7: 32 x 32 float32) += a (32 x depth bf16, row stride lda) x one packed panel (depth / 2
+// pairs x 32 columns x 2); depth a multiple of 32. Each A and B tile is loaded just before its first
+// use, so the loads overlap the products before them.
+static inline void tiles_accumulate(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth) {
   for (int64_t k = 0; k < depth; k += 32) {
     _tile_loadd(0, a + k, lda * 2);
     _tile_loadd(2, panel + k * kPanel, kPanel * 4);
@@ -248,10 +248,29 @@ static void tile_product(const uint16_t* a, int64_t lda, const uint16_t* panel, 
     _tile_dpbf16ps(6, 1, 2);
     _tile_dpbf16ps(7, 1, 3);
   }
+}
+
+static inline void tiles_zero() {
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+}
+
+// C into c, 32 x 32 float32 with row stride ldc.
+static inline void tiles_store(float* c, int64_t ldc) {
   _tile_stored(4, c, ldc * 4);
   _tile_stored(5, c + 16, ldc * 4);
   _tile_stored(6, c + 16 * ldc, ldc * 4);
   _tile_stored(7, c + 16 * ldc + 16, ldc * 4);
+}
+
+// c (32 x 32 float32, row stride ldc) = a (32 x depth bf16, row stride lda) x one packed panel.
+static void tile_product(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
+                         int64_t ldc) {
+  tiles_zero();
+  tiles_accumulate(a, lda, panel, depth);
+  tiles_store(c, ldc);
 }
 
 // A head's keys as the right-hand side of Q K^T: panels of 32 keys, each [dim pair][key][2], i.e. the
@@ -404,83 +423,158 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention,
                                   .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
-constexpr int64_t kConvTileFloats = 128 * 1024;
-
-// The nine products of one tile of output rows and their epilogue. `padded` holds the tile's input rows
-// padded: rows + 3 rows of (W + 2) x Cin, one row above the tile and two below, one column each side.
-// Output position (y, c) of the tile is row y of the padded width; tap (dy, dx) of all of them is then
-// one (rows x Wp, Cin) matrix starting dy rows and dx columns further on, so each tap is one product
-// accumulated into `sums` (the two columns past W are computed and dropped; the second row below keeps
-// the last tap of the last one inside the buffer).
 struct ConvShape {
   int64_t batch, h, w, c_in, c_out;
   int64_t wp() const { return w + 2; }
+  // The tiles take whole A tiles of input channels; other widths take MKL's products.
+  bool on_tiles() const { return c_in % 32 == 0; }
 };
 
-static void conv_tile(const ConvShape& s, const uint16_t* padded, const uint16_t* kernel, const float* bias,
-                      int64_t rows, float* sums, uint16_t* out) {
+// A tile of output rows reads its input as `padded`: rows + 3 rows of (W + 2) x Cin, one row above the
+// tile and two below, one column each side, then kSlackPositions zero positions. Output position (y, c)
+// of the tile is row y of the padded width; tap (dy, dx) of all of them is then one (rows x Wp, Cin)
+// matrix starting dy rows and dx columns further on (the two columns past W are computed and dropped;
+// the second row below and the slack keep the last taps of the last positions inside the buffer).
+constexpr int64_t kSlackPositions = 32;
+
+static int64_t padded_size(const ConvShape& s, int64_t rows) { return ((rows + 3) * s.wp() + kSlackPositions) * s.c_in; }
+
+// As nnx.Conv in bf16: the sums rounded to bf16, then the bias added and rounded again.
+static inline void store_conv_outputs(const float* sums, const float* bias, int64_t channels, uint16_t* out) {
+  for (int64_t c = 0; c < channels; c += 16) {
+    const __mmask16 lanes = lanes_left(channels - c);
+    const __m512 rounded = from_bf16x16(to_bf16x16(_mm512_maskz_loadu_ps(lanes, sums + c)));
+    _mm256_mask_storeu_epi16(out + c, lanes, to_bf16x16(_mm512_add_ps(rounded, _mm512_maskz_loadu_ps(lanes, bias + c))));
+  }
+}
+
+// The kernel (3, 3, Cin, Cout) for the tiles: panels of 32 output channels, each [tap][Cin pair][32][2];
+// output channels zero-padded to a whole panel.
+static std::vector<uint16_t> pack_conv_kernel(const uint16_t* kernel, int64_t c_in, int64_t c_out) {
+  std::vector<uint16_t> packed(round_up(c_out, kPanel) * 9 * c_in);
+  uint16_t* out = packed.data();
+  for (int64_t p = 0; p < c_out; p += kPanel)
+    for (int64_t tap = 0; tap < 9; ++tap)
+      for (int64_t c = 0; c < c_in; c += 2)
+        for (int64_t col = 0; col < kPanel; ++col, out += 2) {
+          const bool real = p + col < c_out;
+          const uint16_t* k = kernel + (tap * c_in + c) * c_out + p + col;
+          out[0] = real ? k[0] : 0;
+          out[1] = real ? k[c_out] : 0;
+        }
+  return packed;
+}
+
+// One tile on the AMX tiles: per block of 32 positions and panel of 32 output channels, the nine taps
+// and all input channels accumulate in the tiles (A tiles are 16 consecutive positions x 32 channels,
+// contiguous in `padded`), so no float32 sums leave them until the block is done.
+static void conv_tile_amx(const ConvShape& s, const uint16_t* padded, const uint16_t* packed, const float* bias,
+                          int64_t rows, uint16_t* out) {
+  const int64_t wp = s.wp(), positions = rows * wp;
+  alignas(64) float block[32 * 32];
+  configure_tiles();
+  for (int64_t p = 0; p < s.c_out; p += kPanel) {
+    const uint16_t* panel = packed + p * 9 * s.c_in;
+    for (int64_t p0 = 0; p0 < positions; p0 += 32) {
+      tiles_zero();
+      for (int64_t tap = 0; tap < 9; ++tap)
+        tiles_accumulate(padded + (p0 + (tap / 3) * wp + tap % 3) * s.c_in, s.c_in, panel + tap * s.c_in * kPanel,
+                         s.c_in);
+      tiles_store(block, 32);
+      for (int64_t i = 0; i < 32 && p0 + i < positions; ++i) {
+        const int64_t r = (p0 + i) / wp, col = (p0 + i) % wp;
+        if (col < s.w)
+          store_conv_outputs(block + i * 32, bias + p, std::min(kPanel, s.c_out - p), out + (r * s.w + col) * s.c_out + p);
+      }
+    }
+  }
+  _tile_release();
+}
+
+// One tile on MKL's GEMM: nine products accumulated into `sums` (rows x Wp x Cout float32).
+static void conv_tile_mkl(const ConvShape& s, const uint16_t* padded, const uint16_t* kernel, const float* bias,
+                          int64_t rows, float* sums, uint16_t* out) {
   const int64_t wp = s.wp();
   for (int64_t tap = 0; tap < 9; ++tap) {
     const int64_t dy = tap / 3, dx = tap % 3;
     gemm_bf16(kRowMajor, kNoTrans, kNoTrans, rows * wp, s.c_out, s.c_in, 1.0f, padded + (dy * wp + dx) * s.c_in,
               s.c_in, kernel + tap * s.c_in * s.c_out, s.c_out, tap == 0 ? 0.0f : 1.0f, sums, s.c_out);
   }
-  // As nnx.Conv in bf16: the sums rounded to bf16, then the bias added and rounded again.
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t col = 0; col < s.w; ++col) {
-      const float* src = sums + (r * wp + col) * s.c_out;
-      uint16_t* dst = out + (r * s.w + col) * s.c_out;
-      for (int64_t c = 0; c < s.c_out; c += 16) {
-        const __mmask16 lanes = lanes_left(s.c_out - c);
-        const __m512 rounded = from_bf16x16(to_bf16x16(_mm512_maskz_loadu_ps(lanes, src + c)));
-        _mm256_mask_storeu_epi16(dst + c, lanes,
-                                 to_bf16x16(_mm512_add_ps(rounded, _mm512_maskz_loadu_ps(lanes, bias + c))));
-      }
-    }
+    for (int64_t col = 0; col < s.w; ++col)
+      store_conv_outputs(sums + (r * wp + col) * s.c_out, bias, s.c_out, out + (r * s.w + col) * s.c_out);
 }
 
-// Rows of output per task: a tile's float32 sums stay within about 512 KB.
+// Output rows per task. On the tiles: a tile's padded input within about 1 MB (the rows above and below
+// are made again by the next tile). On MKL: its float32 sums within about 512 KB.
 static int64_t conv_tile_rows(const ConvShape& s) {
-  return std::max<int64_t>(1, std::min(s.h, kConvTileFloats / (s.wp() * s.c_out)));
+  const int64_t rows = s.on_tiles() ? (1 << 19) / (s.wp() * s.c_in) - 3 : (128 << 10) / (s.wp() * s.c_out);
+  return std::max<int64_t>(s.on_tiles() ? 4 : 1, std::min(s.h, rows));
 }
 
-// For every tile of output rows, the tiles shared between the cores: rows = fill(b, y0, rows, scratch),
-// the tile's padded input rows (in place, or made in the worker's scratch), then conv_tile.
+// For every tile of output rows, the tiles shared between the cores: fill(b, y, dst) writes padded row y
+// of batch b (y from -1 to H + 1; zeros outside the image), then the tile's products and epilogue.
 template <typename Fill>
 static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_t* bias, uint16_t* out, Fill fill) {
-  const int64_t tile_rows = conv_tile_rows(s), tiles = (s.h + tile_rows - 1) / tile_rows;
-  std::vector<float> bias32(s.c_out);
+  const int64_t tile_rows = conv_tile_rows(s), tiles = (s.h + tile_rows - 1) / tile_rows, row = s.wp() * s.c_in;
+  std::vector<float> bias32(round_up(s.c_out, kPanel), 0.0f);
   for (int64_t c = 0; c < s.c_out; ++c) bias32[c] = from_bf16(bias[c]);
+  const std::vector<uint16_t> packed = s.on_tiles() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<uint16_t>();
   const int workers = workers_for(s.batch * tiles);
   struct Scratch {
     std::vector<float> sums;
     std::vector<uint16_t> padded;
   };
   std::vector<Scratch> scratch(workers);
-  for (auto& w : scratch) w.sums.resize(tile_rows * s.wp() * s.c_out);
+  for (auto& w : scratch) {
+    w.padded.resize(padded_size(s, tile_rows));
+    if (!s.on_tiles()) w.sums.resize(tile_rows * s.wp() * s.c_out);
+  }
   parallel_tasks(s.batch * tiles, workers, [&](int64_t t, int worker) {
     const int64_t b = t / tiles, y0 = (t % tiles) * tile_rows, rows = std::min(tile_rows, s.h - y0);
-    const uint16_t* padded = fill(b, y0, rows, scratch[worker].padded);
-    conv_tile(s, padded, kernel, bias32.data(), rows, scratch[worker].sums.data(),
-              out + (b * s.h + y0) * s.w * s.c_out);
+    uint16_t* padded = scratch[worker].padded.data();
+    for (int64_t j = 0; j < rows + 2; ++j) fill(b, y0 - 1 + j, padded + j * row);
+    // The second row below and the slack are read for dropped positions only.
+    std::fill(padded + (rows + 2) * row, padded + padded_size(s, rows), 0);
+    uint16_t* tile_out = out + (b * s.h + y0) * s.w * s.c_out;
+    if (s.on_tiles())
+      conv_tile_amx(s, padded, packed.data(), bias32.data(), rows, tile_out);
+    else
+      conv_tile_mkl(s, padded, kernel, bias32.data(), rows, scratch[worker].sums.data(), tile_out);
   });
 }
 
-// x: the input padded by the caller, (B, H + 3, W + 2, Cin) (see conv_tile).
+// Padded row y of the (B, H, W, Cin) input x into dst: the row with a zero column each side, or zeros
+// above and below the image.
+static void padded_row(const ConvShape& s, const uint16_t* x, int64_t b, int64_t y, uint16_t* dst) {
+  if (y < 0 || y >= s.h) {
+    std::fill(dst, dst + s.wp() * s.c_in, 0);
+    return;
+  }
+  std::fill(dst, dst + s.c_in, 0);
+  std::memcpy(dst + s.c_in, x + (b * s.h + y) * s.w * s.c_in, s.w * s.c_in * 2);
+  std::fill(dst + (s.w + 1) * s.c_in, dst + s.wp() * s.c_in, 0);
+}
+
+static bool conv_shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> od,
+                        int64_t bias_count, ConvShape* s) {
+  if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
+      !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] || bias_count != kd[3])
+    return false;
+  *s = ConvShape{xd[0], xd[1], xd[2], xd[3], kd[3]};
+  return true;
+}
+
 static ffi::Error Conv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                           ffi::ResultBuffer<ffi::BF16> out) {
   if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
-  auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
-  if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
-      od[0] != xd[0] || od[1] + 3 != xd[1] || od[2] + 2 != xd[2] || od[3] != kd[3] || bias.element_count() != kd[3])
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, H+3, W+2, Cin), (3, 3, Cin, Cout), (Cout,)");
-  const ConvShape s{od[0], od[1], od[2], xd[3], kd[3]};
+  ConvShape s;
+  if (!conv_shapes(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,)");
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   conv_tiles(s, reinterpret_cast<const uint16_t*>(kernel.untyped_data()),
              reinterpret_cast<const uint16_t*>(bias.untyped_data()), reinterpret_cast<uint16_t*>(out->untyped_data()),
-             [&](int64_t b, int64_t y0, int64_t, std::vector<uint16_t>&) {
-               return xp + (b * (s.h + 3) + y0) * s.wp() * s.c_in;
-             });
+             [&](int64_t b, int64_t y, uint16_t* dst) { padded_row(s, xp, b, y, dst); });
   return ffi::Error::Success();
 }
 
@@ -499,15 +593,14 @@ static inline __m512 silu16(__m512 y) {
                             _mm512_set1_ps(NAN));
 }
 
-// The VAE's GroupNorm then SiLU, applied to the input as conv_tile reads it, instead of in a pass of
+// The VAE's GroupNorm then SiLU, applied to the input rows as a tile reads them instead of in a pass of
 // its own: y = (x - mean) * scale + shift per (batch, channel), in float32, SiLU, rounded to bf16 (the
 // numerics of GroupNorm(x, silu=True) in core/models/vae.py).
 struct Normalisation {
-  const uint16_t* x;  // (B, H, W, Cin), unpadded
+  const uint16_t* x;                  // (B, H, W, Cin)
   const float *mean, *scale, *shift;  // (B, Cin), (B, Cin), (Cin)
 };
 
-// Padded row y (its input row, or zeros above and below the image) into dst, (W + 2) x Cin.
 static void normalised_row(const ConvShape& s, const Normalisation& n, int64_t b, int64_t y, uint16_t* dst) {
   const int64_t cin = s.c_in;
   if (y < 0 || y >= s.h) {
@@ -532,26 +625,17 @@ static ffi::Error NormSiluConv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32
                                   ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::BF16> kernel,
                                   ffi::Buffer<ffi::BF16> bias, ffi::ResultBuffer<ffi::BF16> out) {
   if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
-  auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
-  if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
-      !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] || bias.element_count() != kd[3] ||
-      mean.element_count() != xd[0] * xd[3] || scale.element_count() != xd[0] * xd[3] ||
-      shift.element_count() != xd[3])
+  ConvShape s;
+  if (!conv_shapes(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s) ||
+      mean.element_count() != s.batch * s.c_in || scale.element_count() != s.batch * s.c_in ||
+      shift.element_count() != s.c_in)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "expected (B, H, W, Cin), (B, Cin), (B, Cin), (Cin,), (3, 3, Cin, Cout), (Cout,)");
-  const ConvShape s{xd[0], xd[1], xd[2], xd[3], kd[3]};
   const Normalisation n{reinterpret_cast<const uint16_t*>(x.untyped_data()), mean.typed_data(), scale.typed_data(),
                         shift.typed_data()};
-  const int64_t row = s.wp() * s.c_in;
   conv_tiles(s, reinterpret_cast<const uint16_t*>(kernel.untyped_data()),
              reinterpret_cast<const uint16_t*>(bias.untyped_data()), reinterpret_cast<uint16_t*>(out->untyped_data()),
-             [&](int64_t b, int64_t y0, int64_t rows, std::vector<uint16_t>& padded) {
-               padded.resize((rows + 3) * row);
-               for (int64_t j = 0; j < rows + 2; ++j) normalised_row(s, n, b, y0 - 1 + j, padded.data() + j * row);
-               // Read only for the dropped columns past W (see conv_tile).
-               std::fill(padded.data() + (rows + 2) * row, padded.data() + (rows + 3) * row, 0);
-               return padded.data();
-             });
+             [&](int64_t b, int64_t y, uint16_t* dst) { normalised_row(s, n, b, y, dst); });
   return ffi::Error::Success();
 }
 

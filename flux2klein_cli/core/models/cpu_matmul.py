@@ -3,9 +3,10 @@
 XLA's CPU backend converts every bf16 dot to float32 before its own kernels (and before oneDNN's,
 with `--xla_cpu_use_onednn`), so on an AMX CPU a bf16 linear layer runs at the float32 rate, far
 below torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the AMX tiles. The shim
-(amx_gemm.cc) builds three kernels on it: the Linear layers' dots (`dot_general`), unmasked
-attention (`attention`) and the VAE's 3x3 convolutions (`conv3x3`), each with the numerics of the
-XLA form it replaces.
+(amx_gemm.cc) builds kernels on it and on the tiles' intrinsics: the Linear layers' dots
+(`dot_general`), unmasked attention (`attention`), the text encoder's masked attention
+(`masked_attention`) and the VAE's 3x3 convolutions (`conv3x3`, `norm_silu_conv3x3`), each with the
+numerics of the XLA form it replaces.
 
 Used only when all of these hold, else every dot stays XLA's own (today's path):
   * the CPU reports `amx_bf16`, `amx_tile` and `avx512_bf16` (/proc/cpuinfo);
@@ -263,15 +264,14 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
 
 def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
     """A 3x3 'same' convolution with bias, bf16 NHWC (B, H, W, Cin) x (3, 3, Cin, Cout) -> bf16, in
-    the shim: nine oneMKL products per tile of output rows. The numerics of `fallback(x)`, nnx.Conv
-    in bf16: float32 sums rounded to bf16, then the bias added."""
+    the shim, per tile of output rows: the nine taps accumulated on the AMX tiles (input widths of
+    whole tiles, multiples of 32), else nine oneMKL products. The numerics of `fallback(x)`,
+    nnx.Conv in bf16: float32 sums rounded to bf16, then the bias added."""
 
     def amx(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
-        b, h, w, _ = x.shape
-        padded = jnp.pad(x, ((0, 0), (1, 2), (1, 1), (0, 0)))  # the shim's layout (amx_gemm.cc)
-        call = jax.ffi.ffi_call(CONV_TARGET, jax.ShapeDtypeStruct((b, h, w, kernel.shape[-1]), jnp.bfloat16),
+        call = jax.ffi.ffi_call(CONV_TARGET, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
                                 vmap_method="sequential")
-        return call(padded, kernel, bias)
+        return call(x, kernel, bias)
 
     return jax.lax.platform_dependent(x, kernel, bias, cpu=amx, default=lambda x, kernel, bias: fallback(x))
 
