@@ -25,7 +25,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <thread>
 #include <vector>
 
@@ -96,15 +95,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_gemm, Gemm,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// float32 -> bfloat16 bits, rounding to nearest even as XLA's convert does; a NaN stays a (quiet)
-// NaN, where rounding its payload could carry it into the infinity's bits.
-static inline uint16_t to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>((bits >> 16) | 0x40u) : rounded;
-}
-
 static inline float from_bf16(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
   float f;
@@ -117,7 +107,9 @@ static inline __mmask16 lanes_left(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// to_bf16 on sixteen lanes, in integers: VCVTNEPS2BF16 would flush subnormals to zero.
+// float32 -> bfloat16 bits on sixteen lanes, rounding to nearest even as XLA's convert does, in
+// integers (VCVTNEPS2BF16 would flush subnormals to zero); a NaN stays a (quiet) NaN, where rounding
+// its payload could carry it into the infinity's bits.
 static inline __m256i to_bf16x16(__m512 f) {
   const __m512i bits = _mm512_castps_si512(f), high = _mm512_srli_epi32(bits, 16);
   const __m512i bias = _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
@@ -166,6 +158,11 @@ static float exp_row(const float* x, int64_t n, float top, uint16_t* weights) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// The lanes of `lanes` whose key is allowed (mask bytes, nonzero for true).
+static inline __mmask16 allowed_lanes(const bool* allowed, __mmask16 lanes) {
+  return _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed), _mm_setzero_si128());
+}
+
 // The masked form's softmax of one row, in place: x[j] = exp(scale * x[j] - top) where allowed, else
 // 0; weights[j] = bf16(x[j] / sum). Returns false when no key is allowed (the row's output is zero).
 static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* allowed, uint16_t* weights) {
@@ -174,7 +171,7 @@ static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* all
   bool any = false;
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 lanes = lanes_left(n - j);
-    const __mmask16 keep = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed + j), _mm_setzero_si128());
+    const __mmask16 keep = allowed_lanes(allowed + j, lanes);
     const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + j), factor);
     _mm512_mask_storeu_ps(x + j, lanes, scaled);
     top = _mm512_mask_max_ps(top, keep, top, scaled);
@@ -185,8 +182,9 @@ static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* all
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 lanes = lanes_left(n - j);
-    const __mmask16 keep = _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed + j), _mm_setzero_si128());
-    const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + j), shift)));
+    const __mmask16 keep = allowed_lanes(allowed + j, lanes);
+    const __m512 scores = _mm512_maskz_loadu_ps(lanes, x + j);
+    const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(scores, shift)));
     _mm512_mask_storeu_ps(x + j, lanes, e);
     sum = _mm512_add_ps(sum, e);
   }
@@ -437,14 +435,17 @@ struct ConvShape {
 // the second row below and the slack keep the last taps of the last positions inside the buffer).
 constexpr int64_t kSlackPositions = 32;
 
-static int64_t padded_size(const ConvShape& s, int64_t rows) { return ((rows + 3) * s.wp() + kSlackPositions) * s.c_in; }
+static int64_t padded_size(const ConvShape& s, int64_t rows) {
+  return ((rows + 3) * s.wp() + kSlackPositions) * s.c_in;
+}
 
 // As nnx.Conv in bf16: the sums rounded to bf16, then the bias added and rounded again.
 static inline void store_conv_outputs(const float* sums, const float* bias, int64_t channels, uint16_t* out) {
   for (int64_t c = 0; c < channels; c += 16) {
     const __mmask16 lanes = lanes_left(channels - c);
     const __m512 rounded = from_bf16x16(to_bf16x16(_mm512_maskz_loadu_ps(lanes, sums + c)));
-    _mm256_mask_storeu_epi16(out + c, lanes, to_bf16x16(_mm512_add_ps(rounded, _mm512_maskz_loadu_ps(lanes, bias + c))));
+    const __m512 biased = _mm512_add_ps(rounded, _mm512_maskz_loadu_ps(lanes, bias + c));
+    _mm256_mask_storeu_epi16(out + c, lanes, to_bf16x16(biased));
   }
 }
 
@@ -484,7 +485,8 @@ static void conv_tile_amx(const ConvShape& s, const uint16_t* padded, const uint
       for (int64_t i = 0; i < 32 && p0 + i < positions; ++i) {
         const int64_t r = (p0 + i) / wp, col = (p0 + i) % wp;
         if (col < s.w)
-          store_conv_outputs(block + i * 32, bias + p, std::min(kPanel, s.c_out - p), out + (r * s.w + col) * s.c_out + p);
+          store_conv_outputs(block + i * 32, bias + p, std::min(kPanel, s.c_out - p),
+                             out + (r * s.w + col) * s.c_out + p);
       }
     }
   }
@@ -519,7 +521,8 @@ static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_
   const int64_t tile_rows = conv_tile_rows(s), tiles = (s.h + tile_rows - 1) / tile_rows, row = s.wp() * s.c_in;
   std::vector<float> bias32(round_up(s.c_out, kPanel), 0.0f);
   for (int64_t c = 0; c < s.c_out; ++c) bias32[c] = from_bf16(bias[c]);
-  const std::vector<uint16_t> packed = s.on_tiles() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<uint16_t>();
+  const std::vector<uint16_t> packed =
+      s.on_tiles() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<uint16_t>();
   const int workers = workers_for(s.batch * tiles);
   struct Scratch {
     std::vector<float> sums;
@@ -627,8 +630,9 @@ static ffi::Error NormSiluConv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32
   if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
   ConvShape s;
   if (!conv_shapes(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s) ||
-      mean.element_count() != s.batch * s.c_in || scale.element_count() != s.batch * s.c_in ||
-      shift.element_count() != s.c_in)
+      static_cast<int64_t>(mean.element_count()) != s.batch * s.c_in ||
+      static_cast<int64_t>(scale.element_count()) != s.batch * s.c_in ||
+      static_cast<int64_t>(shift.element_count()) != s.c_in)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "expected (B, H, W, Cin), (B, Cin), (B, Cin), (Cin,), (3, 3, Cin, Cout), (Cout,)");
   const Normalisation n{reinterpret_cast<const uint16_t*>(x.untyped_data()), mean.typed_data(), scale.typed_data(),
