@@ -277,10 +277,9 @@ static void pack_keys(const uint16_t* k, int64_t stride, int64_t sk, int64_t dim
   for (int64_t p = 0; p < round_up(sk, kPanel); p += kPanel)
     for (int64_t d = 0; d < depth; d += 2)
       for (int64_t c = 0; c < kPanel; ++c, out += 2) {
-        const uint16_t* key = k + (p + c) * stride;
-        const bool real = p + c < sk;
-        out[0] = real && d < dim ? key[d] : 0;
-        out[1] = real && d + 1 < dim ? key[d + 1] : 0;
+        const bool real = p + c < sk;  // padding keys are zeros, not read past the array
+        out[0] = real && d < dim ? k[(p + c) * stride + d] : 0;
+        out[1] = real && d + 1 < dim ? k[(p + c) * stride + d + 1] : 0;
       }
 }
 
