@@ -41,6 +41,7 @@ class Limits:
     manifest_bytes: int = 16 * MIB  # a batch or server manifest (JSON) read whole
     latents_bytes: int = 1 * GIB  # a latents .npy
     reference_bytes: int = 256 * MIB  # a reference image file
+    metadata_bytes: int = 1 * MIB  # text chunks of one PNG written (Pillow reads none above 1 MiB back)
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(field, bound, what it bounds): the table docs/cli.md shows."""
@@ -61,6 +62,7 @@ class Limits:
             ("manifest", f"at most {_bytes(self.manifest_bytes)}", "file size"),
             ("latents file", f"at most {_bytes(self.latents_bytes)}", "file size (.npy)"),
             ("reference image file", f"at most {_bytes(self.reference_bytes)}", "file size"),
+            ("PNG metadata", f"at most {_bytes(self.metadata_bytes)}", "text chunks of each image written"),
         ]
 
 

@@ -30,13 +30,17 @@ class LoraSpec:
 
     @classmethod
     def parse(cls, text: str) -> LoraSpec:
-        """`PATH_OR_REPO[:SCALE]`; a colon followed by something that is not a number belongs to
-        the path (a Windows drive, a file name with a colon)."""
+        """`PATH_OR_REPO[:SCALE]`. A colon followed by something that is not a number belongs to
+        the path (a Windows drive, a file name with a colon) unless what precedes it is a file
+        there or a .safetensors name: then the tail was meant as a scale, and is a bad one."""
         source, colon, tail = text.rpartition(":")
         if colon and source:
             try:
                 scale = float(tail)
             except ValueError:
+                if not Path(text).exists() and (Path(source).exists() or source.endswith(".safetensors")):
+                    raise UserInputError(f"--lora {text}: the scale {tail!r} is not a number "
+                                         "(PATH_OR_REPO[:SCALE], e.g. style.safetensors:0.8)") from None
                 return cls(text)
             if not math.isfinite(scale):
                 raise UserInputError(f"--lora {text}: the scale must be a finite number")

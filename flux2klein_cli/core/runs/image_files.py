@@ -18,13 +18,18 @@ import numpy as np
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.limits import LIMITS, check_file_size
 from flux2klein_cli.core.paths import check_input_file, check_name_length
 from flux2klein_cli.core.temporaries import temporary_file
 
 PNG_SUFFIX = ".png"
-# One iTXt chunk holding the whole metadata dict as JSON, so reading it back gives the original types;
-# every key also gets a plain text chunk of its own for exiftool, `identify -verbose` and image viewers.
+# Each key is one text chunk of its own, for exiftool, `identify -verbose` and image viewers: a string as
+# it is, anything else as JSON. One more iTXt chunk under this key says which chunks hold JSON, so reading
+# them back gives the original types, and every value is stored once. A string PNG text cannot hold (a
+# NUL, which the format forbids in text, or another control character but newline and tab) is stored
+# as JSON too, escaped: read back, it is the original string.
 JSON_KEY = "flux2klein"
+METADATA_FORMAT = 2  # 1 (older files): the JSON_KEY chunk held the whole metadata dict
 
 MetadataValue = str | int | float | bool | None | Sequence[Any] | Mapping[str, Any]
 
@@ -52,13 +57,26 @@ def _check_key(key: str) -> None:
         raise ValueError(f"invalid PNG metadata key {key!r}")
 
 
+def _plain(value: str) -> bool:
+    return not any(ord(c) < 32 and c not in "\n\t" for c in value)
+
+
 def _pnginfo(metadata: Mapping[str, Any]) -> PngImagePlugin.PngInfo:
     info = PngImagePlugin.PngInfo()
+    as_json, total = [], 0
     for key, value in metadata.items():
         _check_key(key)
-        # Strings as they are, everything else as JSON; Pillow picks tEXt, or iTXt (UTF-8) when needed.
-        info.add_text(key, value if isinstance(value, str) else _to_json(value))
-    info.add_itxt(JSON_KEY, _to_json(dict(metadata)))
+        plain = isinstance(value, str) and _plain(value)
+        text = value if plain else _to_json(value)
+        if not plain:
+            as_json.append(key)
+        total += len(key) + len(text.encode("utf-8", "surrogatepass"))
+        if total > LIMITS.metadata_bytes:
+            raise UserInputError(f"the PNG metadata would take more than {LIMITS.metadata_bytes} bytes "
+                                 f"(at field {key}); shorten it")
+        # Pillow writes tEXt (Latin-1), or iTXt (UTF-8) when the text needs it.
+        info.add_text(key, text)
+    info.add_itxt(JSON_KEY, _to_json({"format": METADATA_FORMAT, "json": as_json}))
     return info
 
 
@@ -148,9 +166,11 @@ def read_png_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise UserInputError(f"cannot read {p}: {e}") from None
     if JSON_KEY in text:
         with contextlib.suppress(ValueError):
-            decoded = json.loads(text[JSON_KEY])
+            decoded = json.loads(text.pop(JSON_KEY))
+            if isinstance(decoded, dict) and decoded.get("format") == METADATA_FORMAT:
+                return {k: json.loads(v) if k in decoded.get("json", ()) else v for k, v in text.items()}
             if isinstance(decoded, dict):
-                return decoded
+                return decoded  # format 1: the whole dict
     return text
 
 
@@ -200,31 +220,62 @@ def _shape(shape: Sequence[int]) -> str:
     return "(" + ", ".join(str(int(s)) for s in shape) + ")"
 
 
+def _latents_header(f: Any, p: Path, expected: str) -> tuple[tuple[int, ...], np.dtype] | None:
+    """The shape and dtype a .npy header declares (None for a format version this numpy reads only
+    whole); anything that is not a .npy file is one line, before numpy could suggest pickles."""
+    magic = f.read(6)
+    f.seek(0)
+    if magic[:4] == b"PK\x03\x04":
+        raise UserInputError(f"latents file {p} is an .npz archive; save one array of shape {expected} with numpy.save")
+    if magic != b"\x93NUMPY":
+        raise UserInputError(f"cannot read latents file {p}: not a .npy file (no NumPy header); save one array "
+                             f"of shape {expected} with numpy.save")
+    version = np.lib.format.read_magic(f)
+    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
+    if version not in readers:
+        f.seek(0)
+        return None
+    shape, _, dtype = readers[version](f)
+    f.seek(0)
+    return tuple(int(s) for s in shape), dtype
+
+
 def load_latents(path: str | os.PathLike[str], expected_shape: Sequence[int]) -> np.ndarray:
     """Initial noise for `--latents`: a `.npy` array of exactly `expected_shape`, diffusers'
     (B, C, H/p, W/p) with p the model's pixels per token (LatentGeometry.latents_shape).
 
     Returns float32; any float dtype on disk is accepted (diffusers casts `latents=` to the pipeline dtype too).
+    The header is checked (shape, dtype) before any data is read, and the file's size against the limits table.
     """
     p = Path(path).expanduser()
     expected = _shape(expected_shape)
+    want = tuple(int(s) for s in expected_shape)
     check_input_file(p, "latents file", "a .npy file")
+    check_file_size(p, LIMITS.latents_bytes, "latents file")
+
+    def check(shape: tuple[int, ...], dtype: np.dtype) -> None:
+        if dtype.hasobject:
+            raise UserInputError(f"cannot read latents file {p}: it holds Python objects (dtype {dtype}); "
+                                 f"expected a float array of shape {expected}")
+        if dtype.kind != "f":
+            raise UserInputError(f"latents in {p} have dtype {dtype}; expected a float array of shape {expected}")
+        if shape != want:
+            raise UserInputError(
+                f"latents in {p} have shape {_shape(shape)}; expected {expected} "
+                "(batch, latent channels, height and width in tokens)"
+            )
+
     try:
-        loaded = np.load(p, allow_pickle=False)
+        with open(p, "rb") as f:
+            header = _latents_header(f, p, expected)
+            if header is not None:
+                check(*header)
+            loaded = np.lib.format.read_array(f, allow_pickle=False)
     except PermissionError:
         raise UserInputError(f"cannot read latents file {p}: permission denied") from None
-    except (OSError, ValueError, EOFError) as e:
+    except (OSError, ValueError, EOFError, SyntaxError) as e:
         raise UserInputError(f"cannot read latents file {p} as a .npy array: {' '.join(str(e).split())}") from None
-    if isinstance(loaded, np.lib.npyio.NpzFile):
-        loaded.close()
-        raise UserInputError(f"latents file {p} is an .npz archive; save one array of shape {expected} with numpy.save")
-    if loaded.dtype.kind != "f":
-        raise UserInputError(f"latents in {p} have dtype {loaded.dtype}; expected a float array of shape {expected}")
-    if tuple(loaded.shape) != tuple(int(s) for s in expected_shape):
-        raise UserInputError(
-            f"latents in {p} have shape {_shape(loaded.shape)}; expected {expected} "
-            "(batch, latent channels, height and width in tokens)"
-        )
+    check(tuple(loaded.shape), loaded.dtype)
     latents = np.ascontiguousarray(loaded, dtype=np.float32)
     if not np.isfinite(latents).all():
         raise UserInputError(f"latents in {p} contain NaN or infinite values")

@@ -1,0 +1,129 @@
+"""Issue 30's reproductions, each at its root: one line naming the field or the file, nothing
+written, or the input handled correctly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.limits import LIMITS
+
+# --- --lora PATH:SCALE ------------------------------------------------------------------------
+
+
+def test_lora_bad_scale_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flux2klein_cli.core.lora.files import LoraSpec
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserInputError, match=r"--lora style.safetensors:abc: the scale 'abc' is not a number"):
+        LoraSpec.parse("style.safetensors:abc")  # the file need not exist: the name says what was meant
+    (tmp_path / "style").write_bytes(b"")
+    with pytest.raises(UserInputError, match="the scale 'x' is not a number"):
+        LoraSpec.parse("style:x")
+    # A colon that is part of an existing name, or of a Windows path, still belongs to the path.
+    (tmp_path / "a:b.safetensors").write_bytes(b"")
+    assert LoraSpec.parse("a:b.safetensors") == LoraSpec("a:b.safetensors")
+    assert LoraSpec.parse("C:/x/y.safetensors") == LoraSpec("C:/x/y.safetensors")
+    assert LoraSpec.parse("style.safetensors:0.5") == LoraSpec("style.safetensors", 0.5)
+
+
+# --- --latents ---------------------------------------------------------------------------------
+
+SHAPE = (1, 128, 4, 4)
+
+
+def test_latents_text_file_is_one_clean_line(tmp_path: Path) -> None:
+    from flux2klein_cli.core.runs.image_files import load_latents
+
+    (tmp_path / "text.npy").write_text("just some notes\n")
+    with pytest.raises(UserInputError) as err:
+        load_latents(tmp_path / "text.npy", SHAPE)
+    message = str(err.value)
+    assert "not a .npy file" in message and "pickle" not in message and "\n" not in message
+
+
+def test_latents_header_checked_before_data(tmp_path: Path) -> None:
+    """A header declaring another shape is refused without reading its (here absent) data."""
+    from flux2klein_cli.core.runs.image_files import load_latents
+
+    path = tmp_path / "big.npy"
+    with open(path, "wb") as f:
+        header = {"descr": "<f4", "fortran_order": False, "shape": (4096, 128, 512, 512)}
+        np.lib.format.write_array_header_1_0(f, header)
+    with pytest.raises(UserInputError, match=r"have shape \(4096, 128, 512, 512\); expected \(1, 128, 4, 4\)"):
+        load_latents(path, SHAPE)
+
+
+def test_latents_file_size_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flux2klein_cli.core import limits
+    from flux2klein_cli.core.runs import image_files
+
+    np.save(tmp_path / "ok.npy", np.zeros(SHAPE, np.float32))
+    monkeypatch.setattr(image_files, "LIMITS", limits.Limits(latents_bytes=1024))
+    with pytest.raises(UserInputError, match=r"latents file .*ok.npy is \d+ bytes; the limit is 1 KiB"):
+        image_files.load_latents(tmp_path / "ok.npy", SHAPE)
+
+
+# --- PNG metadata --------------------------------------------------------------------------------
+
+PIXELS = np.zeros((16, 16, 3), np.uint8)
+
+
+def _chunks(path: Path) -> list[tuple[bytes, bytes]]:
+    data, out, at = path.read_bytes(), [], 8
+    while at < len(data):
+        length = int.from_bytes(data[at:at + 4], "big")
+        out.append((data[at + 4:at + 8], data[at + 8:at + 8 + length]))
+        at += 12 + length
+    return out
+
+
+def test_png_nul_in_prompt_round_trips_without_nul_in_text(tmp_path: Path) -> None:
+    from flux2klein_cli.core.runs.image_files import read_png_metadata, write_png
+
+    meta = {"prompt": "a fox\x00and a hen\x07", "seed": 1, "model": "tiny"}
+    write_png(tmp_path / "o.png", PIXELS, meta, force=False)
+    assert read_png_metadata(tmp_path / "o.png") == meta
+    for kind, body in _chunks(tmp_path / "o.png"):
+        _, _, text = body.partition(b"\x00")  # keyword, then (iTXt) flags, language and translated keyword
+        if kind == b"iTXt":
+            text = text[2:].split(b"\x00", 2)[2]
+        if kind in (b"tEXt", b"iTXt"):
+            assert b"\x00" not in text, (kind, body[:40])
+    with Image.open(tmp_path / "o.png") as im:
+        assert json.loads(im.text["prompt"]) == meta["prompt"]
+
+
+def test_png_stores_each_field_once(tmp_path: Path) -> None:
+    from flux2klein_cli.core.runs.image_files import read_png_metadata, write_png
+
+    prompt = "a long prompt " * (LIMITS.prompt_bytes // 14)
+    meta = {"prompt": prompt, "steps": 4, "size": [16, 16]}
+    write_png(tmp_path / "o.png", PIXELS, meta, force=False)
+    assert (tmp_path / "o.png").read_bytes().count(b"a long prompt a long prompt") < len(prompt) // 27 + 2
+    assert read_png_metadata(tmp_path / "o.png") == meta
+
+
+def test_png_metadata_bounded(tmp_path: Path) -> None:
+    from flux2klein_cli.core.runs.image_files import write_png
+
+    with pytest.raises(UserInputError, match="PNG metadata would take more than 1048576 bytes"):
+        write_png(tmp_path / "o.png", PIXELS, {"prompt": "x" * LIMITS.metadata_bytes}, force=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_png_older_format_still_read(tmp_path: Path) -> None:
+    from PIL.PngImagePlugin import PngInfo
+
+    from flux2klein_cli.core.runs.image_files import read_png_metadata
+
+    info = PngInfo()
+    info.add_text("seed", "3")
+    info.add_itxt("flux2klein", json.dumps({"seed": 3, "prompt": "p"}))
+    Image.fromarray(PIXELS).save(tmp_path / "old.png", pnginfo=info)
+    assert read_png_metadata(tmp_path / "old.png") == {"seed": 3, "prompt": "p"}
