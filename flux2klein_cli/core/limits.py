@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import FieldError, UserInputError
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
 
@@ -94,20 +94,20 @@ def markdown_table(limits: Limits = LIMITS) -> str:
 def check_int(field: str, value: int, low: int, high: int, unit: str = "") -> None:
     """`low <= value <= high`, else one line naming the field and the bound."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UserInputError(f"{field} must be a whole number, got {value!r}")
+        raise FieldError(field, f"must be a whole number, got {value!r}")
     suffix = f" {unit}" if unit else ""
     if value < low:
-        raise UserInputError(f"{field} must be at least {low}{suffix}, got {value}")
+        raise FieldError(field, f"must be at least {low}{suffix}, got {value}")
     if value > high:
-        raise UserInputError(f"{field} must be at most {high}{suffix}, got {value}")
+        raise FieldError(field, f"must be at most {high}{suffix}, got {value}")
 
 
 def check_float(field: str, value: float, low: float, high: float) -> None:
     """A finite `low <= value <= high`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise UserInputError(f"{field} must be a finite number, got {value!r}")
+        raise FieldError(field, f"must be a finite number, got {value!r}")
     if not low <= value <= high:
-        raise UserInputError(f"{field} must be between {low:g} and {high:g}, got {value:g}")
+        raise FieldError(field, f"must be between {low:g} and {high:g}, got {value:g}")
 
 
 def check_steps(steps: int) -> None:
@@ -122,9 +122,9 @@ def check_size(height: int, width: int, multiple: int = LIMITS.size_multiple) ->
         check_int(field, value, multiple, LIMITS.max_side, "px")
         if value % multiple:
             lower = value - value % multiple
-            raise UserInputError(f"{field} {value} is not a multiple of {multiple}; use {lower} or {lower + multiple}")
+            raise FieldError(field, f"{value} is not a multiple of {multiple}; use {lower} or {lower + multiple}")
     if height * width > LIMITS.max_pixels:
-        raise UserInputError(f"height x width is {height}x{width} = {height * width} px; the limit is "
+        raise FieldError("height", f"x width is {height}x{width} = {height * width} px; the limit is "
                              f"{LIMITS.max_pixels} px ({_square(LIMITS.max_pixels)})")
 
 
@@ -137,7 +137,7 @@ def check_seed(seed: int, images: int = 1) -> None:
     check_int("seed", seed, 0, LIMITS.seed_end - 1)
     last = seed + images - 1
     if last >= LIMITS.seed_end:
-        raise UserInputError(f"seed + image index must stay below 2**32 ({LIMITS.seed_end}), got {last} "
+        raise FieldError("seed", f"+ image index must stay below 2**32 ({LIMITS.seed_end}), got {last} "
                              f"(seed {seed}, {images} images)")
 
 
@@ -154,7 +154,7 @@ def check_prompt(text: str, field: str = "prompt") -> None:
     """One prompt's UTF-8 size (before the tokenizer sees it)."""
     size = len(text.encode("utf-8", "surrogatepass"))
     if size > LIMITS.prompt_bytes:
-        raise UserInputError(f"{field} is {size} bytes; the limit is {LIMITS.prompt_bytes} bytes")
+        raise FieldError(field, f"is {size} bytes; the limit is {LIMITS.prompt_bytes} bytes")
 
 
 def check_reference_count(count: int) -> None:
