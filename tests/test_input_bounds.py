@@ -127,3 +127,68 @@ def test_png_older_format_still_read(tmp_path: Path) -> None:
     info.add_itxt("flux2klein", json.dumps({"seed": 3, "prompt": "p"}))
     Image.fromarray(PIXELS).save(tmp_path / "old.png", pnginfo=info)
     assert read_png_metadata(tmp_path / "old.png") == {"seed": 3, "prompt": "p"}
+
+
+# --- references --------------------------------------------------------------------------------
+
+
+def test_sixteen_bit_grayscale_reference_scaled_by_its_range(tmp_path: Path) -> None:
+    from flux2klein_cli.core.runs.images import load_reference
+
+    values = (np.arange(64 * 64, dtype=np.uint32).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
+    Image.fromarray(values).save(tmp_path / "g16.png")
+    with Image.open(tmp_path / "g16.png") as im:
+        assert im.mode.startswith("I")  # what Pillow makes of a 16-bit grayscale PNG
+    rgb = np.asarray(load_reference(tmp_path / "g16.png"))
+    expected = np.rint(values / 257.0).astype(np.uint8)
+    assert rgb.shape == (64, 64, 3) and np.array_equal(rgb[..., 0], expected) and np.array_equal(rgb[..., 2], expected)
+    assert rgb.min() == 0 and (rgb == 255).mean() < 0.01  # not clipped to white
+
+
+def test_float_tiff_reference_in_unit_range_is_scaled(tmp_path: Path) -> None:
+    from flux2klein_cli.core.runs.images import load_reference
+
+    values = np.linspace(0.0, 1.0, 64 * 64, dtype=np.float32).reshape(64, 64)
+    Image.fromarray(values).save(tmp_path / "f.tif")
+    rgb = np.asarray(load_reference(tmp_path / "f.tif"))
+    assert np.array_equal(rgb[..., 1], np.rint(values.astype(np.float64) * 255).astype(np.uint8))
+    assert rgb.max() == 255  # not clipped to black
+
+
+@pytest.mark.parametrize("values, words", [
+    (np.full((64, 64), 3.5, np.float32), "values from 3.5 to 3.5; only values in"),
+    (np.full((64, 64), -0.5, np.float32), "values from -0.5 to -0.5"),
+    (np.full((64, 64), np.nan, np.float32), "NaN or infinite values"),
+])
+def test_float_tiff_reference_out_of_range_is_refused(tmp_path: Path, values: np.ndarray, words: str) -> None:
+    from flux2klein_cli.core.runs.images import load_reference
+
+    Image.fromarray(values).save(tmp_path / "f.tif")
+    with pytest.raises(UserInputError, match=rf"reference image .*f.tif holds floating-point pixels with {words}"):
+        load_reference(tmp_path / "f.tif")
+
+
+@pytest.mark.parametrize("size, words", [
+    ((1, 1), "is 1x1; both sides must be at least 64 px"),
+    ((63, 64), "is 63x64; both sides must be at least 64 px"),
+    ((64, 600), r"is 64x600 \(aspect ratio 9.4:1\)"),
+])
+def test_small_or_narrow_reference_names_its_file(tmp_path: Path, size: tuple[int, int], words: str) -> None:
+    from flux2klein_cli.core.runs.images import load_reference
+
+    Image.new("RGB", size).save(tmp_path / "a.png")
+    with pytest.raises(UserInputError, match=rf"^reference image {tmp_path}/a.png {words}"):
+        load_reference(tmp_path / "a.png")
+
+
+def test_reference_pixels_and_bytes_from_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flux2klein_cli.core import limits
+    from flux2klein_cli.core.runs import images
+
+    Image.new("RGB", (8193, 8192)).save(tmp_path / "big.png")
+    with pytest.raises(UserInputError, match=r"reference image .*big.png is 8193x8192 \(67 megapixels\)"):
+        images.load_reference(tmp_path / "big.png")
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)).save(tmp_path / "a.png")
+    monkeypatch.setattr(images, "LIMITS", limits.Limits(reference_bytes=100))
+    with pytest.raises(UserInputError, match=r"reference image .*a.png is \d+ bytes; the limit is 100 bytes"):
+        images.load_reference(tmp_path / "a.png")

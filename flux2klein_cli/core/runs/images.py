@@ -24,15 +24,17 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.limits import LIMITS, check_file_size, check_reference_pixels
 from flux2klein_cli.core.paths import check_input_file
 
 MIN_SIDE = 64
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
-# The largest reference read (decoded RGB: 768 MiB on the host before it is scaled to MAX_AREA).
-# One limit of our own instead of Pillow's decompression-bomb warning (89 MP) and error (179 MP).
-MAX_REFERENCE_SIDE = 16384
-MAX_REFERENCE_PIXELS = MAX_REFERENCE_SIDE * MAX_REFERENCE_SIDE
+# The largest reference read, from the limits table (core/limits.py): one bound of our own instead of
+# Pillow's decompression-bomb warning (89 MP) and error (179 MP).
+MAX_REFERENCE_SIDE = LIMITS.reference_side
+MAX_REFERENCE_PIXELS = LIMITS.reference_pixels
+_SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
 def _one_line(text: object) -> str:
@@ -53,25 +55,47 @@ def _own_size_limit() -> Iterator[None]:
         Image.MAX_IMAGE_PIXELS = saved
 
 
-def load_reference(path: str | os.PathLike[str]) -> Image.Image:
-    """Open a reference image fully (so a truncated file fails here), upright per EXIF, as RGB.
+def _to_eight_bit(image: Image.Image, name: str) -> Image.Image:
+    """A grayscale image of more than 8 bits as 8-bit "L" by its real range: 16-bit (and 32-bit
+    integer) values scaled 65535 -> 255, float values in [0, 1] scaled 1 -> 255. Pillow's own
+    convert("RGB") clips them to 0..255 instead, so a 16-bit image turns white and a float one black."""
+    if image.mode not in (*_SIXTEEN_BIT, "I", "F"):
+        return image
+    values = np.asarray(image)
+    if image.mode == "F":
+        finite = bool(np.isfinite(values).all())
+        low, high = (float(values.min()), float(values.max())) if finite and values.size else (0.0, 0.0)
+        if not finite or low < 0.0 or high > 1.0:
+            shown = "NaN or infinite values" if not finite else f"values from {low:g} to {high:g}"
+            raise UserInputError(f"{name} holds floating-point pixels with {shown}; only values in [0, 1] "
+                                 "can be read as an image: scale it to [0, 1] or save it as 8- or 16-bit")
+        scaled = np.rint(values.astype(np.float64) * 255.0)
+    else:
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high > 65535:
+            raise UserInputError(f"{name} holds 32-bit integer pixels from {low} to {high}; only 8- and 16-bit "
+                                 "images (0..65535) can be read: save it as 8- or 16-bit")
+        scaled = np.rint(values.astype(np.float64) * (255.0 / 65535.0))
+    return Image.fromarray(scaled.astype(np.uint8), "L")
 
-    This is what `diffusers.utils.load_image(path)` returns, so both pipelines see the same pixels.
+
+def load_reference(path: str | os.PathLike[str]) -> Image.Image:
+    """Open a reference image fully (so a truncated file fails here), upright per EXIF, as RGB,
+    checked for size and aspect (`check_reference`) under its file name.
+
+    For 8-bit images this is what `diffusers.utils.load_image(path)` returns, so both pipelines see
+    the same pixels; deeper grayscale (16-bit, float) is scaled by its range (`_to_eight_bit`).
     """
     p = Path(path)
+    name = f"reference image {p}"
     check_input_file(p, "reference image", "an image file")
+    check_file_size(p, LIMITS.reference_bytes, "reference image")
     try:
         with _own_size_limit(), Image.open(p) as opened:
-            width, height = opened.size
-            if width * height > MAX_REFERENCE_PIXELS:
-                raise UserInputError(
-                    f"reference image {p} is {width}x{height} ({width * height / 1e6:.0f} megapixels); the limit is "
-                    f"{MAX_REFERENCE_PIXELS / 1e6:.0f} megapixels ({MAX_REFERENCE_SIDE}x{MAX_REFERENCE_SIDE}): "
-                    "scale it down first"
-                )
+            check_reference_pixels(name, *opened.size)
             opened.load()
-            upright = ImageOps.exif_transpose(opened)
-            return upright.convert("RGB")
+            upright = _to_eight_bit(ImageOps.exif_transpose(opened), name)
+            rgb = upright.convert("RGB")
     except PermissionError:
         raise UserInputError(f"cannot read reference image {p}: permission denied") from None
     except UnidentifiedImageError:
@@ -79,6 +103,8 @@ def load_reference(path: str | os.PathLike[str]) -> Image.Image:
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         # Truncated or corrupt data, unsupported pixel modes, absurd dimensions.
         raise UserInputError(f"cannot read reference image {p}: {_one_line(e)}") from None
+    check_reference(rgb, name)
+    return rgb
 
 
 def check_reference(image: Image.Image, name: str = "reference image") -> None:
