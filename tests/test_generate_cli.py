@@ -119,7 +119,7 @@ BAD = {
     "aspect over 8": (["edit", "x", "--image", "{tmp}/wide.png"], "aspect"),
     "height not multiple of 16": (["generate", "x", "--height", "100", "--width", "64"], "multiple of 16"),
     "width not multiple of 16": (["generate", "x", "--height", "64", "--width", "70"], "multiple of 16"),
-    "empty prompt": (["generate", "  "], "empty prompt"),
+    "empty prompt": (["generate", "  "], "PROMPT is empty"),
     "no prompt": (["generate"], "no prompt"),
     "steps under 1": (["generate", "x", "--steps", "0"], "--steps"),
     "latents of the wrong shape": (["generate", "x", "--height", "64", "--width", "64", "--latents",

@@ -68,19 +68,18 @@ def test_stored_executables_load_and_serve_the_stepped_loop(tiny_checkpoint: Pat
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
     def fresh() -> KleinPipeline:
-        p = KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)
-        p.executables = StoredExecutables(tiny_checkpoint, ExecutableStore(tmp_path))
-        p.warn = warnings.append
-        return p
+        return KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32, warn=warnings.append,
+                                  executables=StoredExecutables(tiny_checkpoint, ExecutableStore(tmp_path)))
 
     warnings: list[str] = []
     seen: list[int] = []
     first = fresh()(_request(2), on_step=lambda done, total: seen.append(done))
     second_pipeline = fresh()
     second = second_pipeline(_request(2), on_step=lambda done, total: seen.append(done))
-    statuses = {r["name"]: r["status"] for r in second_pipeline.executables.report}
+    statuses = {r["name"]: r["status"] for r in second.executables}
     assert statuses["denoise_by_1"] == "hit", statuses
-    assert "denoise_by_1" in second_pipeline._compiled and not warnings
+    compiled, _ = second_pipeline.prepare(_request(2), per_call=1)
+    assert "denoise_by_1" in compiled and not warnings
     assert seen == [1, 2, 1, 2]
     np.testing.assert_array_equal(second.images, first.images)
 

@@ -63,12 +63,12 @@ def edit(
       flux2klein edit "put both cats on the sofa" -i a.png -i b.png --kv --kv-cache-dir ~/.cache/f2k-kv
     """
     image_options.run(
-        prompt=prompt, prompt_file=prompt_file, as_json=as_json,
+        prompt=prompt, prompt_file=prompt_file, as_json=as_json, output=output, force=force,
         devices=dict(mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes, process_id=process_id),
-        model=model or (DEFAULT_KV_MODEL if kv else DEFAULT_MODEL), output=output, references=list(image),
-        height=height, width=width,
-        steps=steps, guidance=guidance, negative_prompt=negative_prompt, seed=seed, num_images=num_images,
-        dtype=dtype.value, latents=latents, force=force, max_sequence_length=max_sequence_length, kv=kv,
-        kv_cache_dir=kv_cache_dir, compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,
-        transformer=transformer, vae=vae, lora=lora,
+        engine=dict(model=model or (DEFAULT_KV_MODEL if kv else DEFAULT_MODEL), dtype=dtype.value,
+                    compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,
+                    transformer=transformer, vae=vae, lora=tuple(lora), kv_cache_dir=kv_cache_dir),
+        fields=dict(references=tuple(image), height=height, width=width, steps=steps, guidance=guidance,
+                    negative_prompt=negative_prompt, seed=seed, num_images=num_images, latents=latents,
+                    max_sequence_length=max_sequence_length, kv=kv),
     )

@@ -52,11 +52,10 @@ def generate(
       flux2klein generate "a red fox in snow" --model tiny -o fox.png   (random weights: noise, for testing)
     """
     image_options.run(
-        prompt=prompt, prompt_file=prompt_file, as_json=as_json,
+        prompt=prompt, prompt_file=prompt_file, as_json=as_json, output=output, force=force,
         devices=dict(mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes, process_id=process_id),
-        model=model, output=output, height=height, width=width, steps=steps, guidance=guidance,
-        negative_prompt=negative_prompt, seed=seed, num_images=num_images, dtype=dtype.value, latents=latents,
-        force=force, max_sequence_length=max_sequence_length, compile_cache=compile_cache,
-        save_executables=not no_save, effort=effort.value,
-        transformer=transformer, vae=vae, lora=lora,
+        engine=dict(model=model, dtype=dtype.value, compile_cache=compile_cache, save_executables=not no_save,
+                    effort=effort.value, transformer=transformer, vae=vae, lora=tuple(lora)),
+        fields=dict(height=height, width=width, steps=steps, guidance=guidance, negative_prompt=negative_prompt,
+                    seed=seed, num_images=num_images, latents=latents, max_sequence_length=max_sequence_length),
     )

@@ -25,17 +25,22 @@ def _written_on_failure(as_json: bool) -> Iterator[None]:
 
 
 def run(*, prompt: str | None, prompt_file: Path | None, as_json: bool, devices: dict[str, Any],
-        **options: Any) -> None:
-    """Build core's GenerateOptions from the command's keyword arguments, run, and report: paths on stdout,
-    or one JSON object (process 0 only)."""
+        engine: dict[str, Any], fields: dict[str, Any], output: Path, force: bool) -> None:
+    """Build core's options from the command's keyword arguments (`engine`: EngineOptions,
+    `fields`: RunFields), run, and report: paths on stdout, or one JSON object (process 0 only)."""
     from flux2klein_cli.core.devices.distributed import DeviceOptions, native_stdout_to_stderr
     from flux2klein_cli.core.devices.runtime import configure_jax
+    from flux2klein_cli.core.engine.engine import EngineOptions
+    from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.runs.generate import GenerateOptions, read_prompts, run_generate
 
     configure_jax(warn)
     with user_errors(), _written_on_failure(as_json), native_stdout_to_stderr():
-        opts = GenerateOptions(prompts=read_prompts(prompt, prompt_file), devices=DeviceOptions(**devices), **options)
+        opts = GenerateOptions(
+            engine=EngineOptions(devices=DeviceOptions(**devices), **engine),
+            fields=RunFields(prompts=tuple(read_prompts(prompt, prompt_file)), **fields),
+            output=output, force=force)
         if as_json:
             report = run_generate(opts, resolve_model, warn=warn)
         else:
@@ -47,13 +52,14 @@ def run(*, prompt: str | None, prompt_file: Path | None, as_json: bool, devices:
                 finally:
                     if bar is not None:
                         bar.close()
-    if not report.get("writer", True):
+    if not report.writer:
         return
     if as_json:
-        emit_json(report)
+        emit_json(report.as_dict())
         return
-    seconds = report["seconds"]
-    note(f"{len(report['outputs'])} image(s) {report['width']}x{report['height']}, {report['steps']} steps, "
-                 f"in {seconds['total']:.1f} s (load {seconds['load']:.1f} s, denoise {seconds['denoise']:.1f} s)")
-    for path in report["outputs"]:
+    seconds = report.seconds
+    note(f"{len(report.outputs)} image(s) {report.width}x{report.height}, {report.steps} steps, "
+         f"in {seconds['total']:.1f} s (load {seconds['load']:.1f} s, "
+         f"executables {seconds.get('executables', 0.0):.1f} s, denoise {seconds['denoise']:.1f} s)")
+    for path in report.outputs:
         result(path)

@@ -86,7 +86,9 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except Flux2KleinError as e:
-        error(e)
+        from flux2klein_cli.cli.flags import message
+
+        error(message(e))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         stderr.print("interrupted")

@@ -19,3 +19,16 @@ class CheckpointError(UserInputError):
 
 class NonFiniteError(Flux2KleinError):
     """A stage of the pipeline produced NaN or inf: nothing is written (exit code 1)."""
+
+
+class FieldError(UserInputError):
+    """Bad input in one named field of a request (`steps`, `height`, `references`): core names
+    the field; the CLI prints its flag in its place (cli/flags.py), a server the field."""
+
+    def __init__(self, field: str, detail: str):
+        self.field, self.detail = field, detail
+        super().__init__(f"{field} {detail}")
+
+    def named(self, name: str) -> str:
+        """The message with the field called `name` (e.g. its command-line flag)."""
+        return f"{name} {self.detail}"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +32,7 @@ from flux2klein_cli.core.models.layers import as_words
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import programs, tokens
 from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn, steps_per_call
-from flux2klein_cli.core.pipeline.geometry import LatentGeometry, check_steps
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
@@ -67,6 +68,7 @@ class Request:
     num_images: int = 1
     negative_prompt: str = ""
     seed: int = 0
+    seeds: list[int] | None = None  # one per image (a batch of requests); None: seed + image index
     latents: np.ndarray | None = None  # LatentGeometry.latents_shape initial noise, diffusers' convention
     references: list[np.ndarray] = field(default_factory=list)  # preprocessed (H, W, 3) in [-1, 1]
     max_sequence_length: int = 512
@@ -86,6 +88,7 @@ class Result:
     guidance_used: bool
     seconds: dict[str, float]
     kv_cache: str | None = None  # with a KV edit: where the cache came from (computed, memory, disk)
+    executables: list[dict[str, Any]] = field(default_factory=list)  # what the store did per program (LoadInfo)
 
 
 def _timed(seconds: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
@@ -103,6 +106,15 @@ def check_seeds(first: int, count: int) -> None:
         raise UserInputError(f"--seed + image index must stay below 2**32 (4294967296), got {last}")
 
 
+def _code_bytes(info: dict[str, Any]) -> int:
+    """An executable's code as XLA reports it, else (the CPU reports none) its serialized size."""
+    code = int(info.get("memory", {}).get("generated_code", 0))
+    path = info.get("path")
+    if not code and path and (Path(path) / "executable.bin").is_file():
+        code = (Path(path) / "executable.bin").stat().st_size
+    return code
+
+
 def first_non_finite(stages: list[tuple[str, Any]], to_host: Callable[[Any], Any]) -> str | None:
     """The name of the first stage whose output holds NaN or inf (None outputs are skipped).
     Only looked at after the images went non-finite, to say where it began."""
@@ -113,11 +125,22 @@ def first_non_finite(stages: list[tuple[str, Any]], to_host: Callable[[Any], Any
     return None
 
 
+# Executables kept per run shape (an LRU): a long-lived engine alternating shapes loads each once.
+EXECUTABLE_SHAPES = 8
+Programs = Mapping[str, Any]  # program name -> its compiled executable, for one run shape
+
+
 class KleinPipeline:
     def __init__(
         self, snapshot: Snapshot, models: LoadedModels, tokenizer: PromptTokenizer, scheduler: SchedulerConfig,
-        mesh: Mesh | None = None,
+        mesh: Mesh | None = None, *, executables: Any = None, kv_store: ReferenceKVStore | None = None,
+        warn: Callable[[str], None] | None = None, lora: LoraDeltas | None = None,
+        progress_calls: int = PROGRESS_CALLS, executable_shapes: int = EXECUTABLE_SHAPES, kv_memory: int = 1,
     ):
+        """`executables`: a store of executables (core/compile/attach.py): each run shape's
+        programs are loaded or compiled up front and called directly; None: each program is
+        jitted. `kv_memory`: reference KV caches kept in memory (a 9B cache is about 2 GiB per
+        1024x1024 reference)."""
         self.snapshot, self.models, self.tokenizer, self.scheduler = snapshot, models, tokenizer, scheduler
         config = models.transformer.config
         self.geometry = LatentGeometry.of(models.vae.config, config.in_channels, config.out_channels)
@@ -132,31 +155,30 @@ class KleinPipeline:
         self._denoise_graph = nnx.split(models.transformer)[0]
         self._denoise: dict[int | None, Any] = {}  # steps per call -> jitted loop
         self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
-        self.kv_store: ReferenceKVStore | None = None
-        self._kv_memory: dict[str, ReferenceKV] = {}
-        # With a store of executables (core/compile/attach.py), each request's programs are
-        # loaded or compiled up front and called directly; else each program is jitted.
-        self.executables: Any = None
-        self._compiled: dict[str, Any] = {}
-        self._prepared_run: Any = None
-        self.warn: Callable[[str], None] = lambda message: None
-        self.progress_calls = PROGRESS_CALLS
-        self.lora: LoraDeltas | None = None
+        self.kv_store = kv_store
+        self.kv_memory = kv_memory
+        self._kv_memory: OrderedDict[str, ReferenceKV] = OrderedDict()
+        self.executables = executables
+        self.executable_shapes = executable_shapes
+        # run shape -> (its executables, their generated code bytes as XLA reports them)
+        self._by_shape: OrderedDict[programs.RunShape, tuple[dict[str, Any], int]] = OrderedDict()
+        self.warn: Callable[[str], None] = warn or (lambda message: None)
+        self.progress_calls = progress_calls
+        self.lora = lora
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None,
-             lora: Sequence[LoraSpec] = ()) -> KleinPipeline:
+             lora: Sequence[LoraSpec] | LoraDeltas | None = (), **parts: Any) -> KleinPipeline:
         """`lora`: LoRAs merged into the transformer's (and text encoder's) weights at load
-        (executables take the weights as arguments, so other LoRAs or scales compile nothing new)."""
+        (executables take the weights as arguments, so other LoRAs or scales compile nothing new);
+        `parts`: the constructor's keyword arguments."""
         from flux2klein_cli.core.lora.merge import LoraDeltas
 
         snapshot = Snapshot.open(model_dir)
         LatentGeometry.of_snapshot(snapshot.root)  # a geometry the pipeline cannot run fails before the weights load
-        deltas = LoraDeltas.read(lora)
+        deltas = lora if lora is None or isinstance(lora, LoraDeltas) else LoraDeltas.read(lora)
         models = load_models(snapshot, dtype=dtype, mesh=mesh, lora=deltas)
-        pipeline = cls(snapshot, models, *load_tokenizer_and_scheduler(snapshot), mesh)
-        pipeline.lora = deltas
-        return pipeline
+        return cls(snapshot, models, *load_tokenizer_and_scheduler(snapshot), mesh, lora=deltas, **parts)
 
     # On a mesh every program input is a global array: batch inputs split over (data, fsdp)
     # by `_batched`, everything else replicated; GSPMD partitions the programs from there.
@@ -172,13 +194,14 @@ class KleinPipeline:
             return jax.device_put(x)  # unlike jnp.asarray, compiles nothing
         return self._global(x, batch_spec(self.mesh, np.shape(x)[0], np.ndim(x)))
 
-    def _call(self, name: str, program: Callable[..., Any], *args: Any, wait: bool = True) -> Any:
-        """Run one program: its stored executable when there is one (arguments placed as it
-        was compiled for), else the jitted function. `wait=False` returns as soon as the call
-        is queued (for a call after a first one that waited: the executable is known good)."""
+    def _call(self, compiled_programs: Programs | None, name: str, program: Callable[..., Any], *args: Any,
+              wait: bool = True) -> Any:
+        """Run one program: its executable in `compiled_programs` when there is one (arguments
+        placed as it was compiled for), else the jitted function. `wait=False` returns as soon as
+        the call is queued (for a call after a first one that waited: the executable is known good)."""
         if self.mesh is not None:
             args = jax.tree.map(lambda x: self._global(x, PartitionSpec()), args)
-        compiled = self._compiled.get(name)
+        compiled = (compiled_programs or {}).get(name)
         if compiled is not None:
             try:
                 # Waited for here: XLA's CPU runtime can fail to find a kernel of an executable
@@ -189,32 +212,54 @@ class KleinPipeline:
             except (TypeError, ValueError, jax.errors.JaxRuntimeError) as e:  # never fail the run for it
                 self.warn(f"stored executable {name} does not fit this call ({str(e).splitlines()[0]}); "
                           "compiling it instead")
-                del self._compiled[name]
+                if isinstance(compiled_programs, dict):
+                    compiled_programs.pop(name, None)
         if self.mesh is None:
             return program(*args)
         with jax.set_mesh(self.mesh):
             return program(*args)
 
-    def prepare(self, request: Request, per_call: int | None = None) -> list[dict[str, Any]]:
-        """Load (or compile and store) every executable `request` needs; returns what happened
-        per program. Without a store, nothing: programs are jitted on first use."""
-        if self.executables is None:
-            return []
+    def run_shape(self, request: Request, per_call: int | None = None) -> programs.RunShape:
         height, width = self.output_size(request)
-        run = programs.RunShape(height=height, width=width, geometry=self.geometry, batch=request.batch,
-                       prompts=len(request.prompts), steps=request.steps,
-                       references=tuple(tuple(r.shape[:2]) for r in request.references),
-                       cfg=self.uses_guidance(request.guidance), max_sequence_length=request.max_sequence_length,
-                       dtype=self.dtype, kv=request.kv and bool(request.references), steps_per_call=per_call)
-        if run != self._prepared_run:  # one load per run shape, not per call
-            try:
-                self._compiled = self.executables.for_run(run)
-            except Exception as e:  # the store is an optimisation: never the reason a run fails
-                self.warn(f"stored executables unavailable ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                          "compiling as needed")
-                self._compiled = {}
-            self._prepared_run = run
-        return self.executables.report
+        return programs.RunShape(
+            height=height, width=width, geometry=self.geometry, batch=request.batch, prompts=len(request.prompts),
+            steps=request.steps, references=tuple(tuple(r.shape[:2]) for r in request.references),
+            cfg=self.uses_guidance(request.guidance), max_sequence_length=request.max_sequence_length,
+            dtype=self.dtype, kv=request.kv and bool(request.references), steps_per_call=per_call)
+
+    def prepare(self, request: Request, per_call: int | None = None) -> tuple[Programs, list[dict[str, Any]]]:
+        """The executables `request` needs, loaded (or compiled and stored) once per run shape
+        and kept for the last `executable_shapes` shapes; with what the store did per program
+        (empty when they were kept from an earlier call). Without a store, none: programs are
+        jitted on first use."""
+        if self.executables is None:
+            return {}, []
+        run = self.run_shape(request, per_call)
+        kept = self._by_shape.get(run)
+        if kept is not None:
+            self._by_shape.move_to_end(run)
+            return kept[0], []
+        try:
+            compiled = self.executables.for_run(run)
+            report = self.executables.report
+        except Exception as e:  # the store is an optimisation: never the reason a run fails
+            self.warn(f"stored executables unavailable ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                      "compiling as needed")
+            compiled, report = {}, []
+        code = sum(_code_bytes(info) for info in report)
+        self._by_shape[run] = (compiled, code)
+        while len(self._by_shape) > self.executable_shapes:
+            self._by_shape.popitem(last=False)
+        return compiled, report
+
+    @property
+    def shapes_kept(self) -> int:
+        return len(self._by_shape)
+
+    @property
+    def executable_bytes(self) -> int:
+        """Generated code of the kept shapes' executables (what the LRU holds, as XLA reports it)."""
+        return sum(code for _, code in self._by_shape.values())
 
     def _to_host(self, x: jax.Array) -> np.ndarray:
         if x.is_fully_addressable:
@@ -231,20 +276,21 @@ class KleinPipeline:
         """Real classifier-free guidance only for undistilled (base) models, as the reference does."""
         return not self.snapshot.is_distilled and guidance > 1.0
 
-    def encode_text(self, prompts: list[str], max_length: int = 512, name: str = programs.TEXT_ENCODER
-                    ) -> jax.Array:
+    def encode_text(self, prompts: list[str], max_length: int = 512, name: str = programs.TEXT_ENCODER,
+                    compiled: Programs | None = None) -> jax.Array:
         ids, mask = self.tokenizer(prompts, max_length)
-        return self._call(name, self._text, self.text_state, self._batched(ids), self._batched(mask))
+        return self._call(compiled, name, self._text, self.text_state, self._batched(ids), self._batched(mask))
 
-    def encode_references(self, references: list[np.ndarray]) -> tuple[Any, list[tuple[int, int]]]:
+    def encode_references(self, references: list[np.ndarray], compiled: Programs | None = None
+                          ) -> tuple[Any, list[tuple[int, int]]]:
         """Each reference through the VAE at its own size; tokens concatenated in order, (1, R, channels)."""
         if not references:
             return None, []
         packed, grids = [], []
         for image in references:
             pixels = np.asarray(image, self.dtype)[None]
-            packed.append(self._call(programs.vae_encode_name(*image.shape[:2]), self._encode, self.vae_state,
-                                     pixels))
+            packed.append(self._call(compiled, programs.vae_encode_name(*image.shape[:2]), self._encode,
+                                     self.vae_state, pixels))
             grids.append(self.geometry.grid(*image.shape[:2]))
         if len(packed) == 1:
             return packed[0], grids
@@ -252,7 +298,8 @@ class KleinPipeline:
         return np.concatenate([self._to_host(p) for p in packed], axis=1), grids
 
     def reference_kv(
-        self, references: list[np.ndarray], seconds: dict[str, float] | None = None
+        self, references: list[np.ndarray], seconds: dict[str, float] | None = None,
+        compiled: Programs | None = None,
     ) -> tuple[ReferenceKV, str]:
         """The references' KV cache (batch 1) and where it came from: memory, disk or computed.
         `seconds` gets the VAE encode under "references" and the references-only pass under
@@ -260,33 +307,41 @@ class KleinPipeline:
         seconds = {} if seconds is None else seconds
         digest = references_digest(references)
         if digest in self._kv_memory:
+            self._kv_memory.move_to_end(digest)
             return self._kv_memory[digest], "memory"
         reference_tokens = sum(int(np.prod(self.geometry.grid(*image.shape[:2]))) for image in references)
         shapes = self.models.transformer.reference_kv_shapes(reference_tokens)
         kv, source = (self.kv_store.load(digest, shapes) if self.kv_store else None), "disk"
         if kv is None:
-            refs, grids = _timed(seconds, "references", lambda: self.encode_references(references))
+            refs, grids = _timed(seconds, "references", lambda: self.encode_references(references, compiled))
             cos, sin = self.models.transformer.rope(np.zeros((0, 4), np.int32), tokens.reference_ids(grids))
             kv = _timed(seconds, "reference_kv", lambda: self._call(
-                programs.REFERENCE_KV, self._reference_kv, self.transformer_state, refs, cos, sin))
+                compiled, programs.REFERENCE_KV, self._reference_kv, self.transformer_state, refs, cos, sin))
             source = "computed"
             if self.kv_store:
                 self.kv_store.save(digest, kv)
-        # One set is kept: a 9B cache is about 2 GiB per 1024x1024 reference.
-        self._kv_memory = {digest: kv}
+        self._kv_memory[digest] = kv
+        while len(self._kv_memory) > self.kv_memory:
+            self._kv_memory.popitem(last=False)
         return kv, source
 
-    def noise_latents(self, request: Request, grid: tuple[int, int]) -> tuple[Any, list[int]]:
-        """(B, h, w, channels) float32 initial noise, the denoise loop's layout (`--latents` if given);
-        image i draws from seed + i, so each image can be reproduced alone."""
+    def noise_latents(self, request: Request, grid: tuple[int, int], compiled: Programs | None = None
+                      ) -> tuple[Any, list[int]]:
+        """(B, h, w, channels) float32 initial noise, the denoise loop's layout (`latents` if given);
+        image i draws from its own seed (seed + i unless `seeds` are given), so each image can be
+        reproduced alone."""
         shape = (request.batch, self.geometry.channels, *grid)
-        seeds = [request.seed + i for i in range(request.batch)]
+        seeds = list(request.seeds) if request.seeds is not None else [request.seed + i for i in range(request.batch)]
+        if len(seeds) != request.batch:
+            raise ValueError(f"{len(seeds)} seeds for {request.batch} images")
         if request.latents is not None:
             if tuple(request.latents.shape) != shape:
                 raise UserInputError(f"--latents has shape {tuple(request.latents.shape)}, expected {shape}")
             return np.asarray(request.latents, np.float32).transpose(0, 2, 3, 1), seeds
-        check_seeds(request.seed, request.batch)
-        noise = self._call(programs.NOISE, noise_fn(self.geometry.channels, *grid), np.asarray(seeds, np.uint32))
+        if min(seeds) < 0 or max(seeds) >= 2**32:
+            raise UserInputError(f"seeds must lie in 0 .. 2**32 - 1, got {min(seeds)} .. {max(seeds)}")
+        noise = self._call(compiled, programs.NOISE, noise_fn(self.geometry.channels, *grid),
+                           np.asarray(seeds, np.uint32))
         return noise, seeds
 
     def initial_noise(self, request: Request, grid: tuple[int, int]) -> tuple[np.ndarray, list[int]]:
@@ -301,7 +356,7 @@ class KleinPipeline:
         return height, width
 
     def denoise(self, inputs: DenoiseInputs, steps: int, per_call: int | None = None,
-                on_step: StepCallback | None = None) -> jax.Array:
+                on_step: StepCallback | None = None, compiled: Programs | None = None) -> jax.Array:
         """The loop in one call, or `per_call` steps a call with `on_step(done, steps)` after
         each. Call i + 1 is queued before call i is waited for, so the device never idles
         between calls; each call's latents are the next one's input, so the images are the
@@ -312,14 +367,15 @@ class KleinPipeline:
             self._denoise[count] = denoise_fn(self._denoise_graph, count)
         program = self._denoise[count]
         if count is None:
-            out = self._call(name, program, self.transformer_state, inputs, np.int32(0))
+            out = self._call(compiled, name, program, self.transformer_state, inputs, np.int32(0))
             if on_step is not None:
                 on_step(steps, steps)
             return out
         latents, queued = inputs.latents, []
         for start in range(0, steps, count):
             x = dataclasses.replace(inputs, latents=latents)
-            latents = self._call(name, program, self.transformer_state, x, np.int32(start), wait=start == 0)
+            latents = self._call(compiled, name, program, self.transformer_state, x, np.int32(start),
+                                 wait=start == 0)
             queued.append((start + count, latents))
             last = start + count == steps
             while len(queued) > 1 or (last and queued):  # all but the newest call, then the rest
@@ -330,13 +386,14 @@ class KleinPipeline:
         return latents
 
     def __call__(self, request: Request, on_step: StepCallback | None = None) -> Result:
-        if not request.prompts:
-            raise UserInputError("no prompt given")
-        check_steps(request.steps)
+        """One request (checked by its plan: core/engine/plan.py) -> decoded images."""
+        if not request.prompts or request.steps < 1 or (request.kv and not request.references):
+            raise ValueError("a request needs prompts, steps and, for a KV edit, references (build it from a plan)")
         seconds: dict[str, float] = {}
         per_call = None if on_step is None else steps_per_call(request.steps, self.progress_calls)
+        compiled, report = {}, []
         if self.executables is not None:
-            _timed(seconds, "executables", lambda: self.prepare(request, per_call))
+            compiled, report = _timed(seconds, "executables", lambda: self.prepare(request, per_call))
         if self.mesh is not None:
             check_divides(self.mesh, batch=request.batch, heads=self.models.transformer.config.num_attention_heads)
         height, width = self.output_size(request)
@@ -345,20 +402,19 @@ class KleinPipeline:
 
         # Features per prompt, repeated per image: image order is prompt-major, as in diffusers.
         # The denoise program repeats them per image and broadcasts the negative one.
-        text = _timed(seconds, "text", lambda: self.encode_text(request.prompts, request.max_sequence_length))
+        text = _timed(seconds, "text", lambda: self.encode_text(request.prompts, request.max_sequence_length,
+                                                                compiled=compiled))
         negative = None
         if cfg:
             negative_name = programs.negative_text_name(len(request.prompts))
-            negative = _timed(seconds, "text", lambda: self.encode_text([request.negative_prompt],
-                                                                        request.max_sequence_length, negative_name))
+            negative = _timed(seconds, "text", lambda: self.encode_text(
+                [request.negative_prompt], request.max_sequence_length, negative_name, compiled))
         refs, kv, kv_source, grids = None, None, None, []
         if request.kv:
-            if not request.references:
-                raise UserInputError("--kv needs at least one reference image (--image)")
-            kv, kv_source = self.reference_kv(request.references, seconds)
+            kv, kv_source = self.reference_kv(request.references, seconds, compiled)
         else:
-            refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references))
-        noise, seeds = self.noise_latents(request, grid)
+            refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references, compiled))
+        noise, seeds = self.noise_latents(request, grid, compiled)
         schedule = make_schedule(request.steps, grid[0] * grid[1], self.scheduler)
         ids = np.concatenate([tokens.image_ids(*grid), tokens.reference_ids(grids)])
         cos, sin = self.models.transformer.rope(tokens.text_ids(text.shape[1]), ids)
@@ -367,9 +423,9 @@ class KleinPipeline:
             rope_cos=cos, rope_sin=sin, timesteps=np.asarray(schedule.timesteps, np.float32),
             sigmas=np.asarray(schedule.sigmas, np.float32), guidance=np.float32(request.guidance),
         )
-        latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, request.steps, per_call, on_step))
+        latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, request.steps, per_call, on_step, compiled))
         images = _timed(seconds, "decode",
-                        lambda: self._call(programs.VAE_DECODE, self._decode, self.vae_state, latents))
+                        lambda: self._call(compiled, programs.VAE_DECODE, self._decode, self.vae_state, latents))
         pixels = self._to_host(images).astype(np.float32)
         if not np.isfinite(pixels).all():
             stages = [("the text encoder", text), ("the text encoder (negative prompt)", negative),
@@ -378,4 +434,4 @@ class KleinPipeline:
             raise NonFiniteError(f"{first_non_finite(stages, self._to_host) or 'the VAE decode'} produced "
                                  f"non-finite values (NaN or inf); no image was written. Check the weights "
                                  f"(flux2klein inspect MODEL) and --guidance")
-        return Result(pixels, seeds, height, width, cfg, seconds, kv_source)
+        return Result(pixels, seeds, height, width, cfg, seconds, kv_source, report)

@@ -1,0 +1,233 @@
+"""A request, resolved once: `RunFields` (what a caller asks for) -> `build_plan` -> `RunPlan`.
+
+`build_plan` is the one place a request's fields are checked and its defaults applied (the
+model's steps, guidance and size from the registry and the snapshot's configs): the CLI,
+`batch` and `serve` all come through it, and everything after it (the engine, the pipeline,
+the executable keys) trusts the plan. Errors are `FieldError`s naming the field, never a flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from flux2klein_cli.core import limits
+from flux2klein_cli.core.errors import FieldError
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+
+# A reference as the caller names it: a file.
+ReferenceSource = Path
+
+
+@dataclass(frozen=True)
+class RunFields:
+    """What one request asks for. None: the model's default."""
+
+    prompts: tuple[str, ...]
+    references: tuple[ReferenceSource, ...] = ()
+    height: int | None = None
+    width: int | None = None
+    steps: int | None = None
+    guidance: float | None = None
+    negative_prompt: str = ""
+    seed: int = 0
+    num_images: int = 1  # images per prompt
+    max_sequence_length: int = 512
+    kv: bool = False  # reference KV cache (KV-trained checkpoints only)
+    latents: Path | None = None  # initial noise (.npy, diffusers' layout) instead of seeds
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What planning needs to know of a model, from its configs alone (no weights)."""
+
+    name: str  # as the caller gave it (an alias, a repo id, a directory)
+    geometry: LatentGeometry
+    distilled: bool
+    kv: bool
+    pipeline_class: str
+    transformer_config: dict[str, Any] = field(repr=False, compare=False)
+    default_side: int = 1024
+
+    @classmethod
+    def of(cls, name: str, configs: Any) -> ModelFacts:
+        """From a `compile.specs.ModelConfigs` (a snapshot's or the registry's)."""
+        from flux2klein_cli.core.hub.registry import default_size
+
+        return cls(name=name, geometry=configs.geometry, distilled=configs.distilled, kv=configs.kv,
+                   pipeline_class="Flux2KleinKVPipeline" if configs.kv else "Flux2KleinPipeline",
+                   transformer_config=configs.transformer, default_side=default_size(name))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One request, fully resolved and checked: every field has its final value."""
+
+    model: str
+    prompts: tuple[str, ...]
+    negative_prompt: str
+    seeds: tuple[int, ...]  # one per image, prompt-major (image i of prompt p is p * num_images + i)
+    num_images: int
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    cfg: bool  # real classifier-free guidance (undistilled models with guidance > 1)
+    max_sequence_length: int
+    kv: bool
+    geometry: LatentGeometry
+    reference_names: tuple[str, ...] = ()
+    # (H, W, 3) float32 in [-1, 1], as the VAE takes them; not compared (arrays), names are.
+    references: tuple[np.ndarray, ...] = field(default=(), compare=False, repr=False)
+    latents: np.ndarray | None = field(default=None, compare=False, repr=False)
+    latents_name: str | None = None
+
+    @property
+    def batch(self) -> int:
+        return len(self.prompts) * self.num_images
+
+    @property
+    def reference_sizes(self) -> tuple[tuple[int, int], ...]:
+        return tuple((int(r.shape[0]), int(r.shape[1])) for r in self.references)
+
+    def shape(self, dtype: Any, steps_per_call: int | None = None) -> Any:
+        """The part of the plan that decides its programs: the executables' key."""
+        from flux2klein_cli.core.pipeline.programs import RunShape
+
+        return RunShape(height=self.height, width=self.width, geometry=self.geometry, batch=self.batch,
+                        prompts=len(self.prompts), steps=self.steps, references=self.reference_sizes,
+                        cfg=self.cfg, max_sequence_length=self.max_sequence_length, dtype=dtype, kv=self.kv,
+                        steps_per_call=steps_per_call)
+
+    def batch_key(self) -> tuple[Any, ...]:
+        """Plans with equal keys run together as one batch (Engine.run_batch): the same programs
+        per image, and what the batch shares (negative prompt, guidance, references)."""
+        return (self.height, self.width, self.steps, self.guidance, self.cfg, self.max_sequence_length, self.kv,
+                self.num_images, self.negative_prompt if self.cfg else "", self.reference_names,
+                self.latents is None)
+
+    def request(self) -> Any:
+        """The pipeline's view of the plan."""
+        from flux2klein_cli.core.pipeline.pipeline import Request
+
+        return Request(prompts=list(self.prompts), steps=self.steps, guidance=self.guidance, height=self.height,
+                       width=self.width, num_images=self.num_images, negative_prompt=self.negative_prompt,
+                       seed=self.seeds[0], seeds=list(self.seeds), latents=self.latents,
+                       references=list(self.references), max_sequence_length=self.max_sequence_length, kv=self.kv)
+
+
+def merge_plans(plans: Sequence[RunPlan]) -> RunPlan:
+    """Plans of one batch key as one plan: their prompts and seeds in order."""
+    first = plans[0]
+    if any(p.batch_key() != first.batch_key() for p in plans):
+        raise ValueError("plans of different batch keys cannot run as one batch")
+    if len(plans) == 1:
+        return first
+    from dataclasses import replace
+
+    return replace(first, prompts=tuple(p for plan in plans for p in plan.prompts),
+                   seeds=tuple(s for plan in plans for s in plan.seeds))
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_prompts(prompts: Sequence[str], negative_prompt: str) -> tuple[str, ...]:
+    if not prompts:
+        raise FieldError("prompt", "is missing: give the image a description")
+    for text, name in [*((p, "prompt") for p in prompts), (negative_prompt, "negative_prompt")]:
+        if not isinstance(text, str):
+            raise FieldError(name, f"must be text, got {type(text).__name__}")
+        limits.check_prompt(text, name)
+    if any(not p.strip() for p in prompts):
+        raise FieldError("prompt", "is empty: give the image a description")
+    return tuple(prompts)
+
+
+def check_size(height: int, width: int, model: ModelFacts) -> None:
+    """The one size rule of a run (output and references): the limits' sides and pixels at the
+    model's multiple, and what its position embedding reaches."""
+    from flux2klein_cli.core.runs.run_cost import check_size_limit
+
+    limits.check_size(height, width, model.geometry.pixels_per_token)
+    check_size_limit(height, width, model.transformer_config, model.geometry.pixels_per_token)
+
+
+def read_reference(source: ReferenceSource) -> tuple[str, Any]:
+    """(name, PIL image) of a reference."""
+    from flux2klein_cli.core.runs.images import load_reference
+
+    return str(source), load_reference(source)
+
+
+def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
+    """Every check of a request, once, in the order that costs least; defaults applied."""
+    from flux2klein_cli.core.hub.registry import sampling
+    from flux2klein_cli.core.runs.images import preprocess_reference
+
+    prompts = check_prompts(fields.prompts, fields.negative_prompt)
+    limits.check_int("num_images", fields.num_images, 1, limits.LIMITS.images)
+    batch = len(prompts) * fields.num_images
+    limits.check_images(batch)
+    limits.check_seed(fields.seed, batch)
+    limits.check_max_sequence_length(fields.max_sequence_length)
+    if fields.steps is not None:
+        limits.check_steps(fields.steps)
+    chosen = sampling(model.distilled, fields.steps, fields.guidance)
+    limits.check_guidance(chosen.guidance)
+    limits.check_reference_count(len(fields.references))
+    if fields.kv and not fields.references:
+        raise FieldError("kv", "needs at least one reference image")
+    if fields.kv and not model.kv:
+        raise FieldError("kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
+                         f"{model.pipeline_class}")
+    if fields.height is not None or fields.width is not None:  # what was given fails before any image is read
+        check_size(fields.height or model.geometry.pixels_per_token, fields.width or model.geometry.pixels_per_token,
+                   model)
+    multiple = model.geometry.pixels_per_token
+    names, references = [], []
+    for source in fields.references:
+        name, image = read_reference(source)
+        pixels = preprocess_reference(image, f"reference image {name}", multiple_of=multiple)
+        check_size(*pixels.shape[:2], model)
+        names.append(name)
+        references.append(pixels)
+    side = model.default_side
+    first = references[0].shape[:2] if references else (side, side)
+    height, width = fields.height or int(first[0]), fields.width or int(first[1])
+    check_size(height, width, model)
+    latents = None
+    if fields.latents is not None:
+        from flux2klein_cli.core.runs.image_files import load_latents
+
+        latents = load_latents(fields.latents, model.geometry.latents_shape(batch, height, width))
+    return RunPlan(
+        model=model.name, prompts=prompts, negative_prompt=fields.negative_prompt,
+        seeds=tuple(range(fields.seed, fields.seed + batch)), num_images=fields.num_images, height=height,
+        width=width, steps=chosen.steps, guidance=float(chosen.guidance),
+        cfg=not model.distilled and chosen.guidance > 1.0, max_sequence_length=fields.max_sequence_length, kv=fields.kv,
+        geometry=model.geometry, reference_names=tuple(names), references=tuple(references), latents=latents,
+        latents_name=None if fields.latents is None else str(fields.latents),
+    )
+
+
+def model_facts(model: str, *, transformer: str | None = None, vae: str | None = None,
+                model_dir: Path | None = None) -> ModelFacts | None:
+    """The facts of `--model` from its configs when they are here (a local or cached snapshot,
+    `tiny`, a published alias), or from `model_dir` once resolved; None when only a download
+    would tell."""
+    from flux2klein_cli.core.compile.specs import configs_from_snapshot, model_configs
+    from flux2klein_cli.core.errors import Flux2KleinError
+
+    if model_dir is not None:
+        return ModelFacts.of(model, configs_from_snapshot(model_dir))
+    if vae:  # a --vae from elsewhere decides the geometry: known once resolved
+        return None
+    try:
+        return ModelFacts.of(model, model_configs(model, transformer=transformer))
+    except Flux2KleinError:
+        return None  # resolving the model says what is wrong, or downloads it
