@@ -192,3 +192,35 @@ def test_reference_pixels_and_bytes_from_the_table(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(images, "LIMITS", limits.Limits(reference_bytes=100))
     with pytest.raises(UserInputError, match=r"reference image .*a.png is \d+ bytes; the limit is 100 bytes"):
         images.load_reference(tmp_path / "a.png")
+
+
+# --- --transformer / --vae -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content", [b"some notes, not weights\n", b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]",
+                                     b"\x02\x00\x00\x00\x00\x00\x00\x00{}"])
+def test_component_file_not_safetensors_is_named_and_nothing_composed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: bytes) -> None:
+    from flux2klein_cli.core.hub.components import resolve_composed
+
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text("{}")
+    Path("notes.safetensors").write_bytes(content)
+    with pytest.raises(UserInputError) as err:
+        resolve_composed(str(model), transformer="notes.safetensors")
+    message = str(err.value)
+    assert message.startswith("--transformer notes.safetensors: ") and "cache" not in message, message
+    assert "\n" not in message and err.value.exit_code == 2
+    assert not (tmp_path / "cache").exists()
+
+
+def test_component_folder_weights_checked(tmp_path: Path) -> None:
+    from flux2klein_cli.core.hub.components import resolve_component
+
+    (tmp_path / "vae").mkdir()
+    (tmp_path / "vae" / "diffusion_pytorch_model.safetensors").write_text("not weights")
+    with pytest.raises(UserInputError, match=r"^--vae .*vae/diffusion_pytorch_model.safetensors: not a usable"):
+        resolve_component("vae", str(tmp_path / "vae"))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.cache_paths import composed_dir
-from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.hub.registry import COMPONENT_REPOS
 from flux2klein_cli.core.hub.snapshot import (
     CONVERTED_MANIFEST,
@@ -68,16 +68,36 @@ def resolve_component(name: str, given: str, *, offline: bool | None = None, dow
     path = Path(given).expanduser()
     if path.is_dir():
         config = path / "config.json"
-        if not any(path.glob("*.safetensors")):
+        weights = sorted(path.glob("*.safetensors"))
+        if not weights:
             raise UserInputError(f"{flag} {given}: no .safetensors weights in this folder")
+        for file in weights:
+            _check_weights(flag, f"{given.rstrip('/')}/{file.name}", file)
         return ComponentSource(name, given, path.resolve(), config.resolve() if config.is_file() else None)
     if path.is_file():
         if path.suffix != ".safetensors":
             raise UserInputError(f"{flag} {given}: expected a .safetensors file or a component folder")
+        _check_weights(flag, given, path)
         return ComponentSource(name, given, path.resolve(), None)
     aliases = ", ".join(a for a, (c, _) in COMPONENT_REPOS.items() if c == name)
     hint = f", or an alias ({aliases})" if aliases else ""
     raise UserInputError(f"{flag} {given}: no such file or folder (give a component folder, a .safetensors file{hint})")
+
+
+def _check_weights(flag: str, given: str, file: Path) -> None:
+    """A weight file's header read before anything is composed, so that a file that is not
+    safetensors is named as the user gave it (not by its link in the cache) and nothing is written."""
+    from flux2klein_cli.core.weights.safetensors_io import read_header
+
+    try:
+        tensors = read_header(file)
+    except CheckpointError as e:
+        reason = str(e).removeprefix(f"{file}: ")
+        raise CheckpointError(f"{flag} {given}: not a usable .safetensors file: {reason}") from None
+    except (AttributeError, TypeError, KeyError, ValueError):  # JSON of the wrong shape
+        raise CheckpointError(f"{flag} {given}: not a usable .safetensors file: corrupt header") from None
+    if not tensors:
+        raise CheckpointError(f"{flag} {given}: the .safetensors file holds no tensors")
 
 
 def resolve_overrides(transformer: str | None = None, vae: str | None = None, *, offline: bool | None = None,
