@@ -22,9 +22,9 @@ from flux2klein_cli.core.compile.target import ProgramSpec, Target, mesh_desc
 from flux2klein_cli.core.models import cpu_matmul
 
 FORMAT = 2  # bump when the entry layout or the key's meaning changes
-# Source whose edits change what a program computes without changing any config or shape.
-_CODE_DIRS = ("core/models", "core/pipeline")
-_CODE_FILES = ("core/compile/specs.py",)
+# The source a fingerprint covers: the whole package (a hand-kept list of the traced modules
+# once missed core/devices/sharding.py, whose edits then served stale executables).
+_CODE_SUFFIXES = (".py", ".cc")
 # Environment that changes the compiled program (FLUX2KLEIN_GPU_ATTENTION: which attention a GPU
 # program traces; the trace options in the key hold it too).
 _FLAG_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "FLUX2KLEIN_GPU_ATTENTION")
@@ -59,14 +59,17 @@ def compile_flags() -> dict[str, Any]:
 
 @functools.cache
 def code_fingerprint() -> str:
-    """sha256 of the model and pipeline source: an edit there invalidates every executable."""
-    package = Path(__file__).resolve().parents[2]
-    files = [p for d in _CODE_DIRS for p in sorted((package / d).glob("*.py"))]
-    files += [package / f for f in _CODE_FILES]
+    """sha256 of the package's source (every .py and the AMX shim's .cc): any edit invalidates
+    every executable, so none can be served stale by a module a trace uses that no list named."""
+    return source_fingerprint(Path(__file__).resolve().parents[2])
+
+
+def source_fingerprint(package: Path) -> str:
     digest = hashlib.sha256()
-    for path in files:
-        if path.is_file():
-            digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for path in sorted(p for p in package.rglob("*") if p.suffix in _CODE_SUFFIXES and p.is_file()):
+        if "__pycache__" in path.parts:
+            continue
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
