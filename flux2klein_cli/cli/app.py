@@ -17,6 +17,7 @@ from flux2klein_cli.cli import (
     compile_cmd,
     convert_cmd,
     edit_cmd,
+    env_cmd,
     fetch_cmd,
     generate_cmd,
     inspect_cmd,
@@ -102,6 +103,7 @@ for name, command in (
     ("fetch", fetch_cmd.fetch),
     ("convert", convert_cmd.convert),
     ("compile", compile_cmd.compile_programs),
+    ("env", env_cmd.env),
 ):
     app.command(name, help=_help(command))(command)
 
