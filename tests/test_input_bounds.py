@@ -224,3 +224,36 @@ def test_component_folder_weights_checked(tmp_path: Path) -> None:
     (tmp_path / "vae" / "diffusion_pytorch_model.safetensors").write_text("not weights")
     with pytest.raises(UserInputError, match=r"^--vae .*vae/diffusion_pytorch_model.safetensors: not a usable"):
         resolve_component("vae", str(tmp_path / "vae"))
+
+
+# --- --tpu without libtpu -------------------------------------------------------------------------------
+
+
+def test_tpu_preset_without_libtpu_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from flux2klein_cli.core.devices import tpu
+
+    monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError
+    with pytest.raises(UserInputError, match=r"^--tpu v6e-4 on a host without that TPU needs libtpu: pip install"):
+        tpu.check_topology_compiler(tpu.parse_preset("v6-4"))
+
+
+def test_compile_tpu_without_libtpu_prints_one_line(tmp_path: Path) -> None:
+    """The whole command: libtpu hidden behind a package that fails to import; the refusal comes
+    before the model is read, so nothing else reaches stderr."""
+    import os
+    import subprocess
+    import sys
+
+    shadow = tmp_path / "shadow" / "libtpu"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no libtpu here')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shadow.parent), os.environ.get("PYTHONPATH", "")]),
+               FLUX2KLEIN_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-m", "flux2klein_cli", "compile", "--model", "tiny", "--tpu", "v6-4",
+                           "--height", "64", "--width", "64"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == ["error: --tpu v6e-4 on a host without that TPU needs libtpu: "
+                                        "pip install 'flux2klein-cli[tpu]'"]
+    assert not (tmp_path / "cache").exists()

@@ -190,16 +190,22 @@ def preset_mesh(preset: TpuPreset) -> tuple[Any, str | None]:
     return mesh_for_devices(_topology_devices(preset)), preset.topology_name
 
 
-def _topology_devices(preset: TpuPreset) -> list[Any]:
-    try:
-        from jax.experimental import topologies
-    except ImportError as e:  # very old jax
-        raise Flux2KleinError(f"this jax has no topology descriptions ({e})") from None
+def check_topology_compiler(preset: TpuPreset) -> None:
+    """A preset needs libtpu: jax's TPU backend on a TPU host, the topology description and the
+    compiler elsewhere. Checked before anything is read or printed, so its absence is one line."""
     try:
         import libtpu  # noqa: F401  (the compiler lives in the libtpu package)
     except ImportError:
         raise UserInputError(f"--tpu {preset.name} on a host without that TPU needs libtpu: "
                              "pip install 'flux2klein-cli[tpu]'") from None
+
+
+def _topology_devices(preset: TpuPreset) -> list[Any]:
+    try:
+        from jax.experimental import topologies
+    except ImportError as e:  # very old jax
+        raise Flux2KleinError(f"this jax has no topology descriptions ({e})") from None
+    check_topology_compiler(preset)
     kwargs: dict[str, Any] = {}
     bounds = preset.chips_per_host_bounds()
     if bounds:
