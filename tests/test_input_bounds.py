@@ -257,3 +257,22 @@ def test_compile_tpu_without_libtpu_prints_one_line(tmp_path: Path) -> None:
     assert done.stderr.splitlines() == ["error: --tpu v6e-4 on a host without that TPU needs libtpu: "
                                         "pip install 'flux2klein-cli[tpu]'"]
     assert not (tmp_path / "cache").exists()
+
+
+# --- FLUX2KLEIN_CPU_MATMUL ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, ok", [("bogus", False), ("XLA", False), ("xla", True), ("auto", True), ("", True)])
+def test_cpu_matmul_variable_checked(monkeypatch: pytest.MonkeyPatch, value: str, ok: bool) -> None:
+    from flux2klein_cli.core.models import cpu_matmul
+
+    monkeypatch.setenv("FLUX2KLEIN_CPU_MATMUL", value)
+    if ok:
+        assert cpu_matmul.choice() == (value or "auto")
+        return
+    cpu_matmul.status.cache_clear()
+    try:
+        with pytest.raises(UserInputError, match=rf"^FLUX2KLEIN_CPU_MATMUL='{value}': use one of auto, xla$"):
+            cpu_matmul.backend()  # what a CPU run's trace options ask first
+    finally:
+        cpu_matmul.status.cache_clear()

@@ -44,8 +44,10 @@ import numpy as np
 
 from flux2klein_cli.core import temporaries, trust
 from flux2klein_cli.core.cache_paths import native_dir
+from flux2klein_cli.core.errors import UserInputError
 
 ENV = "FLUX2KLEIN_CPU_MATMUL"
+CHOICES = ("auto", "xla")
 TARGET = "flux2klein_amx_bf16_gemm"
 ATTENTION_TARGET = "flux2klein_amx_bf16_attention"
 MASKED_ATTENTION_TARGET = "flux2klein_amx_bf16_masked_attention"
@@ -129,8 +131,18 @@ def build_shim(out: Path) -> str | None:
     return None
 
 
+def choice() -> str:
+    """FLUX2KLEIN_CPU_MATMUL: `auto` (the default, also when empty: the shim where it applies) or
+    `xla` (XLA's own forms); anything else is one line naming the variable, as the other
+    FLUX2KLEIN_* variables are checked (core/models/trace.py)."""
+    value = os.environ.get(ENV) or "auto"
+    if value not in CHOICES:
+        raise UserInputError(f"{ENV}={value!r}: use one of {', '.join(CHOICES)}")
+    return value
+
+
 def _load(flags: frozenset[str]) -> Status:
-    if os.environ.get(ENV, "auto") == "xla":
+    if choice() == "xla":
         return Status(None, f"{ENV}=xla")
     if platform.machine().lower() not in ("x86_64", "amd64") or not has_amx_bf16(flags):
         return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile, avx512_bf16)")
