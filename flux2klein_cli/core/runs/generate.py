@@ -16,9 +16,9 @@ from typing import Any
 
 from flux2klein_cli import __version__
 from flux2klein_cli.core import limits
-from flux2klein_cli.core.choices import check_effort, jax_dtype
+from flux2klein_cli.core.choices import jax_dtype
 from flux2klein_cli.core.devices.distributed import is_writer, run_mesh
-from flux2klein_cli.core.engine.engine import Engine, EngineOptions, ImageRun
+from flux2klein_cli.core.engine.engine import Engine, EngineOptions, ImageRun, check_engine_options, composing
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan, model_facts
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.hub.checkpoint import Snapshot
@@ -60,17 +60,6 @@ def _check_paths(opts: GenerateOptions) -> None:
                        (engine.compile_cache, "--compile-cache")):
         if path is not None:
             check_name_length(path, what)
-
-
-def check_engine_options(options: EngineOptions) -> None:
-    """What an engine's options must satisfy before anything loads (a missing LoRA fails here)."""
-    check_effort(options.effort)
-    jax_dtype(options.dtype)
-    options.devices.check()
-    from flux2klein_cli.core.lora.files import LoraSpec, resolve_lora
-
-    for text in options.lora:
-        resolve_lora(LoraSpec.parse(text))
 
 
 def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> Flux2KleinError:
@@ -172,16 +161,6 @@ def resolve_facts(options: EngineOptions, resolve: Callable[[str], Path],
     on_phase("loading model")
     model_dir = resolve(options.model)
     return model_facts(options.model, model_dir=model_dir), model_dir  # type: ignore[return-value]
-
-
-def composing(options: EngineOptions, resolve: Callable[[str], Path]) -> Callable[[str], Path]:
-    """`resolve`, composing --transformer / --vae from elsewhere into the snapshot when given."""
-    if not (options.transformer or options.vae):
-        return resolve
-    from flux2klein_cli.core.hub.components import compose, resolve_overrides
-
-    sources = resolve_overrides(options.transformer, options.vae)
-    return lambda model: compose(resolve(model), sources)
 
 
 def run_generate(

@@ -1,0 +1,85 @@
+"""The long-lived engine: many shapes in one process, batches of plans, calls from threads."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flux2klein_cli.core.engine.engine import Engine, EngineOptions
+from flux2klein_cli.core.engine.plan import RunFields
+from flux2klein_cli.core.errors import FieldError
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    store = tmp_path_factory.mktemp("engine-store")
+    warnings: list[str] = []
+    options = EngineOptions(model=str(tiny_checkpoint), dtype="fp32", compile_cache=store)
+    return Engine.load(options, tiny_checkpoint, warn=warnings.append)
+
+
+def _fields(prompt: str = "a red fox", **kw: object) -> RunFields:
+    return RunFields(prompts=(prompt,), steps=2, max_sequence_length=16, **kw)  # type: ignore[arg-type]
+
+
+def test_alternating_shapes_compile_each_once(engine: Engine) -> None:
+    a = engine.plan(_fields(height=32, width=32))
+    b = engine.plan(_fields(height=48, width=32))
+    engine.run(a)
+    engine.run(b)
+    compiled, loaded = engine.stats.programs_compiled, engine.stats.programs_loaded
+    assert compiled + loaded > 0
+    for plan in (a, b, a, b, a):
+        run = engine.run(plan)
+        assert run.executables == []  # kept from the shape's first run
+        assert run.images.shape == (1, plan.height, plan.width, 3)
+    assert (engine.stats.programs_compiled, engine.stats.programs_loaded) == (compiled, loaded)
+    assert engine.stats.shapes_kept >= 2 and engine.stats.executable_bytes > 0
+
+
+def test_a_batch_of_plans_gives_each_plan_its_own_images(engine: Engine) -> None:
+    first = engine.plan(_fields("a red fox", height=32, width=32, seed=3))
+    second = engine.plan(_fields("a lighthouse", height=32, width=32, seed=11))
+    together = engine.run_batch([first, second])
+    alone = [engine.run(first), engine.run(second)]
+    for batch_run, single in zip(together, alone, strict=True):
+        assert batch_run.seeds == single.seeds
+        # float32: the same image within a rounding step, whichever batch it ran in
+        assert np.abs(batch_run.images.astype(int) - single.images.astype(int)).max() <= 1
+    assert not np.array_equal(together[0].images, together[1].images)
+
+
+def test_plans_of_different_shapes_do_not_batch(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="batch key"):
+        engine.run_batch([engine.plan(_fields(height=32, width=32)), engine.plan(_fields(height=48, width=32))])
+
+
+def test_calls_from_several_threads_give_the_sequential_results(engine: Engine) -> None:
+    plans = [engine.plan(_fields(height=32, width=32, seed=s)) for s in range(4)]
+    expected = [engine.run(p).images for p in plans]
+    got: dict[int, np.ndarray] = {}
+
+    def work(i: int) -> None:
+        got[i] = engine.run(plans[i]).images
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for i in range(4):
+        np.testing.assert_array_equal(got[i], expected[i])
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(steps=0), "steps"), (dict(height=40, width=32), "height"), (dict(guidance=float("inf")), "guidance"),
+    (dict(seed=-1), "seed"), (dict(num_images=0), "num_images"), (dict(kv=True), "kv"),
+    (dict(max_sequence_length=10**9), "max_sequence_length"),
+])
+def test_bad_fields_name_the_field(engine: Engine, fields: dict[str, object], field: str) -> None:
+    with pytest.raises(FieldError) as caught:
+        engine.plan(RunFields(prompts=("x",), **fields))  # type: ignore[arg-type]
+    assert caught.value.field == field and str(caught.value).startswith(field)
