@@ -227,3 +227,29 @@ def test_no_command_prints_libtpu_warnings(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "x.png").is_file()
     assert not TPU_NOISE.search(done.stderr), done.stderr
+
+
+# ----------------------------------------------------------------------------- the GPU and TPU install lines
+
+
+def readme_install_lines() -> list[str]:
+    """The `pip install` lines under "## Install on a GPU or TPU host", as .ci/run's awk picks them."""
+    section = (ROOT / "README.md").read_text().split("\n## Install on a GPU or TPU host\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("pip install ")]
+
+
+def test_the_readme_gpu_and_tpu_lines_are_what_ci_dry_runs() -> None:
+    import tomllib
+
+    assert readme_install_lines() == ['pip install -e ".[cuda]"', 'pip install -e ".[tpu]"']
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["cuda"] == ["jax[cuda12]"] and extras["tpu"] == ["jax[tpu]"]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "/^## Install on a GPU or TPU host/" in ci
+    assert '"python -m pip install --dry-run ${install#pip install }' in ci
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Install on a GPU or TPU host\n", 1)[1].split("\n## ", 1)[0]
+    for install in readme_install_lines():  # each followed by the quick start on tiny
+        after = section.split(install + "\n", 1)[1].splitlines()[0]
+        assert after == 'flux2klein generate "a red fox in snow" --model tiny -o fox.png'
+    assert readme.index("## Quick start") < readme.index("## Install on a GPU or TPU host") < readme.index("## Use")
