@@ -276,3 +276,22 @@ def test_cpu_matmul_variable_checked(monkeypatch: pytest.MonkeyPatch, value: str
             cpu_matmul.backend()  # what a CPU run's trace options ask first
     finally:
         cpu_matmul.status.cache_clear()
+
+
+# --- --help -----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["generate", "convert"])
+def test_help_shows_no_type_after_flags(command: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "flux2klein_cli", command, "--help"], capture_output=True, text=True,
+                          env=dict(os.environ, COLUMNS="160", TERM="dumb"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "<bool>" not in done.stdout
+    lines = {line.split()[1]: line for line in done.stdout.splitlines() if line.startswith("│ --")}
+    assert "--force" in lines and "--help" in lines
+    if command == "generate":
+        assert "<int>" in lines["--steps"]  # value-taking options keep their type
