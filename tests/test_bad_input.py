@@ -56,10 +56,10 @@ ROWS = {
     "threshold -inf": (["parity", "--threshold", "-inf"], 2, "'-inf' is not a finite number"),
     "five references": (["edit", "x"] + ["-i", "{tmp}/a.png"] * 5, 2, "at most 4 are supported"),
     "reference over 16384x16384": (["edit", "x", "-i", "{tmp}/huge.png"], 2,
-                                   "is 17000x17000 (289 megapixels); the limit is 268 megapixels"),
+                                   "is 17000x17000 (289 megapixels); the limit is 67 megapixels"),
     "size past the position range": (["generate", "x", "--height", "1048576", "--width", "1048576"], 2,
                                      "is above this model's limit of"),
-    "more images than fit": (["generate", "x", "-n", "1000000"], 2, "would fit"),
+    "more images than a run takes": (["generate", "x", "-n", "1000000"], 2, "--num-images must be at most 1024"),
 }
 
 

@@ -32,8 +32,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "lora": _MODEL_LAYER,
     "pipeline": _MODEL_LAYER | {"lora"},
     "compile": _MODEL_LAYER | {"lora", "pipeline"},
-    "runs": _MODEL_LAYER | {"lora", "pipeline", "compile"},
-    "cli": _MODEL_LAYER | {"lora", "pipeline", "compile", "runs"},
+    # The engine (plans and the long-lived Engine) and runs share a layer: the engine reads
+    # references and latents with runs' image modules, and generate / batch run on the engine.
+    "engine": _MODEL_LAYER | {"lora", "pipeline", "compile", "runs"},
+    "runs": _MODEL_LAYER | {"lora", "pipeline", "compile", "engine"},
+    "serve": _MODEL_LAYER | {"lora", "pipeline", "compile", "engine", "runs"},
+    "cli": _MODEL_LAYER | {"lora", "pipeline", "compile", "engine", "runs", "serve"},
     "__main__": {"cli"},
 }
 

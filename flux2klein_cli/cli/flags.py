@@ -20,4 +20,4 @@ def flag(field: str) -> str:
 
 def message(error: Exception) -> str:
     """An error's one line as this CLI says it: a field error names the flag."""
-    return error.named(flag(error.field)) if isinstance(error, FieldError) else str(error)
+    return error.named(flag) if isinstance(error, FieldError) else str(error)

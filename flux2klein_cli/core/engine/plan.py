@@ -153,8 +153,10 @@ def check_size(height: int, width: int, model: ModelFacts) -> None:
     model's multiple, and what its position embedding reaches."""
     from flux2klein_cli.core.runs.run_cost import check_size_limit
 
-    limits.check_size(height, width, model.geometry.pixels_per_token)
+    for name, value in (("height", height), ("width", width)):
+        limits.check_int(name, value, model.geometry.pixels_per_token, 2**31)
     check_size_limit(height, width, model.transformer_config, model.geometry.pixels_per_token)
+    limits.check_size(height, width, model.geometry.pixels_per_token)
 
 
 def read_reference(source: ReferenceSource) -> tuple[str, Any]:
@@ -184,7 +186,7 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         raise FieldError("kv", "needs at least one reference image")
     if fields.kv and not model.kv:
         raise FieldError("kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
-                         f"{model.pipeline_class}")
+                         f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
     if fields.height is not None or fields.width is not None:  # what was given fails before any image is read
         check_size(fields.height or model.geometry.pixels_per_token, fields.width or model.geometry.pixels_per_token,
                    model)

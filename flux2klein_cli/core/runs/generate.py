@@ -177,7 +177,7 @@ def run_generate(
     options = opts.engine
     check_engine_options(options)
     if options.kv_cache_dir is not None and not opts.fields.kv:
-        raise FieldError("kv_cache_dir", "needs kv (the reference KV cache)")
+        raise FieldError("kv_cache_dir", "needs {field:kv}")
     resolve = composing(options, resolve)
     facts, model_dir = resolve_facts(options, resolve, on_phase)
     plan = build_plan(opts.fields, facts)

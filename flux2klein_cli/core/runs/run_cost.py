@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import FieldError, UserInputError
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -44,10 +44,8 @@ def check_size_limit(height: int, width: int, transformer_config: dict[str, Any]
     limit = max_side(transformer_config, pixels_per_token)
     for label, value in (("height", height), ("width", width)):
         if value > limit:
-            raise UserInputError(
-                f"--{label} {value} is above this model's limit of {limit} px (its position encoding "
-                f"tells {limit // pixels_per_token} tokens apart per side)"
-            )
+            raise FieldError(label, f"{value} is above this model's limit of {limit} px (its position encoding "
+                             f"tells {limit // pixels_per_token} tokens apart per side)")
 
 
 @dataclass(frozen=True)
