@@ -25,7 +25,8 @@ from flux2klein_cli.cli.app import app
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "flux2klein_cli"
 # Modules of an extra, never needed by the base install, and where each is checked.
-EXTRA_MODULES = {"torch": "parity", "diffusers": "parity", "libtpu": "tpu"}
+EXTRA_MODULES = {"torch": "parity", "diffusers": "parity", "libtpu": "tpu", **dict.fromkeys(
+    ("fastapi", "pydantic", "uvicorn", "prometheus_client"), "serve")}
 
 
 def normalize(name: str) -> str:

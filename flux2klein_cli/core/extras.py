@@ -35,3 +35,11 @@ def require_extra(extra: str, modules: Sequence[str], feature: str = "this comma
 
 def require_parity(feature: str) -> None:
     require_extra("parity", PARITY_MODULES, feature)
+
+
+# The import names of the [serve] extra's packages (python-multipart is imported as multipart).
+SERVE_MODULES = ("fastapi", "uvicorn", "multipart", "prometheus_client")
+
+
+def require_serve() -> None:
+    require_extra("serve", SERVE_MODULES, "serve")

@@ -19,8 +19,9 @@ from flux2klein_cli.core import limits
 from flux2klein_cli.core.errors import FieldError
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 
-# A reference as the caller names it: a file.
-ReferenceSource = Path
+# A reference as the caller names it: a file, or (label, bytes) of an upload (`serve`: a request never
+# names a server-side path).
+ReferenceSource = Path | tuple[str, bytes]
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,15 @@ def check_size(height: int, width: int, model: ModelFacts) -> None:
 
 
 def read_reference(source: ReferenceSource) -> tuple[str, Any]:
-    """(name, PIL image) of a reference."""
+    """(name, PIL image) of a reference. An upload's name carries a digest of its bytes: names are
+    part of the batch key, so two uploads called image.png must not pass for one reference."""
     from flux2klein_cli.core.runs.images import load_reference
 
+    if isinstance(source, tuple):
+        import hashlib
+
+        label, data = source
+        return f"{label}@sha256:{hashlib.sha256(data).hexdigest()[:16]}", load_reference(label, data)
     return str(source), load_reference(source)
 
 

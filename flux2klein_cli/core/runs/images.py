@@ -12,6 +12,7 @@ Preprocessing of one reference (diffusers 0.42 `Flux2KleinPipeline.__call__` + `
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import warnings
@@ -79,19 +80,25 @@ def _to_eight_bit(image: Image.Image, name: str) -> Image.Image:
     return Image.fromarray(scaled.astype(np.uint8), "L")
 
 
-def load_reference(path: str | os.PathLike[str]) -> Image.Image:
+def load_reference(path: str | os.PathLike[str], data: bytes | None = None) -> Image.Image:
     """Open a reference image fully (so a truncated file fails here), upright per EXIF, as RGB,
     checked for size and aspect (`check_reference`) under its file name.
+
+    With `data`, the image is those bytes (an upload: `serve`) and `path` only names it; the same
+    checks apply (bytes bounded as a file's, pixels from the header before decoding).
 
     For 8-bit images this is what `diffusers.utils.load_image(path)` returns, so both pipelines see
     the same pixels; deeper grayscale (16-bit, float) is scaled by its range (`_to_eight_bit`).
     """
     p = Path(path)
     name = f"reference image {p}"
-    check_input_file(p, "reference image", "an image file")
-    check_file_size(p, LIMITS.reference_bytes, "reference image")
+    if data is None:
+        check_input_file(p, "reference image", "an image file")
+        check_file_size(p, LIMITS.reference_bytes, "reference image")
+    elif len(data) > LIMITS.reference_bytes:
+        raise UserInputError(f"{name} is {len(data)} bytes; the limit is {LIMITS.reference_bytes} bytes")
     try:
-        with _own_size_limit(), Image.open(p) as opened:
+        with _own_size_limit(), Image.open(p if data is None else io.BytesIO(data)) as opened:
             check_reference_pixels(name, *opened.size)
             opened.load()
             upright = _to_eight_bit(ImageOps.exif_transpose(opened), name)
