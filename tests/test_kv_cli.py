@@ -41,8 +41,10 @@ def test_an_unwritable_kv_cache_dir_is_a_warning(tiny_kv_checkpoint: Path, tmp_p
 
 
 BAD = {
-    "kv on a model without KV training": (["-i", "{a}", "--kv", "--model", "{plain}"], "use a KV-trained model (9b-kv)"),
-    "kv cache dir without kv": (["-i", "{a}", "--kv-cache-dir", "{tmp}/kv", "--model", "{kv}"], "--kv-cache-dir needs --kv"),
+    "kv on a model without KV training": (["-i", "{a}", "--kv", "--model", "{plain}"],
+                                          "use a KV-trained model (9b-kv)"),
+    "kv cache dir without kv": (["-i", "{a}", "--kv-cache-dir", "{tmp}/kv", "--model", "{kv}"],
+                                "--kv-cache-dir needs --kv"),
     "kv with no image": (["--kv", "--model", "{kv}"], "--image"),
 }
 

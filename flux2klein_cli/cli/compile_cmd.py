@@ -71,7 +71,7 @@ def compile_programs(
       flux2klein compile --model 9b-kv --height 1024 --width 1024 --refs 4 --kv
     """
     with user_errors():
-        from flux2klein_cli.core.compile.run import CompileOptions, run_compile
+        from flux2klein_cli.core.runs.compile import CompileOptions, run_compile
 
         opts = CompileOptions(model=model, height=height, width=width, batch=bs, prompts=prompts, steps=steps,
                               guidance=guidance, refs=refs, kv=kv, mesh=mesh, tpu=tpu,

@@ -40,6 +40,11 @@ class RunFields:
     max_sequence_length: int = 512
     kv: bool = False  # reference KV cache (KV-trained checkpoints only)
     latents: Path | None = None  # initial noise (.npy, diffusers' layout) instead of seeds
+    # Image-to-image (init_image) and inpainting (init_image + mask), as Flux2KleinInpaintPipeline.
+    init_image: ReferenceSource | None = None
+    mask: ReferenceSource | None = None  # white: repaint, black: keep; the init image's size
+    strength: float | None = None  # (0, 1]; None: 0.8 (diffusers' default) with an init image
+    reference_max_area: int | None = None  # references above this many pixels are scaled down (None: 1024^2)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,21 @@ class RunPlan:
     references: tuple[np.ndarray, ...] = field(default=(), compare=False, repr=False)
     latents: np.ndarray | None = field(default=None, compare=False, repr=False)
     latents_name: str | None = None
+    # With an init image: it (H, W, 3) in [-1, 1] at the output size, the mask on the token grid
+    # (h, w) float32, and the strength; names are compared, arrays are not.
+    init_image: np.ndarray | None = field(default=None, compare=False, repr=False)
+    init_image_name: str | None = None
+    mask: np.ndarray | None = field(default=None, compare=False, repr=False)
+    mask_name: str | None = None
+    strength: float | None = None
+    reference_max_area: int = 1024 * 1024
+
+    @property
+    def loop_steps(self) -> int:
+        """Steps the denoise loop runs: all, or from the init image's start step (its strength) on."""
+        from flux2klein_cli.core.pipeline.schedule import start_step
+
+        return self.steps if self.strength is None else self.steps - start_step(self.steps, self.strength)
 
     @property
     def batch(self) -> int:
@@ -99,17 +119,18 @@ class RunPlan:
         """The part of the plan that decides its programs: the executables' key."""
         from flux2klein_cli.core.pipeline.programs import RunShape
 
+        init = ((self.height, self.width),) if self.init_image is not None else ()
         return RunShape(height=self.height, width=self.width, geometry=self.geometry, batch=self.batch,
-                        prompts=len(self.prompts), steps=self.steps, references=self.reference_sizes,
+                        prompts=len(self.prompts), steps=self.loop_steps, references=init + self.reference_sizes,
                         cfg=self.cfg, max_sequence_length=self.max_sequence_length, dtype=dtype, kv=self.kv,
-                        steps_per_call=steps_per_call)
+                        steps_per_call=steps_per_call, init=bool(init), mask=self.mask is not None)
 
     def batch_key(self) -> tuple[Any, ...]:
         """Plans with equal keys run together as one batch (Engine.run_batch): the same programs
         per image, and what the batch shares (negative prompt, guidance, references)."""
         return (self.height, self.width, self.steps, self.guidance, self.cfg, self.max_sequence_length, self.kv,
                 self.num_images, self.negative_prompt if self.cfg else "", self.reference_names,
-                self.latents is None)
+                self.latents is None, self.init_image_name, self.mask_name, self.strength, self.reference_max_area)
 
     def request(self) -> Any:
         """The pipeline's view of the plan."""
@@ -118,7 +139,9 @@ class RunPlan:
         return Request(prompts=list(self.prompts), steps=self.steps, guidance=self.guidance, height=self.height,
                        width=self.width, num_images=self.num_images, negative_prompt=self.negative_prompt,
                        seed=self.seeds[0], seeds=list(self.seeds), latents=self.latents,
-                       references=list(self.references), max_sequence_length=self.max_sequence_length, kv=self.kv)
+                       references=list(self.references), max_sequence_length=self.max_sequence_length, kv=self.kv,
+                       init_image=self.init_image, mask=self.mask,
+                       strength=1.0 if self.strength is None else self.strength)
 
 
 def merge_plans(plans: Sequence[RunPlan]) -> RunPlan:
@@ -155,7 +178,7 @@ def check_size(height: int, width: int, model: ModelFacts) -> None:
     from flux2klein_cli.core.runs.run_cost import check_size_limit
 
     for name, value in (("height", height), ("width", width)):
-        limits.check_int(name, value, model.geometry.pixels_per_token, 2**31)
+        limits.check_int(name, value, model.geometry.pixels_per_token, 2**31, "px")
     check_size_limit(height, width, model.transformer_config, model.geometry.pixels_per_token)
     limits.check_size(height, width, model.geometry.pixels_per_token)
 
@@ -190,24 +213,30 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
     limits.check_guidance(chosen.guidance)
     limits.check_reference_count(len(fields.references))
     if fields.kv and not fields.references:
-        raise FieldError("kv", "needs at least one reference image")
+        raise FieldError("kv", "needs at least one reference image ({field:references})")
     if fields.kv and not model.kv:
         raise FieldError("kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
                          f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
     if fields.height is not None or fields.width is not None:  # what was given fails before any image is read
         check_size(fields.height or model.geometry.pixels_per_token, fields.width or model.geometry.pixels_per_token,
                    model)
+    conditioning = check_conditioning(fields)
+    max_area = check_max_area(fields.reference_max_area, model)
     multiple = model.geometry.pixels_per_token
     names, references = [], []
     for source in fields.references:
         name, image = read_reference(source)
-        pixels = preprocess_reference(image, f"reference image {name}", multiple_of=multiple)
+        pixels = preprocess_reference(image, f"reference image {name}", multiple_of=multiple, max_area=max_area)
         check_size(*pixels.shape[:2], model)
         names.append(name)
         references.append(pixels)
+    init = read_init_image(fields, model) if fields.init_image is not None else None
     side = model.default_side
-    first = references[0].shape[:2] if references else (side, side)
+    first = init[1].shape[:2] if init else references[0].shape[:2] if references else (side, side)
     height, width = fields.height or int(first[0]), fields.width or int(first[1])
+    if init and (height, width) != tuple(first):
+        raise FieldError("height" if height != first[0] else "width",
+                         f"is set by the init image ({{field:init_image}}: {first[1]}x{first[0]}); drop it")
     check_size(height, width, model)
     latents = None
     if fields.latents is not None:
@@ -221,7 +250,87 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         cfg=not model.distilled and chosen.guidance > 1.0, max_sequence_length=fields.max_sequence_length, kv=fields.kv,
         geometry=model.geometry, reference_names=tuple(names), references=tuple(references), latents=latents,
         latents_name=None if fields.latents is None else str(fields.latents),
+        init_image=None if init is None else init[1], init_image_name=None if init is None else init[0],
+        mask=None if init is None else init[3], mask_name=None if init is None else init[2],
+        strength=conditioning, reference_max_area=max_area,
     )
+
+
+DEFAULT_STRENGTH = 0.8  # diffusers' Flux2KleinInpaintPipeline default
+
+
+def check_conditioning(fields: RunFields) -> float | None:
+    """The strength of a run with an init image (None without one); what needs an init image
+    or cannot take one fails here, before any image is read."""
+    if fields.init_image is None:
+        for name in ("mask", "strength"):
+            if getattr(fields, name) is not None:
+                raise FieldError(name, "needs an init image ({field:init_image})")
+        return None
+    if fields.kv:
+        raise FieldError("kv", "cannot take an init image ({field:init_image}): no KV pipeline inpaints or starts "
+                         "from an image; drop {field:kv} (the plain edit path takes the same references)")
+    strength = DEFAULT_STRENGTH if fields.strength is None else fields.strength
+    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
+        raise FieldError("strength", f"must be a number in (0, 1], got {strength!r}")
+    return float(strength)
+
+
+def check_max_area(area: int | None, model: ModelFacts) -> int:
+    """References above this many pixels are scaled down to it (diffusers' max-area rule)."""
+    from flux2klein_cli.core.runs.images import MAX_AREA, MIN_SIDE
+
+    if area is None:
+        return MAX_AREA
+    limits.check_int("reference_max_area", area, MIN_SIDE * MIN_SIDE, limits.LIMITS.reference_pixels)
+    return int(area)
+
+
+def read_init_image(fields: RunFields, model: ModelFacts) -> tuple[str, np.ndarray, str | None, np.ndarray | None]:
+    """(name, pixels at the output size, mask name, mask on the token grid) of an init image and its mask."""
+    from flux2klein_cli.core.runs import conditioning
+
+    multiple = model.geometry.pixels_per_token
+    name, image = read_reference(fields.init_image)  # type: ignore[arg-type]
+    pixels = conditioning.preprocess_init_image(image, multiple_of=multiple)
+    check_size(*pixels.shape[:2], model)
+    if fields.mask is None:
+        return name, pixels, None, None
+    mask_name, mask_image = read_reference(fields.mask)
+    mask = conditioning.preprocess_mask(mask_image, image.size, multiple_of=multiple)
+    return name, pixels, mask_name, conditioning.mask_to_grid(mask, model.geometry.grid(*pixels.shape[:2]))
+
+
+def build_shape(model: ModelFacts, *, dtype: Any, height: int | None = None, width: int | None = None,
+                steps: int | None = None, guidance: float | None = None, batch: int = 1, prompts: int = 1,
+                references: Sequence[tuple[int, int]] = (), max_sequence_length: int = 512, kv: bool = False,
+                steps_per_call: int | None = None) -> Any:
+    """A run's shape without its pixels (`compile`, `bench`): the same checks as `build_plan`
+    on the fields a shape has, and the same defaults."""
+    from flux2klein_cli.core.hub.registry import sampling
+    from flux2klein_cli.core.pipeline.programs import RunShape
+
+    limits.check_int("prompts", prompts, 1, limits.LIMITS.images)
+    limits.check_images(batch)
+    if batch % prompts:
+        raise FieldError("batch", f"{batch} is not a multiple of the {prompts} prompts")
+    limits.check_max_sequence_length(max_sequence_length)
+    if steps is not None:
+        limits.check_steps(steps)
+    chosen = sampling(model.distilled, steps, guidance)
+    limits.check_guidance(chosen.guidance)
+    limits.check_reference_count(len(references))
+    if kv and not model.kv:
+        raise FieldError("kv", f"needs a KV-trained checkpoint (9b-kv); {model.name} is {model.pipeline_class}")
+    if kv and not references:
+        raise FieldError("kv", "needs at least one reference size")
+    side = model.default_side
+    height, width = side if height is None else height, side if width is None else width
+    for size in ((height, width), *references):
+        check_size(*size, model)
+    return RunShape(height=height, width=width, geometry=model.geometry, batch=batch, prompts=prompts,
+                    steps=chosen.steps, references=tuple(references), cfg=not model.distilled and chosen.guidance > 1.0,
+                    max_sequence_length=max_sequence_length, dtype=dtype, kv=kv, steps_per_call=steps_per_call)
 
 
 def model_facts(model: str, *, transformer: str | None = None, vae: str | None = None,

@@ -1,7 +1,7 @@
 """`bench --tpu PRESET` on a host without that slice: everything knowable without running.
 
 The run's programs are compiled for the slice from the model's configs, through the
-executable store, as `flux2klein compile --tpu` does (core/compile/run.py); from them come
+executable store, as `flux2klein compile --tpu` does (core/runs/compile.py); from them come
 compile seconds per program, memory per chip and the fits verdict, and XLA's cost analysis
 (flops, bytes accessed, the backend's estimated seconds) per program. The timed phases
 need the slice itself.
@@ -21,7 +21,7 @@ def bench_without_slice(model: str, *, tpu: str, height: int, width: int, batch:
                         compile_cache: Path | None, save: bool, effort: str,
                         progress: Callable[[str], None] = lambda m: None,
                         warn: Callable[[str], None] | None = None) -> dict[str, Any]:
-    from flux2klein_cli.core.compile.run import CompileOptions, run_compile
+    from flux2klein_cli.core.runs.compile import CompileOptions, run_compile
 
     refs = ",".join(f"{h}x{w}" for h, w in references) or None
     report = run_compile(CompileOptions(model=model, height=height, width=width, batch=batch, steps=steps, refs=refs,

@@ -55,8 +55,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     from flux2klein_cli.core.compile.store import ExecutableStore
     from flux2klein_cli.core.compile.target import Target
     from flux2klein_cli.core.devices.tpu import check_topology_compiler, parse_preset, quiet_libtpu_without_tpu
-    from flux2klein_cli.core.hub.registry import default_size, sampling
-    from flux2klein_cli.core.pipeline.programs import RunShape
+    from flux2klein_cli.core.engine.plan import ModelFacts, build_shape
     from flux2klein_cli.core.pipeline.references import parse_refs
 
     check_effort(opts.effort)
@@ -78,19 +77,13 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
         if configs.quantize not in (None, check_quantize(opts.quantize)):
             raise UserInputError(f"{opts.model} is already quantized ({configs.quantize})")
         configs = dataclasses.replace(configs, quantize=opts.quantize)
-    if opts.kv and not configs.kv:
-        raise UserInputError(f"--kv needs a KV-trained checkpoint (9b-kv); {opts.model} is {configs.source}")
-    size = default_size(opts.model)
-    height, width = opts.height or size, opts.width or size
-    refs = parse_refs(opts.refs, height, width)
-    chosen = sampling(configs.distilled, opts.steps, opts.guidance)
-    run = RunShape(
-        height=height, width=width, geometry=configs.geometry, batch=opts.batch,
-        prompts=opts.prompts,
-        steps=chosen.steps, references=refs,
-        cfg=not configs.distilled and chosen.guidance > 1.0, max_sequence_length=opts.max_sequence_length, dtype=dtype,
-        kv=opts.kv,
-    )
+    facts = ModelFacts.of(opts.model, configs)
+    side = facts.default_side
+    refs = parse_refs(opts.refs, side if opts.height is None else opts.height,
+                      side if opts.width is None else opts.width)
+    run = build_shape(facts, dtype=dtype, height=opts.height, width=opts.width, steps=opts.steps,
+                      guidance=opts.guidance, batch=opts.batch, prompts=opts.prompts, references=refs,
+                      max_sequence_length=opts.max_sequence_length, kv=opts.kv)
     if preset is not None:
         progress(f"target {preset.name} (topology {preset.topology_name})")
         target = Target.for_preset(preset)
