@@ -13,6 +13,7 @@ from typer.core import TyperGroup
 
 from flux2klein_cli import __version__
 from flux2klein_cli.cli import (
+    batch_cmd,
     bench_cmd,
     compile_cmd,
     convert_cmd,
@@ -22,6 +23,7 @@ from flux2klein_cli.cli import (
     generate_cmd,
     inspect_cmd,
     parity_cmd,
+    serve_cmd,
 )
 from flux2klein_cli.cli.output import click_exceptions, error, usage_error
 from flux2klein_cli.core.errors import Flux2KleinError
@@ -97,6 +99,7 @@ def _help(command: Callable[..., Any]) -> str:
 for name, command in (
     ("generate", generate_cmd.generate),
     ("edit", edit_cmd.edit),
+    ("batch", batch_cmd.batch),
     ("inspect", inspect_cmd.inspect),
     ("parity", parity_cmd.parity),
     ("bench", bench_cmd.bench),
@@ -104,6 +107,7 @@ for name, command in (
     ("convert", convert_cmd.convert),
     ("compile", compile_cmd.compile_programs),
     ("env", env_cmd.env),
+    ("serve", serve_cmd.serve),
 ):
     app.command(name, help=_help(command))(command)
 
