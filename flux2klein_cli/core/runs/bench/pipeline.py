@@ -76,19 +76,17 @@ def bench_pipeline(
     start = time.perf_counter()
     from flux2klein_cli.core.lora.files import LoraSpec
 
-    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=[LoraSpec.parse(t) for t in lora or ()])
-    load_s = time.perf_counter() - start
-    store_info = None
+    executables, store_info = None, None
     if store:
         from flux2klein_cli.core.compile.attach import StoredExecutables
         from flux2klein_cli.core.compile.store import ExecutableStore
 
         executable_store = ExecutableStore(compile_cache, on_warning=warn)  # None: Python warnings
-        if warn is not None:
-            pipeline.warn = warn
-        pipeline.executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save,
-                                                 effort=effort)
+        executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save, effort=effort)
         store_info = dict(root=str(executable_store.root), save=save, effort=effort)
+    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=[LoraSpec.parse(t) for t in lora or ()],
+                                  executables=executables, warn=warn)
+    load_s = time.perf_counter() - start
     from flux2klein_cli.core.hub.registry import sampling
 
     chosen = sampling(pipeline.snapshot.is_distilled, steps)
@@ -138,16 +136,15 @@ def device_memory(pipeline: Any) -> dict[str, Any]:
 
 
 def _time_request(pipeline: Any, request: Any, reps: int) -> dict[str, Any]:
-    def call() -> dict[str, float]:
-        pipeline._kv_memory.clear()  # every timed KV request computes its cache
-        return pipeline(request).seconds
+    def call() -> Any:
+        pipeline.forget_reference_kv()  # every timed KV request computes its cache
+        return pipeline(request)
 
-    if pipeline.executables is not None:
-        pipeline.executables.report = []  # a failed load must not show an earlier run's report
-    first = call()
-    executables = list(pipeline.executables.report) if pipeline.executables is not None else None
+    result = call()
+    first = result.seconds
+    executables = list(result.executables) if pipeline.executables is not None else None
     with xla_builds() as built:
-        runs = [call() for _ in range(reps)]
+        runs = [call().seconds for _ in range(reps)]
     phases = list(first)
     steady = {p: summarize([r[p] for r in runs]) for p in phases}
     compile_s = sum(max(first[p] - steady[p]["median"], 0.0) for p in phases)
@@ -182,11 +179,11 @@ def _time_reuse(pipeline: Any, request: Any, prompts: int) -> dict[str, Any]:
     singles = [dataclasses.replace(request, prompts=[f"prompt {i}"]) for i in range(prompts)]
 
     def series(reuse: bool) -> float:
-        pipeline._kv_memory.clear()
+        pipeline.forget_reference_kv()
         start = time.perf_counter()
         for single in singles:
             if not reuse:
-                pipeline._kv_memory.clear()
+                pipeline.forget_reference_kv()
             pipeline(single)
         return time.perf_counter() - start
 

@@ -66,9 +66,9 @@ class BenchOptions:
 
     def check(self) -> None:
         """Every rule between the options, before anything is loaded (exit 2)."""
+        from flux2klein_cli.core import limits
         from flux2klein_cli.core.choices import check_dtype, check_effort
         from flux2klein_cli.core.pipeline.references import MAX_REFERENCES
-        from flux2klein_cli.core.runs.images import validate_size
 
         check_phase(self.phase)
         check_dtype(self.dtype)
@@ -82,7 +82,9 @@ class BenchOptions:
             from flux2klein_cli.core.extras import require_parity
 
             require_parity("bench --diffusers")
-        validate_size(self.height, self.width, multiple_of=1)  # positive here; the model's pixels per token once known
+        for name, value in (("height", self.height), ("width", self.width)):  # the model's multiple once it is known
+            if value is not None:
+                limits.check_int(name, value, limits.LIMITS.size_multiple, limits.LIMITS.max_side, "px")
         if self.batch < 1 or self.reps < 1 or (self.steps is not None and self.steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
         if self.kv and (self.phase != "pipeline" or not self.reference_sizes()):

@@ -23,8 +23,8 @@ def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: i
     from flux2klein_cli.core.compile.store import ExecutableStore
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 
-    pipeline = KleinPipeline.load(model_dir, dtype=dtype)
-    pipeline.executables = StoredExecutables(model_dir, ExecutableStore(compile_cache))
+    pipeline = KleinPipeline.load(model_dir, dtype=dtype,
+                                  executables=StoredExecutables(model_dir, ExecutableStore(compile_cache)))
     from flux2klein_cli.core.hub.registry import sampling
 
     request = Request(prompts=["a red fox in snow"], steps=steps,
