@@ -325,6 +325,10 @@ class KleinPipeline:
             self._kv_memory.popitem(last=False)
         return kv, source
 
+    def forget_reference_kv(self) -> None:
+        """Drop the in-memory reference KV caches (a benchmark's every timed edit computes its own)."""
+        self._kv_memory.clear()
+
     def noise_latents(self, request: Request, grid: tuple[int, int], compiled: Programs | None = None
                       ) -> tuple[Any, list[int]]:
         """(B, h, w, channels) float32 initial noise, the denoise loop's layout (`latents` if given);
