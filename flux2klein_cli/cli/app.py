@@ -23,6 +23,7 @@ from flux2klein_cli.cli import (
     generate_cmd,
     inspect_cmd,
     parity_cmd,
+    serve_cmd,
 )
 from flux2klein_cli.cli.output import click_exceptions, error, usage_error
 from flux2klein_cli.core.errors import Flux2KleinError
@@ -106,6 +107,7 @@ for name, command in (
     ("convert", convert_cmd.convert),
     ("compile", compile_cmd.compile_programs),
     ("env", env_cmd.env),
+    ("serve", serve_cmd.serve),
 ):
     app.command(name, help=_help(command))(command)
 

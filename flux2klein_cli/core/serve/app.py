@@ -1,0 +1,284 @@
+"""The FastAPI app: OpenAI's Images API (generations, edits), jobs, health, readiness, metrics.
+
+fastapi and pydantic (the [serve] extra) are imported inside `create_app`, so this module imports
+on a base install. Requests are bounded before any route reads them (`Guard`: body size, API key,
+draining); every error is OpenAI's shape (service.ApiError). Logs carry no prompt or image bytes.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request), which
+# are imported inside create_app.
+import asyncio
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from flux2klein_cli.core.limits import LIMITS
+from flux2klein_cli.core.serve.batcher import Draining
+from flux2klein_cli.core.serve.jobs import job_view
+from flux2klein_cli.core.serve.service import ApiError, Service, api_error, image_data
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+OPEN_PATHS = ("/healthz", "/readyz")  # probes need no key
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def send_error(send: Send, error: ApiError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *((k.lower().encode(), v.encode()) for k, v in error.headers.items())]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    """Plain ASGI in front of the app: the API key (constant-time), draining (503), the body bound (413)."""
+
+    def __init__(self, app: Any, service: Service, max_body: int, api_key: str | None):
+        self.app, self.service, self.max_body = app, service, max_body
+        self.api_key = None if api_key is None else api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        headers = dict(scope.get("headers") or [])
+        refusal = None
+        if path not in OPEN_PATHS and self.api_key is not None and not self._authorized(headers):
+            refusal = ApiError(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
+                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        elif self.service.draining and path.startswith("/v1/"):
+            refusal = api_error(Draining())
+        else:
+            length = headers.get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body):
+                refusal = ApiError(413, f"the request body is {length.decode(errors='replace')} bytes; the limit "
+                                   f"is {self.max_body} bytes", code="body_too_large")
+        if refusal is not None:
+            self.service.count_error(refusal)
+            return await send_error(send, refusal)
+        started = False
+        received = 0
+
+        async def bounded_receive() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise BodyTooLarge()
+            return message
+
+        async def tracking_send(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except BodyTooLarge:
+            error = ApiError(413, f"the request body is over the limit of {self.max_body} bytes",
+                             code="body_too_large")
+            self.service.count_error(error)
+            if not started:
+                await send_error(send, error)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        value = headers.get(b"authorization", b"")
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key or b"")
+
+
+def _request_models() -> tuple[type, type]:
+    from pydantic import BaseModel, ConfigDict
+
+    class ImageRequest(BaseModel):
+        """`POST /v1/images/generations` and `/v1/jobs`: OpenAI's fields, then the extensions."""
+
+        model_config = ConfigDict(extra="forbid")
+        prompt: str
+        model: str | None = None
+        n: int = 1
+        size: str | None = None
+        response_format: str | None = None
+        user: str | None = None  # accepted, not used (OpenAI's)
+        quality: str | None = None
+        style: str | None = None
+        seed: int = 0
+        steps: int | None = None
+        guidance: float | None = None
+        negative_prompt: str = ""
+
+    class EditRequest(ImageRequest):
+        """`POST /v1/images/edits`: the form fields beside the image files."""
+
+        kv: bool = False
+
+    return ImageRequest, EditRequest
+
+
+def _validation_error(error: Any) -> ApiError:
+    first = error.errors()[0]
+    loc = [str(part) for part in first.get("loc", ())]
+    param = loc[0] if loc else None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"{param} is not a field of this request", param=param)
+    if kind == "missing":
+        return ApiError(400, f"{param} is missing", param=param)
+    message = first.get("msg", "is not valid")
+    return ApiError(400, f"{param} {message[:1].lower()}{message[1:]}", param=param)
+
+
+def create_app(service: Service) -> Any:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+    from pydantic import ValidationError
+
+    ImageRequest, EditRequest = _request_models()
+    metrics = service.metrics
+    app = FastAPI(title="flux2klein", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
+        service.count_error(error)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(404)
+    @app.exception_handler(405)
+    async def on_http_error(request: Request, error: Any) -> JSONResponse:  # unknown paths and methods
+        status = getattr(error, "status_code", 404)
+        return await on_api_error(request, ApiError(status, f"{request.method} {request.url.path}: "
+                                                    f"{getattr(error, 'detail', 'not found')}",
+                                                    code="not_found" if status == 404 else "method_not_allowed"))
+
+    def validated(model: type, data: Any) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            return model.model_validate(data).model_dump()
+        except ValidationError as e:
+            raise _validation_error(e) from None
+
+    async def json_body(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        return validated(ImageRequest, data)
+
+    async def images(body: dict[str, Any], references: list[tuple[str, bytes]], endpoint: str) -> dict[str, Any]:
+        start = time.perf_counter()
+        try:
+            plan = await asyncio.to_thread(service.plan, body, references)
+            run = await asyncio.wrap_future(service.submit(plan).future)
+            data = await asyncio.to_thread(image_data, run)
+        except Exception as e:
+            if metrics is not None:
+                metrics.requests.labels(endpoint=endpoint, status=str(api_error(e).status)).inc()
+            raise api_error(e) from None
+        if metrics is not None:
+            metrics.requests.labels(endpoint=endpoint, status="200").inc()
+            metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+        return {"created": int(time.time()), "data": data}
+
+    @app.post("/v1/images/generations")
+    async def generations(request: Request) -> dict[str, Any]:
+        return await images(await json_body(request), [], "generations")
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request) -> dict[str, Any]:
+        try:
+            form = await request.form(max_files=LIMITS.references + 1, max_fields=64)
+        except BodyTooLarge:
+            raise
+        except Exception as e:  # not multipart, or a malformed one
+            raise ApiError(400, f"the request body must be multipart/form-data: {e}") from None
+        fields: dict[str, Any] = {}
+        references: list[tuple[str, bytes]] = []
+        for key, value in form.multi_items():
+            is_file = hasattr(value, "read")
+            if key in ("image", "image[]"):
+                if not is_file:
+                    raise ApiError(400, f"{key} must be an uploaded image file", param="image")
+                references.append((value.filename or "image", await value.read()))
+            elif key in ("mask", "mask[]"):
+                raise ApiError(400, "mask is not supported yet: edits take whole reference images", param="mask")
+            elif is_file:
+                raise ApiError(400, f"{key} is not a file field of this request (image, image[])", param=key)
+            else:
+                fields[key] = value
+        await form.close()
+        if not references:
+            raise ApiError(400, "image is missing: upload at least one reference image", param="image")
+        return await images(validated(EditRequest, fields), references, "edits")
+
+    @app.post("/v1/jobs", status_code=202)
+    async def create_job(request: Request) -> dict[str, Any]:
+        body = await json_body(request)
+        try:
+            plan = await asyncio.to_thread(service.plan, body, [])
+            job = service.jobs.add(service.submit(plan))
+        except Exception as e:
+            raise api_error(e) from None
+        return job_view(job)
+
+    def find_job(job_id: str) -> Any:
+        job = service.jobs.get(job_id)
+        if job is None:
+            raise ApiError(404, f"no job {job_id!r} (unknown, or finished long ago)", param="id", code="not_found")
+        return job
+
+    @app.get("/v1/jobs/{job_id}")
+    async def read_job(job_id: str) -> dict[str, Any]:
+        job = find_job(job_id)
+        future = job.ticket.future
+        if job.state == "succeeded" and job.data is None:
+            data = await asyncio.to_thread(image_data, future.result())
+            job.data = job.data or data
+        error = api_error(future.exception()).body() if job.state in ("failed", "cancelled") else None
+        return job_view(job, error)
+
+    @app.delete("/v1/jobs/{job_id}")
+    async def cancel_job(job_id: str) -> dict[str, Any]:
+        job = find_job(job_id)
+        if not service.batcher.cancel(job.ticket):
+            raise ApiError(409, f"job {job_id} is {job.state}; only a queued job can be cancelled", param="id",
+                           code="not_cancellable")
+        return job_view(job, api_error(job.ticket.future.exception()).body())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": service.model, "object": "model", "created": int(service.started),
+                                            "owned_by": "flux2klein"}]}
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        if service.ready:
+            return JSONResponse({"status": "ready"})
+        if service.batcher.start_error is not None:
+            state = "failed"
+        else:
+            state = "draining" if service.draining else "warming"
+        return JSONResponse({"status": state}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        if metrics is None:
+            raise ApiError(404, "metrics are off", code="not_found")
+        metrics.ready.set(1 if service.ready else 0)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return Guard(app, service, service.options.max_body_bytes, service.options.api_key)

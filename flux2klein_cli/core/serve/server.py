@@ -1,0 +1,100 @@
+"""`serve` end to end: check, load the engine once, warm, listen, and stop gracefully.
+
+SIGTERM / SIGINT: /readyz turns 503 and /v1 refuses new requests (503); requests already queued or
+running get `drain_timeout` seconds to finish, what is left is answered 503, and the process
+exits 0. A second signal exits at once (exit 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flux2klein_cli.core.engine.engine import check_engine_options, open_engine
+from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.extras import require_serve
+from flux2klein_cli.core.serve.batcher import Draining
+from flux2klein_cli.core.serve.options import ServeOptions, check_serve_options
+
+log = logging.getLogger("flux2klein.serve")
+Note = Callable[[str], None]
+
+
+def check_serve(options: ServeOptions) -> None:
+    """Everything that can fail before a model loads: the extra, the options, the engine's options."""
+    require_serve()
+    check_serve_options(options)
+    check_engine_options(options.engine)
+    from flux2klein_cli.core import limits
+    from flux2klein_cli.core.errors import FieldError
+
+    for width, height in options.warm:
+        try:
+            limits.check_size(height, width)
+        except FieldError as e:
+            raise FieldError("warm", f"size {width}x{height}: {e}") from None
+
+
+def drain(service: Any, timeout: float, stop: Callable[[], None], note: Note) -> None:
+    """Stop taking work, let what was taken finish within `timeout` s, refuse the rest, then `stop`."""
+    service.draining = True
+    service.batcher.stop_accepting()
+    pending = service.batcher.in_flight
+    note(f"draining: {pending} request(s) in flight, up to {timeout:g} s")
+    if not service.batcher.wait_idle(timeout):
+        refused = service.batcher.refuse_pending(Draining())
+        note(f"drain timeout: {refused} request(s) answered 503")
+    service.batcher.close()
+    stop()
+
+
+def serve(options: ServeOptions, resolve: Callable[[str], Path], *, warn: Note, note: Note) -> None:
+    """Run the server until a signal stops it (returns after a clean drain)."""
+    check_serve(options)
+    import uvicorn
+
+    from flux2klein_cli.core.serve.app import create_app
+    from flux2klein_cli.core.serve.metrics import Metrics
+    from flux2klein_cli.core.serve.service import Service
+
+    engine = open_engine(options.engine, resolve, warn=warn, on_phase=note)
+    metrics = Metrics(options.max_batch)
+    service = Service(engine, options, metrics)
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server whose first signal drains (ours) and second exits at once."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:  # no re-raise after shutdown: exit 0
+            if service.draining:
+                os._exit(1)
+            threading.Thread(target=drain, args=(service, options.drain_timeout, self._stop, note),
+                             name="flux2klein-drain", daemon=True).start()
+
+        def _stop(self) -> None:
+            self.should_exit = True
+
+    config = uvicorn.Config(create_app(service), host=options.host, port=options.port, lifespan="off",
+                            log_level="warning", access_log=False, timeout_graceful_shutdown=10,
+                            server_header=False)
+    server = DrainingServer(config)
+    service.batcher.start()  # warms on the worker thread; /readyz turns 200 after it
+    threading.Thread(target=_report_ready, args=(service, options, server, note), daemon=True).start()
+    server.run()
+    if service.batcher.start_error is not None:
+        raise Flux2KleinError(f"warming up failed: {service.batcher.start_error}")
+    if not service.draining:  # uvicorn stopped on its own
+        raise Flux2KleinError(f"the server on {options.host}:{options.port} stopped: see the lines above")
+    note("stopped")
+
+
+def _report_ready(service: Any, options: ServeOptions, server: Any, note: Note) -> None:
+    service.batcher.started.wait()
+    if service.batcher.start_error is not None:
+        server.should_exit = True
+        return
+    warm = f", warm: {', '.join(f'{w}x{h}' for w, h in options.warm)}" if options.warm else ""
+    note(f"ready: http://{options.host}:{options.port} serving {service.model}{warm}")
