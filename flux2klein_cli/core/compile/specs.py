@@ -218,6 +218,9 @@ def denoise_fields(models: AbstractModels, run: RunShape, mesh: Mesh) -> dict[st
         "timesteps": _input((run.steps,), jnp.float32, mesh, batched=False),
         "sigmas": _input((run.steps + 1,), jnp.float32, mesh, batched=False),
         "guidance": _input((), jnp.float32, mesh, batched=False),
+        "init_latents": _input((1, n, cfg.in_channels), jnp.float32, mesh, batched=False) if run.init else None,
+        "noise": _input((b, h, w, cfg.in_channels), jnp.float32, mesh) if run.mask else None,
+        "mask": _input((1, n, 1), jnp.float32, mesh, batched=False) if run.mask else None,
     }
 
 

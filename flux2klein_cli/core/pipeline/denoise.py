@@ -33,6 +33,13 @@ class DenoiseInputs:
     timesteps: jax.Array  # (S,) float32, sigma as the transformer sees it
     sigmas: jax.Array  # (S + 1,) float32
     guidance: jax.Array  # () float32, used only with negative_text
+    # Image-to-image and inpainting (an init image): its packed latents, which the first step
+    # (start 0) noises to sigmas[0] in place of `latents`, else None.
+    init_latents: jax.Array | None = None  # (1, N, C) float32
+    # Inpainting: after each step the kept part (1 - mask) is the init latents noised to the next
+    # sigma with this noise, as diffusers blends them; None without a mask.
+    noise: jax.Array | None = None  # (B, h, w, C) float32, the run's initial noise
+    mask: jax.Array | None = None  # (1, N, 1) float32, 1 repaint .. 0 keep, per token
 
 
 def denoise(model: Flux2Transformer, x: DenoiseInputs, start: jax.Array | int = 0,
@@ -52,6 +59,9 @@ def denoise(model: Flux2Transformer, x: DenoiseInputs, start: jax.Array | int = 
         text = jnp.concatenate([text, jnp.broadcast_to(x.negative_text, text.shape)])
     references = None if x.references is None else jnp.broadcast_to(x.references, (b, *x.references.shape[1:]))
 
+    init = None if x.init_latents is None else x.init_latents.astype(jnp.float32)
+    noise = None if x.noise is None else x.noise.reshape(b, n_img, c)
+
     def step(latents: jax.Array, schedule: tuple[jax.Array, jax.Array, jax.Array]) -> tuple[jax.Array, None]:
         t, sigma, sigma_next = schedule
         tokens = latents if references is None else jnp.concatenate([latents, references], axis=1)
@@ -61,9 +71,16 @@ def denoise(model: Flux2Transformer, x: DenoiseInputs, start: jax.Array | int = 
         if cfg:
             positive, negative = jnp.split(velocity, 2)
             velocity = negative + x.guidance.astype(velocity.dtype) * (positive - negative)
-        return latents + (sigma_next - sigma) * velocity.astype(jnp.float32), None
+        latents = latents + (sigma_next - sigma) * velocity.astype(jnp.float32)
+        if x.mask is not None:  # the kept part: the init latents at the next sigma (0 after the last step)
+            kept = sigma_next * noise + (1.0 - sigma_next) * init
+            latents = (1.0 - x.mask) * kept + x.mask * latents
+        return latents, None
 
     packed = x.latents.reshape(b, n_img, c)  # row-major grid -> tokens, as the position ids
+    if init is not None:  # the first step's input: the noise (x.latents then) mixed with the init latents
+        first = x.sigmas[0]
+        packed = jnp.where(jnp.asarray(start) == 0, first * packed + (1.0 - first) * init, packed)
     schedule = (x.timesteps, x.sigmas[:-1], x.sigmas[1:])
     if count != steps:  # a chunk: its slice of the schedule (the whole loop slices nothing)
         schedule = tuple(jax.lax.dynamic_slice_in_dim(s, start, count) for s in schedule)
@@ -115,6 +132,6 @@ def reference_kv_fn(graphdef: nnx.GraphDef, trace: TraceOptions | None = None) -
 jax.tree_util.register_dataclass(
     DenoiseInputs,
     data_fields=["latents", "text", "negative_text", "references", "reference_kv", "rope_cos", "rope_sin",
-                 "timesteps", "sigmas", "guidance"],
+                 "timesteps", "sigmas", "guidance", "init_latents", "noise", "mask"],
     meta_fields=[],
 )

@@ -35,7 +35,7 @@ from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, nois
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
-from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
+from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, from_step, make_schedule, start_step
 from flux2klein_cli.core.weights.configs import read_json
 
 if TYPE_CHECKING:
@@ -73,10 +73,28 @@ class Request:
     references: list[np.ndarray] = field(default_factory=list)  # preprocessed (H, W, 3) in [-1, 1]
     max_sequence_length: int = 512
     kv: bool = False  # reference KV cache (KV-trained checkpoints only)
+    # Image-to-image / inpainting: the init image preprocessed as a reference, (H, W, 3) in [-1, 1]
+    # at the output size; it is also the first conditioning image, before `references`.
+    init_image: np.ndarray | None = None
+    mask: np.ndarray | None = None  # inpainting: (h, w) float32 on the token grid, 1 repaint .. 0 keep
+    strength: float = 1.0  # with an init image: how much of the schedule runs (schedule.start_step)
 
     @property
     def batch(self) -> int:
         return len(self.prompts) * self.num_images
+
+    @property
+    def conditioning(self) -> list[np.ndarray]:
+        """The images the transformer attends to, in order: the init image, then the references."""
+        return ([] if self.init_image is None else [self.init_image]) + list(self.references)
+
+    def loop_steps(self) -> int:
+        """Steps the denoise loop runs: all of them, or from the init image's start step on."""
+        if self.init_image is None:
+            return self.steps
+        from flux2klein_cli.core.pipeline.schedule import start_step
+
+        return self.steps - start_step(self.steps, self.strength)
 
 
 @dataclass
@@ -223,9 +241,10 @@ class KleinPipeline:
         height, width = self.output_size(request)
         return programs.RunShape(
             height=height, width=width, geometry=self.geometry, batch=request.batch, prompts=len(request.prompts),
-            steps=request.steps, references=tuple(tuple(r.shape[:2]) for r in request.references),
+            steps=request.loop_steps(), references=tuple(tuple(r.shape[:2]) for r in request.conditioning),
             cfg=self.uses_guidance(request.guidance), max_sequence_length=request.max_sequence_length,
-            dtype=self.dtype, kv=request.kv and bool(request.references), steps_per_call=per_call)
+            dtype=self.dtype, kv=request.kv and bool(request.references), steps_per_call=per_call,
+            init=request.init_image is not None, mask=request.mask is not None)
 
     def prepare(self, request: Request, per_call: int | None = None) -> tuple[Programs, list[dict[str, Any]]]:
         """The executables `request` needs, loaded (or compiled and stored) once per run shape
@@ -286,16 +305,17 @@ class KleinPipeline:
         """Each reference through the VAE at its own size; tokens concatenated in order, (1, R, channels)."""
         if not references:
             return None, []
-        packed, grids = [], []
-        for image in references:
-            pixels = np.asarray(image, self.dtype)[None]
-            packed.append(self._call(compiled, programs.vae_encode_name(*image.shape[:2]), self._encode,
-                                     self.vae_state, pixels))
-            grids.append(self.geometry.grid(*image.shape[:2]))
+        packed = self.encode_images(references, compiled)
+        grids = [self.geometry.grid(*image.shape[:2]) for image in references]
         if len(packed) == 1:
             return packed[0], grids
         # Joined on the host (a few MB): an eager concatenate would compile a program per run shape.
         return np.concatenate([self._to_host(p) for p in packed], axis=1), grids
+
+    def encode_images(self, images: list[np.ndarray], compiled: Programs | None = None) -> list[Any]:
+        """Each image (H, W, 3) through the VAE encode program of its size: (1, tokens, channels) each."""
+        return [self._call(compiled, programs.vae_encode_name(*image.shape[:2]), self._encode, self.vae_state,
+                           np.asarray(image, self.dtype)[None]) for image in images]
 
     def reference_kv(
         self, references: list[np.ndarray], seconds: dict[str, float] | None = None,
@@ -354,7 +374,8 @@ class KleinPipeline:
         return np.ascontiguousarray(self._to_host(noise).transpose(0, 3, 1, 2)), seeds
 
     def output_size(self, request: Request) -> tuple[int, int]:
-        first = request.references[0].shape[:2] if request.references else (DEFAULT_SIZE, DEFAULT_SIZE)
+        conditioning = request.conditioning
+        first = conditioning[0].shape[:2] if conditioning else (DEFAULT_SIZE, DEFAULT_SIZE)
         height, width = request.height or first[0], request.width or first[1]
         self.geometry.check(height, width)
         return height, width
@@ -393,8 +414,13 @@ class KleinPipeline:
         """One request (checked by its plan: core/engine/plan.py) -> decoded images."""
         if not request.prompts or request.steps < 1 or (request.kv and not request.references):
             raise ValueError("a request needs prompts, steps and, for a KV edit, references (build it from a plan)")
+        if request.init_image is not None and (request.kv or not 0.0 < request.strength <= 1.0):
+            raise ValueError("an init image takes a strength in (0, 1] and no KV edit (build it from a plan)")
+        if request.mask is not None and request.init_image is None:
+            raise ValueError("a mask needs an init image (build the request from a plan)")
         seconds: dict[str, float] = {}
-        per_call = None if on_step is None else steps_per_call(request.steps, self.progress_calls)
+        steps = request.loop_steps()
+        per_call = None if on_step is None else steps_per_call(steps, self.progress_calls)
         compiled, report = {}, []
         if self.executables is not None:
             compiled, report = _timed(seconds, "executables", lambda: self.prepare(request, per_call))
@@ -416,18 +442,26 @@ class KleinPipeline:
         refs, kv, kv_source, grids = None, None, None, []
         if request.kv:
             kv, kv_source = self.reference_kv(request.references, seconds, compiled)
-        else:
-            refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.references, compiled))
+        else:  # the init image is the first of them: its tokens are also the init latents
+            refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.conditioning, compiled))
+        init_latents = None
+        if request.init_image is not None:
+            tokens_in = grid[0] * grid[1]
+            init_latents = refs[:, :tokens_in] if isinstance(refs, np.ndarray) else refs
         noise, seeds = self.noise_latents(request, grid, compiled)
         schedule = make_schedule(request.steps, grid[0] * grid[1], self.scheduler)
+        if request.init_image is not None:
+            schedule = from_step(schedule, start_step(request.steps, request.strength))
         ids = np.concatenate([tokens.image_ids(*grid), tokens.reference_ids(grids)])
         cos, sin = self.models.transformer.rope(tokens.text_ids(text.shape[1]), ids)
         inputs = DenoiseInputs(
             latents=self._batched(noise), text=text, negative_text=negative, references=refs, reference_kv=kv,
             rope_cos=cos, rope_sin=sin, timesteps=np.asarray(schedule.timesteps, np.float32),
             sigmas=np.asarray(schedule.sigmas, np.float32), guidance=np.float32(request.guidance),
+            init_latents=init_latents, noise=None if request.mask is None else self._batched(noise),
+            mask=None if request.mask is None else np.asarray(request.mask, np.float32).reshape(1, -1, 1),
         )
-        latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, request.steps, per_call, on_step, compiled))
+        latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, steps, per_call, on_step, compiled))
         images = _timed(seconds, "decode",
                         lambda: self._call(compiled, programs.VAE_DECODE, self._decode, self.vae_state, latents))
         pixels = self._to_host(images).astype(np.float32)

@@ -72,6 +72,10 @@ class RunShape:
     dtype: Any = jnp.bfloat16
     kv: bool = False  # KV edit: a references-only pass, then denoising against its cache
     steps_per_call: int | None = None  # the denoise loop in chunks (a progress bar); None: one call
+    # An init image (image-to-image, inpainting): references[0] is it, at the output size, and
+    # `steps` counts the steps the loop runs (from the strength's start step on).
+    init: bool = False
+    mask: bool = False  # inpainting: the init image's mask blends every step
 
     def __post_init__(self) -> None:
         for h, w in ((self.height, self.width), *self.references):
@@ -83,6 +87,10 @@ class RunShape:
             raise UserInputError("--kv needs at least one reference size (--refs)")
         if self.batch % self.prompts:
             raise UserInputError(f"batch {self.batch} is not a multiple of the {self.prompts} prompts")
+        if self.init and (self.kv or not self.references or self.references[0] != (self.height, self.width)):
+            raise UserInputError("an init image is the first reference, at the output size, and no KV edit")
+        if self.mask and not self.init:
+            raise UserInputError("a mask needs an init image")
         if self.steps_per_call is not None and (self.steps_per_call < 1 or self.steps % self.steps_per_call):
             raise UserInputError(f"steps per call {self.steps_per_call} does not divide {self.steps} steps")
 

@@ -70,3 +70,15 @@ def make_schedule(steps: int, image_tokens: int, config: SchedulerConfig) -> Sch
     # The scheduler stores t = sigma * 1000 and the pipeline divides by 1000 again: keep both roundings.
     timesteps = (sigmas * train) / np.float32(1000)
     return Schedule(timesteps.astype(np.float32), np.append(sigmas, np.float32(0)).astype(np.float32))
+
+
+def start_step(steps: int, strength: float) -> int:
+    """The first step an init image of this strength runs from (diffusers' img2img `get_timesteps`):
+    strength 1 runs every step from pure noise, lower strengths skip the noisiest ones."""
+    first = min(steps * strength, steps)
+    return int(max(steps - first, 0))
+
+
+def from_step(schedule: Schedule, start: int) -> Schedule:
+    """The schedule's steps from `start` on: the loop runs len(timesteps) steps."""
+    return Schedule(schedule.timesteps[start:], schedule.sigmas[start:])

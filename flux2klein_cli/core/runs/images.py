@@ -126,28 +126,29 @@ def check_reference(image: Image.Image, name: str = "reference image") -> None:
         )
 
 
-def _area_capped_size(width: int, height: int) -> tuple[int, int]:
-    if width * height <= MAX_AREA:
+def _area_capped_size(width: int, height: int, max_area: int = MAX_AREA) -> tuple[int, int]:
+    if width * height <= max_area:
         return width, height
     # Same float expression and truncation as diffusers, so the sizes agree to the pixel.
-    scale = math.sqrt(MAX_AREA / (width * height))
+    scale = math.sqrt(max_area / (width * height))
     return int(width * scale), int(height * scale)
 
 
-def reference_size(width: int, height: int, *, multiple_of: int) -> tuple[int, int]:
+def reference_size(width: int, height: int, *, multiple_of: int, max_area: int = MAX_AREA) -> tuple[int, int]:
     """The (width, height) a reference of this size has after preprocessing (no pixels needed);
-    `multiple_of` is the model's pixels per token (LatentGeometry)."""
-    w, h = _area_capped_size(width, height)
+    `multiple_of` is the model's pixels per token (LatentGeometry), `max_area` the area cap."""
+    w, h = _area_capped_size(width, height, max_area)
     return (w // multiple_of) * multiple_of, (h // multiple_of) * multiple_of
 
 
 def preprocess_reference(
-    image: Image.Image, name: str = "reference image", *, multiple_of: int
+    image: Image.Image, name: str = "reference image", *, multiple_of: int, max_area: int = MAX_AREA
 ) -> np.ndarray:
     """One reference image as diffusers feeds it to the VAE: (H, W, 3) float32 in [-1, 1], cropped
-    to a multiple of the model's pixels per token (`multiple_of`, LatentGeometry)."""
+    to a multiple of the model's pixels per token (`multiple_of`, LatentGeometry); larger than
+    `max_area` pixels, scaled down to it first (diffusers' rule, its 1024 x 1024 by default)."""
     check_reference(image, name)
-    capped = _area_capped_size(*image.size)
+    capped = _area_capped_size(*image.size, max_area)
     if capped != image.size:
         # Resample in the image's own mode, as diffusers does (Pillow premultiplies RGBA and uses nearest for P/1).
         image = image.resize(capped, Image.Resampling.LANCZOS)

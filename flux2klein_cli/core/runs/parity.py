@@ -72,13 +72,17 @@ def single_file_transformer(path: Path, root: Path, dtype: Any) -> Any:
                                                     torch_dtype=dtype, local_files_only=True)
 
 
-def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
-    """diffusers' pipeline class named by the snapshot, loaded from the same files."""
+INPAINT_PIPELINE = "Flux2KleinInpaintPipeline"  # diffusers' pipeline of image-to-image and inpainting
+
+
+def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str, inpaint: bool = False) -> Any:
+    """diffusers' pipeline class named by the snapshot (`inpaint`: its inpaint pipeline), loaded
+    from the same files."""
     require_parity("parity")
     import diffusers
     import torch
 
-    cls = getattr(diffusers, pipeline.snapshot.pipeline_class)
+    cls = getattr(diffusers, INPAINT_PIPELINE if inpaint else pipeline.snapshot.pipeline_class)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[torch_dtype]
     overrides: dict[str, Any] = {}
     bfl = bfl_transformer_file(Path(pipeline.snapshot.root))
@@ -107,12 +111,39 @@ def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str) -> Any:
     return reference
 
 
-def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_references: list[Any]) -> np.ndarray:
-    """The diffusers pipeline on the same request and noise; (B, H, W, 3) uint8."""
+@dataclass
+class InitImages:
+    """An init image and its mask (None: image-to-image) as read (PIL), for diffusers' inpaint pipeline."""
+
+    init_image: Any
+    mask: Any = None
+
+
+def torch_noise(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """The noise diffusers' pipelines draw from `torch.Generator().manual_seed(seed)` on the CPU."""
+    import torch
+
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).numpy()
+
+
+def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_references: list[Any],
+                  init: InitImages | None = None) -> np.ndarray:
+    """The diffusers pipeline on the same request and noise; (B, H, W, 3) uint8. With `init`, its
+    inpaint pipeline (an all-white mask without one): that pipeline takes `latents=` as the start,
+    not as the noise it mixes with the init image, so it draws the noise itself from the request's
+    seed, as `torch_noise` does."""
     import torch
 
     kwargs: dict[str, Any] = {}
-    if pil_references:
+    if init is not None:
+        from PIL import Image
+
+        mask = init.mask if init.mask is not None else Image.new("L", init.init_image.size, 255)
+        kwargs.update(image=init.init_image, mask_image=mask, strength=request.strength,
+                      generator=torch.Generator().manual_seed(request.seed))
+        if pil_references:
+            kwargs["image_reference"] = pil_references[0] if len(pil_references) == 1 else pil_references
+    elif pil_references:
         kwargs["image"] = pil_references
     if not reference.config.get("is_distilled", True) and request.guidance > 1.0:
         # diffusers has no negative-prompt argument; its embeddings are the documented way in.
@@ -128,7 +159,7 @@ def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_
         width=request.width,
         num_inference_steps=request.steps,
         num_images_per_prompt=request.num_images,
-        latents=torch.from_numpy(noise_nchw).to(reference.transformer.dtype),
+        **({} if init is not None else {"latents": torch.from_numpy(noise_nchw).to(reference.transformer.dtype)}),
         max_sequence_length=request.max_sequence_length,
         output_type="np",
         **kwargs,
@@ -144,15 +175,22 @@ class ParityRun:
     request: Request
 
 
-def run_parity(pipeline: KleinPipeline, request: Request, pil_references: list[Any], torch_dtype: str) -> ParityRun:
-    """Both pipelines on the same initial noise (drawn from the request's seed unless given).
-    A KV checkpoint's reference pipeline always uses the reference KV cache, so ours does too."""
-    request.kv = pipeline.snapshot.kv and bool(request.references)
+def run_parity(pipeline: KleinPipeline, request: Request, pil_references: list[Any], torch_dtype: str,
+               init: InitImages | None = None) -> ParityRun:
+    """Both pipelines on the same initial noise (drawn from the request's seed unless given;
+    with an init image, torch's draw: see run_reference). A KV checkpoint's reference pipeline
+    always uses the reference KV cache, so ours does too."""
+    request.kv = pipeline.snapshot.kv and bool(request.references) and init is None
     height, width = pipeline.output_size(request)
-    noise, _ = pipeline.initial_noise(request, pipeline.geometry.grid(height, width))
+    grid = pipeline.geometry.grid(height, width)
+    if init is not None:
+        noise = torch_noise((request.batch, pipeline.geometry.channels, *grid), request.seed)
+    else:
+        noise, _ = pipeline.initial_noise(request, grid)
     request.latents, request.height, request.width = noise, height, width
     ours = postprocess(pipeline(request).images)
-    reference = run_reference(reference_pipeline(pipeline, torch_dtype), request, noise, pil_references)
+    reference = run_reference(reference_pipeline(pipeline, torch_dtype, inpaint=init is not None), request, noise,
+                              pil_references, init)
     return ParityRun(ours, reference, compare(ours, reference), request)
 
 
