@@ -76,4 +76,4 @@ def check_serve_options(options: ServeOptions) -> None:
         raise FieldError("max_body_bytes", "must be at least 1 KiB")
     if not is_loopback(options.host) and not options.api_key:
         raise FieldError("host", f"{options.host} is not a loopback address: serving beyond this machine needs an "
-                         f"API key (api_key, or {API_KEY_VARIABLE}), which every request must then carry")
+                         f"API key ({{field:api_key}}, or {API_KEY_VARIABLE}), which every request must then carry")
