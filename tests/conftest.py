@@ -35,20 +35,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         function = getattr(item, "originalname", None) or item.name
         if needs_reference(Path(item.path), function, list(getattr(item, "fixturenames", ())), REFERENCE_FIXTURES):
             item.add_marker(pytest.mark.reference)
-    # Store round trips first: in the one long test process, executables compiled after many
-    # others were stored without some fused kernels and failed to load ("Function ..._fusion
-    # not found"; open, see the stop note), which one command per process never met.
-    items.sort(key=lambda item: not any(name in item.nodeid for name in STORE_ROUND_TRIPS))
-
-
-STORE_ROUND_TRIPS = (
-    "test_compile_store.py::test_miss_then_hit_in_a_fresh_process",
-    "test_compile_store.py::test_compile_all_then_all_hits",
-    "test_generate_cli.py::test_generate_writes_pngs_with_metadata_and_json",
-    "test_lora.py::test_switching_loras_or_scales_compiles_nothing",
-    "test_progress.py::test_stored_executables_load_and_serve_the_stepped_loop",
-    "test_cpu_matmul.py::test_a_stored_executable_with_the_custom_call_loads_in_a_new_process",
-)
 
 
 @pytest.fixture(scope="session")

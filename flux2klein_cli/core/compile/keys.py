@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from flux2klein_cli.core.compile.target import ProgramSpec, Target, mesh_desc
 from flux2klein_cli.core.models import cpu_matmul
 
-FORMAT = 2  # bump when the entry layout or the key's meaning changes
+FORMAT = 3  # bump when the entry layout or the key's meaning changes (3: CPU entries carry their kernels)
 # The source a fingerprint covers: the whole package (a hand-kept list of the traced modules
 # once missed core/devices/sharding.py, whose edits then served stale executables).
 _CODE_SUFFIXES = (".py", ".cc")

@@ -77,6 +77,7 @@ class ExecutableStore:
         self._ignored_options: set[str] = set()  # platforms already warned about an unknown option
         self._key: bytes | None = None
         self._refused: str | None = None  # why this store is not used at all (warned once)
+        self._kernel_less_warned = False
 
     def warn(self, message: str) -> None:
         if self._on_warning is not None:
@@ -203,8 +204,7 @@ class ExecutableStore:
         target = spec.target or Target.local()
         options = target.compiler_options
         try:
-            with _no_persistent_cache():
-                compiled = lowered.compile(options) if options else lowered.compile()
+            compiled = lowered.compile(options) if options else lowered.compile()
         except Exception as e:  # jaxlib's own error type
             # Not every backend reads every option: jaxlib's GPU compiler has no
             # exec_time_optimization_effort. Its default effort still gives the right program.
@@ -214,8 +214,7 @@ class ExecutableStore:
                 self._ignored_options.add(target.platform)
                 self.warn(f"--effort {target.effort}: the {target.platform} compiler has no option "
                           f"{', '.join(options)}; programs are compiled at its default effort")
-            with _no_persistent_cache():
-                compiled = lowered.compile()
+            compiled = lowered.compile()
         return compiled, lowered_at - start, time.perf_counter() - lowered_at
 
     def save(self, spec: ProgramSpec, compiled: jax.stages.Compiled, parts: dict[str, Any], *,
@@ -233,6 +232,12 @@ class ExecutableStore:
             trees = json.dumps(treedefs.encode(out_tree)).encode()
         except Exception as e:  # e.g. a backend without executable serialization
             self.warn(f"cannot store {spec.name}: serialization failed ({type(e).__name__}: {first_line(e)})")
+            return None
+        if lacks_kernels((spec.target or Target.local()).platform, payload):
+            if not self._kernel_less_warned:  # once: with jax's cache on, every program comes that way
+                self._kernel_less_warned = True
+                self.warn(f"{spec.name} came from jax's persistent XLA cache, whose CPU executables carry no "
+                          "kernels to store: such programs are not stored (FLUX2KLEIN_XLA_CACHE serves them)")
             return None
         meta = {
             "key": key, "name": spec.name, "key_parts": parts, "created": time.time(),
@@ -382,13 +387,16 @@ class _Unusable(Exception):
     pass
 
 
-def _no_persistent_cache() -> contextlib.AbstractContextManager[Any]:
-    """Compile outside jax's persistent compilation cache (this thread only): on CPU an
-    executable that went through it serializes without its fused kernels, and the entry then
-    fails in the next process ("Function ..._fusion not found"). The store is the cache here."""
-    from jax._src import config as jax_config
+def lacks_kernels(platform: str, payload: bytes) -> bool:
+    """Whether a serialized executable cannot run where it is loaded: on CPU, XLA keeps a
+    program's machine code (its object files) only on the executable it compiled; one rebuilt
+    from bytes (a hit in jax's persistent cache, or a deserialized entry) serializes without
+    them, and loads fine only to fail at its first kernel ("Function ..._fusion not found").
+    Every CPU program has at least one kernel, so no object file in the payload is that case."""
+    return platform == "cpu" and _ELF_MAGIC not in payload
 
-    return jax_config.enable_compilation_cache(False)
+
+_ELF_MAGIC = b"\x7fELF"  # the CPU compiler's object files
 
 
 def _write_private(path: Path, data: bytes) -> None:
