@@ -222,12 +222,9 @@ class KleinPipeline:
         compiled = (compiled_programs or {}).get(name)
         if compiled is not None:
             try:
-                # Waited for here: XLA's CPU runtime can fail to find a kernel of an executable
-                # re-loaded in a process that compiled the same code before, and says so only
-                # when the result is used.
                 out = compiled(*jax.device_put(args, compiled.input_shardings[0]))
                 return jax.block_until_ready(out) if wait else out
-            except (TypeError, ValueError, jax.errors.JaxRuntimeError) as e:  # never fail the run for it
+            except (TypeError, ValueError) as e:  # arguments it was not compiled for: never fail the run for it
                 self.warn(f"stored executable {name} does not fit this call ({str(e).splitlines()[0]}); "
                           "compiling it instead")
                 if isinstance(compiled_programs, dict):
