@@ -298,3 +298,59 @@ def test_queue_full_is_429_and_sigterm_drains(server: Server, tmp_path: Path) ->
         assert "draining" in drained.stderr()
     finally:
         drained.stop()
+
+
+# ----------------------------------------------------------------------------- the batcher alone
+
+
+@dataclass(frozen=True)
+class FakePlan:
+    """What the batcher reads of a plan: its key and its image count."""
+
+    key: str
+    batch: int = 1
+
+    def batch_key(self) -> tuple[str]:
+        return (self.key,)
+
+
+def test_the_batcher_gathers_same_key_plans_and_a_failing_batch_fails_only_its_own() -> None:
+    from flux2klein_cli.core.serve.batcher import Batcher, padded_count
+
+    runs: list[list[str]] = []
+
+    def run_batch(plans: list[FakePlan]) -> list[str]:
+        runs.append([p.key for p in plans])
+        if plans[0].key == "bad":
+            raise RuntimeError("out of memory")
+        return [f"{p.key}-result" for p in plans]
+
+    batcher = Batcher(run_batch, max_batch=4, wait_s=0.3, queue_size=8)  # type: ignore[arg-type]
+    tickets = [batcher.submit(FakePlan(key)) for key in ("a", "bad", "a", "a", "bad")]
+    batcher.start()
+    try:
+        results = [t.future.exception(timeout=30) or t.future.result() for t in tickets]
+    finally:
+        batcher.close()
+    assert results[0] == results[2] == results[3] == "a-result"
+    assert all(isinstance(results[i], RuntimeError) for i in (1, 4))
+    assert runs[0] == ["a", "a", "a", "a"]  # three gathered, padded to four
+    assert runs[1] == ["bad", "bad"]
+    assert [t.state for t in tickets] == ["succeeded", "failed", "succeeded", "succeeded", "failed"]
+    assert [padded_count(k, 8) for k in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 9]
+
+
+def test_the_batcher_cancels_queued_tickets_and_bounds_its_queue() -> None:
+    from flux2klein_cli.core.serve.batcher import Batcher, Cancelled, Draining, QueueFull
+
+    batcher = Batcher(lambda plans: list(plans), max_batch=2, wait_s=0.0, queue_size=2)  # not started
+    first, second = batcher.submit(FakePlan("a")), batcher.submit(FakePlan("b"))  # type: ignore[arg-type]
+    with pytest.raises(QueueFull) as full:
+        batcher.submit(FakePlan("c"))  # type: ignore[arg-type]
+    assert full.value.retry_after >= 1
+    assert batcher.cancel(first) and isinstance(first.future.exception(), Cancelled)
+    assert not batcher.cancel(first)
+    batcher.stop_accepting()
+    with pytest.raises(Draining):
+        batcher.submit(FakePlan("d"))  # type: ignore[arg-type]
+    assert batcher.refuse_pending(Draining()) == 1 and isinstance(second.future.exception(), Draining)
