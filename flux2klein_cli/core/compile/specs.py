@@ -103,7 +103,7 @@ def configs_from_registry(alias: str) -> ModelConfigs:
     from flux2klein_cli.core.hub.registry import spec_for
 
     spec = spec_for(alias)
-    geometry = rc.preset("9b" if "9b" in spec.alias else "4b")
+    geometry = rc.preset(spec.geometry)
     return ModelConfigs(
         transformer=rc.transformer_config_json(geometry),
         text_encoder=rc.text_encoder_config_json(geometry, geometry.text_encoder["vocab_size"]),

@@ -31,7 +31,7 @@ import numpy as np
 
 from flux2klein_cli.core import choices
 from flux2klein_cli.core.choices import numpy_dtype
-from flux2klein_cli.core.hub.registry import QWEN3_4B, QWEN3_8B, TRANSFORMER_4B, TRANSFORMER_9B
+from flux2klein_cli.core.hub.registry import QWEN3_4B, QWEN3_8B, TRANSFORMER_4B, TRANSFORMER_9B, TRANSFORMER_COMMON
 from flux2klein_cli.core.hub.tokenizer_builder import build_tokenizer
 
 # The library versions whose on-disk format these files mirror.
@@ -75,10 +75,7 @@ class Geometry:
     max_shard_bytes: int = 5_000_000_000  # the split of the published 4B transformer (two shards)
 
 
-_TRANSFORMER_SHARED = dict(
-    patch_size=1, in_channels=128, out_channels=None, timestep_guidance_channels=256, mlp_ratio=3.0,
-    rope_theta=2000, eps=1e-6, guidance_embeds=False,
-)
+
 _VAE_REAL = dict(block_out_channels=[128, 256, 512, 512], layers_per_block=2, latent_channels=32, norm_num_groups=32)
 # FLUX.2-small-decoder's decoder widths; a narrower decoder for the tiny and medium geometries
 # (their widths must stay multiples of the 32 norm groups).
@@ -104,14 +101,14 @@ def _real_qwen3(spec: dict[str, Any]) -> dict[str, Any]:
 def _real_transformer(spec: dict[str, Any]) -> dict[str, Any]:
     keep = ("num_layers", "num_single_layers", "num_attention_heads", "attention_head_dim", "joint_attention_dim",
             "axes_dims_rope")
-    return dict(_TRANSFORMER_SHARED, **{k: spec[k] for k in keep})
+    return dict(TRANSFORMER_COMMON, **{k: spec[k] for k in keep})
 
 
 PRESETS: dict[str, Geometry] = {
     # The test fixtures' geometry: tiny widths, real structure (28 Qwen3 layers for features 9/18/27).
     "tiny": Geometry(
         "tiny",
-        dict(_TRANSFORMER_SHARED, num_layers=2, num_single_layers=3, num_attention_heads=2, attention_head_dim=32,
+        dict(TRANSFORMER_COMMON, num_layers=2, num_single_layers=3, num_attention_heads=2, attention_head_dim=32,
              joint_attention_dim=96, axes_dims_rope=[8, 8, 8, 8]),
         _qwen3(32, 64, 4, 2, 8),
         dict(block_out_channels=[32, 32, 64, 64], layers_per_block=2, latent_channels=32, norm_num_groups=32),
@@ -121,7 +118,7 @@ PRESETS: dict[str, Geometry] = {
     # docs/benchmarks-method: D 512, 2 + 6 blocks, Qwen3 width 256 x 28 layers, VAE [32, 64, 128, 128].
     "medium": Geometry(
         "medium",
-        dict(_TRANSFORMER_SHARED, num_layers=2, num_single_layers=6, num_attention_heads=4, attention_head_dim=128,
+        dict(TRANSFORMER_COMMON, num_layers=2, num_single_layers=6, num_attention_heads=4, attention_head_dim=128,
              joint_attention_dim=768, axes_dims_rope=[32, 32, 32, 32]),
         _qwen3(256, 768, 4, 2, 64),
         dict(block_out_channels=[32, 64, 128, 128], layers_per_block=2, latent_channels=32, norm_num_groups=32),

@@ -11,10 +11,13 @@ from typing import Any
 
 from flux2klein_cli.core.errors import UserInputError
 
-_SHARED_TRANSFORMER = dict(
-    patch_size=1, in_channels=128, out_channels=None, attention_head_dim=128, timestep_guidance_channels=256,
-    mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32], rope_theta=2000, eps=1e-6, guidance_embeds=False,
+# What every FLUX.2 [klein] transformer config shares, the published ones and the random-weight
+# geometries of core/hub/random_checkpoint.py alike: the one home of these values.
+TRANSFORMER_COMMON = dict(
+    patch_size=1, in_channels=128, out_channels=None, timestep_guidance_channels=256, mlp_ratio=3.0,
+    rope_theta=2000, eps=1e-6, guidance_embeds=False,
 )
+_SHARED_TRANSFORMER = dict(TRANSFORMER_COMMON, attention_head_dim=128, axes_dims_rope=[32, 32, 32, 32])
 TRANSFORMER_4B = dict(_SHARED_TRANSFORMER, num_layers=5, num_single_layers=20, num_attention_heads=24,
                       joint_attention_dim=7680)
 TRANSFORMER_9B = dict(_SHARED_TRANSFORMER, num_layers=8, num_single_layers=24, num_attention_heads=32,
@@ -33,6 +36,7 @@ class ModelSpec:
     kv: bool
     transformer: dict[str, Any] = field(repr=False)
     text_encoder: dict[str, Any] = field(repr=False)
+    geometry: str = "4b"  # its published geometry (core/hub/random_checkpoint.PRESETS), for compile-only work
 
     @property
     def steps(self) -> int:
@@ -63,10 +67,10 @@ MODELS: dict[str, ModelSpec] = {
     spec.alias: spec
     for spec in (
         ModelSpec("4b", "black-forest-labs/FLUX.2-klein-4B", True, False, TRANSFORMER_4B, QWEN3_4B),
-        ModelSpec("9b", "black-forest-labs/FLUX.2-klein-9B", True, False, TRANSFORMER_9B, QWEN3_8B),
-        ModelSpec("9b-kv", "black-forest-labs/FLUX.2-klein-9b-kv", True, True, TRANSFORMER_9B, QWEN3_8B),
+        ModelSpec("9b", "black-forest-labs/FLUX.2-klein-9B", True, False, TRANSFORMER_9B, QWEN3_8B, "9b"),
+        ModelSpec("9b-kv", "black-forest-labs/FLUX.2-klein-9b-kv", True, True, TRANSFORMER_9B, QWEN3_8B, "9b"),
         ModelSpec("base-4b", "black-forest-labs/FLUX.2-klein-base-4B", False, False, TRANSFORMER_4B, QWEN3_4B),
-        ModelSpec("base-9b", "black-forest-labs/FLUX.2-klein-base-9B", False, False, TRANSFORMER_9B, QWEN3_8B),
+        ModelSpec("base-9b", "black-forest-labs/FLUX.2-klein-base-9B", False, False, TRANSFORMER_9B, QWEN3_8B, "9b"),
     )
 }
 
