@@ -17,7 +17,9 @@ restored by TensorStore, with the specs Orbax itself reads them with.
 from __future__ import annotations
 
 import json
+import logging
 import math
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +44,21 @@ def _storage_options(ocp: Any) -> Callable[[Any, Any], Any]:
     return lambda _keypath, value: storage(chunk_byte_size=max(int(value.nbytes), 1))
 
 
+# What Orbax logs (through absl) for the options chosen here on purpose: small arrays get small chunks
+# ("target_byte_size too small", once per array: ~290 lines for a klein model) and there is no OCDBT
+# to merge. Neither is news to the user; anything else Orbax logs still shows.
+_EXPECTED_LOGS = ("Setting the target_byte_size too small", "Skipping merge of OCDBT checkpoints")
+
+
+class _ExpectedOrbaxLogs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in _EXPECTED_LOGS)
+
+
+_LOG_FILTER = _ExpectedOrbaxLogs()
+
+
 @contextmanager
 def orbax_context() -> Iterator[Any]:
     """Orbax's v1 API writing plain zarr (v2) arrays, one directory per array, uncompressed
@@ -55,8 +72,13 @@ def orbax_context() -> Iterator[Any]:
     # A replicated array is written whole, not split among its replicas: one chunk, one file.
     context.array.saving.use_replica_parallel = False
     context.array.saving.scoped_storage_options_creator = _storage_options(ocp)
-    with context:
-        yield ocp
+    absl_logger = logging.getLogger("absl")
+    absl_logger.addFilter(_LOG_FILTER)
+    try:
+        with context:
+            yield ocp
+    finally:
+        absl_logger.removeFilter(_LOG_FILTER)
 
 
 def write_orbax(target: Path, arrays: Iterable[tuple[str, jax.Array]], group_bytes: int,
@@ -65,10 +87,45 @@ def write_orbax(target: Path, arrays: Iterable[tuple[str, jax.Array]], group_byt
     about `group_bytes` (`ocp.partial.save`) merged at the end (`ocp.partial.finalize`).
     `progress(bytes_done)` is called after each group. Orbax stages a host copy of what it writes,
     so the peak is about twice the largest parameter or group over the baseline (for the 4B
-    transformer, whose largest stacked parameter is 3.4 GB: 7.7 GB, about the model's size)."""
+    transformer, whose largest stacked parameter is 3.4 GB: 7.7 GB, about the model's size).
+
+    The writing runs in a thread of its own that the caller's thread waits for: Orbax writes from
+    threads of its own too, which an interrupt of the caller (cli/main.py raises it in the main
+    thread) would not stop, so they would go on creating files in a temporary directory already being
+    removed (`.NAME.partial-.../orbax.partial_save`). On an interrupt or error the writer is told to
+    stop after the group in flight and is waited for; only then does the exception go on."""
+    stop, finished = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            _write_groups(target, arrays, group_bytes, progress, stop)
+        except BaseException as e:  # handed to the waiting thread
+            failed.append(e)
+        finally:
+            finished.set()
+
+    # Waited for on an Event, not Thread.join: a join interrupted by the signal handler's exception
+    # can mark a running thread as stopped (CPython bpo-45274), and the next join returns at once.
+    threading.Thread(target=write, name="flux2klein-orbax-write", daemon=True).start()
+    try:
+        while not finished.wait(0.05):  # short waits: the signal handler runs between them
+            pass
+    except BaseException:
+        stop.set()
+        finished.wait()  # Orbax's writes in flight end before the temporary directory goes
+        raise
+    if failed:
+        raise failed[0]
+
+
+def _write_groups(target: Path, arrays: Iterable[tuple[str, jax.Array]], group_bytes: int,
+                  progress: Callable[[int], None] | None, stop: threading.Event) -> None:
     done, group, group_size = 0, {}, 0
     with orbax_context() as ocp:
         for key, array in arrays:
+            if stop.is_set():
+                return
             group[key] = array
             group_size += array.nbytes
             if group_size >= group_bytes:
@@ -77,13 +134,16 @@ def write_orbax(target: Path, arrays: Iterable[tuple[str, jax.Array]], group_byt
                 group, group_size = {}, 0
                 if progress:
                     progress(done)
+        if stop.is_set():
+            return
         if group:
             ocp.partial.save(target, group)
             done += group_size
             if progress:
                 progress(done)
         group = {}
-        ocp.partial.finalize(target)
+        if not stop.is_set():
+            ocp.partial.finalize(target)
 
 
 def restore_arrays(checkpoint: Path, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.Array]:
