@@ -9,11 +9,14 @@ import typer
 
 from flux2klein_cli.cli import image_options
 from flux2klein_cli.cli import options as o
+from flux2klein_cli.cli.output import user_errors
+from flux2klein_cli.core.errors import FieldError
 from flux2klein_cli.core.hub.registry import DEFAULT_KV_MODEL, DEFAULT_MODEL
 
 
 def edit(
-    image: Annotated[list[Path], typer.Option("--image", "-i", help="Reference image; repeat for several (up to 4).")],
+    image: Annotated[list[Path], typer.Option("--image", "-i", help="Reference image; repeat for several (up to 4).")
+                     ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
     prompt: Annotated[str | None, typer.Argument(help="The edit to make. Or use --prompt-file.")] = None,
     prompt_file: o.PromptFileOpt = None,
     model: Annotated[str | None, typer.Option(
@@ -28,6 +31,10 @@ def edit(
     num_images: o.NumImagesOpt = 1,
     dtype: o.DtypeOpt = o.Dtype.bf16,
     latents: o.LatentsOpt = None,
+    init_image: o.InitImageOpt = None,
+    mask: o.MaskOpt = None,
+    strength: o.StrengthOpt = None,
+    reference_max_area: o.ReferenceMaxAreaOpt = None,
     force: o.ForceOpt = False,
     max_sequence_length: o.MaxSequenceOpt = 512,
     kv: Annotated[bool, typer.Option("--kv", help="Reference KV cache (KV-trained models: 9b-kv): the references "
@@ -61,7 +68,14 @@ def edit(
       flux2klein edit "make it night" -i day.png --model 9b --seed 3 --json
 
       flux2klein edit "put both cats on the sofa" -i a.png -i b.png --kv --kv-cache-dir ~/.cache/f2k-kv
+
+      flux2klein edit "a red armchair" --init-image room.png --mask chair.png --strength 0.9
+
+      flux2klein edit "make it a watercolour" --init-image photo.png --strength 0.6
     """
+    if not image and init_image is None:
+        with user_errors():
+            raise FieldError("references", "is missing: give a reference image, or an --init-image to start from")
     image_options.run(
         prompt=prompt, prompt_file=prompt_file, as_json=as_json, output=output, force=force,
         devices=dict(mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes, process_id=process_id),
@@ -70,5 +84,6 @@ def edit(
                     transformer=transformer, vae=vae, lora=tuple(lora), kv_cache_dir=kv_cache_dir),
         fields=dict(references=tuple(image), height=height, width=width, steps=steps, guidance=guidance,
                     negative_prompt=negative_prompt, seed=seed, num_images=num_images, latents=latents,
-                    max_sequence_length=max_sequence_length, kv=kv),
+                    max_sequence_length=max_sequence_length, kv=kv, init_image=init_image, mask=mask,
+                    strength=strength, reference_max_area=reference_max_area),
     )

@@ -105,6 +105,18 @@ NumImagesOpt = Annotated[int, typer.Option("--num-images", "-n", help="Images pe
 LatentsOpt = Annotated[Path | None, typer.Option(
     "--latents", help="Initial noise .npy in diffusers' latents= shape: (B, 128, H/16, W/16) for klein, from the "
     "model's latent geometry in general.")]
+InitImageOpt = Annotated[Path | None, typer.Option(
+    "--init-image", help="Start from this image (image-to-image; with --mask, inpainting): the output takes its "
+    "size, whose sides must be multiples of 16 (scaled to 1024x1024 area if larger).")]
+MaskOpt = Annotated[Path | None, typer.Option(
+    "--mask", help="With --init-image: inpaint. A grayscale image of the init image's size; white is repainted, "
+    "black kept (binarised at half gray).")]
+StrengthOpt = Annotated[float | None, float_option(
+    "--strength", help="With --init-image: how much of the schedule runs, in (0, 1]; 1 starts from pure noise "
+    "\\[default: 0.8]")]
+ReferenceMaxAreaOpt = Annotated[int | None, typer.Option(
+    "--reference-max-area", metavar="PIXELS", help="References above this many pixels are scaled down to it, "
+    "keeping their aspect, before the crop to multiples of 16 \\[default: 1048576 = 1024x1024]")]
 CoordinatorOpt = Annotated[str | None, typer.Option("--coordinator", help="Multi-process run: the coordinator "
                                                     "HOST:PORT (process 0's); TPU slices need no flag.")]
 NumProcessesOpt = Annotated[int | None, typer.Option("--num-processes", help="Multi-process run: how many "

@@ -116,8 +116,16 @@ def png_metadata(plan: RunPlan, run: ImageRun, index: int, options: EngineOption
         seed=run.seeds[index] if plan.latents is None else f"latents:{plan.latents_name}",
         steps=plan.steps, guidance=plan.guidance, size=f"{plan.width}x{plan.height}", model=options.model,
         **options.components, references=list(plan.reference_names), dtype=options.dtype,
-        version=__version__, **({"lora": lora} if lora else {}),
+        version=__version__, **({"lora": lora} if lora else {}), **init_metadata(plan),
     )
+
+
+def init_metadata(plan: RunPlan) -> dict[str, Any]:
+    """An image-to-image or inpainting run's init image, mask and strength (none without them)."""
+    if plan.init_image_name is None:
+        return {}
+    mask = {"mask": plan.mask_name} if plan.mask_name is not None else {}
+    return {"init_image": plan.init_image_name, **mask, "strength": plan.strength}
 
 
 @dataclass
