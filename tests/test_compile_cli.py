@@ -219,8 +219,10 @@ def test_registry_alias_needs_no_download(monkeypatch: pytest.MonkeyPatch) -> No
     configs = P.model_configs("9b")
     assert configs.source == "registry:9b" and configs.transformer["num_layers"] == 8
     assert configs.vae["block_out_channels"] == [128, 256, 512, 512]
-    with pytest.raises(UserInputError):
-        P.RunShape(1000, 1024, configs.geometry)
+    from flux2klein_cli.core.engine.plan import ModelFacts, build_shape
+
+    with pytest.raises(UserInputError, match="height 1000 is not a multiple of 16"):
+        build_shape(ModelFacts.of("9b", configs), dtype=None, height=1000, width=1024)
 
 
 def test_fsdp_rule_splits_the_largest_divisible_dimension() -> None:

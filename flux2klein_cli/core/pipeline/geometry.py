@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flux2klein_cli.core.errors import CheckpointError, UserInputError
+from flux2klein_cli.core.errors import CheckpointError
 
 if TYPE_CHECKING:
     from flux2klein_cli.core.models.vae import VAEConfig
@@ -76,17 +76,5 @@ class LatentGeometry:
     def fits(self, height: int, width: int) -> bool:
         return height > 0 and width > 0 and not height % self.pixels_per_token and not width % self.pixels_per_token
 
-    def check(self, height: int, width: int) -> None:
-        """The one size rule of a run (output and references): exit 2 naming the size."""
-        if not self.fits(height, width):
-            raise UserInputError(f"height and width must be positive multiples of {self.pixels_per_token}, "
-                                 f"got {height}x{width}")
-
     def as_key(self) -> dict[str, int]:
         return {"pixels_per_token": self.pixels_per_token, "channels": self.channels}
-
-
-def check_steps(steps: int) -> None:
-    """The one steps rule of a run, for the CLI's options, RunShape and the pipeline alike."""
-    if steps < 1:
-        raise UserInputError(f"--steps must be at least 1, got {steps}")

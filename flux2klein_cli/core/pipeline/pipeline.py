@@ -373,9 +373,7 @@ class KleinPipeline:
     def output_size(self, request: Request) -> tuple[int, int]:
         conditioning = request.conditioning
         first = conditioning[0].shape[:2] if conditioning else (DEFAULT_SIZE, DEFAULT_SIZE)
-        height, width = request.height or first[0], request.width or first[1]
-        self.geometry.check(height, width)
-        return height, width
+        return request.height or first[0], request.width or first[1]
 
     def denoise(self, inputs: DenoiseInputs, steps: int, per_call: int | None = None,
                 on_step: StepCallback | None = None, compiled: Programs | None = None) -> jax.Array:

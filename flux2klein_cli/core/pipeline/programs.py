@@ -17,10 +17,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flux2klein_cli.core.devices.sharding import BATCH_AXES, batch_shards, constrain
-from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.pipeline import tokens
-from flux2klein_cli.core.pipeline.geometry import LatentGeometry, check_steps
+from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 
 # ----------------------------------------------------------------------------- names
 
@@ -78,21 +77,22 @@ class RunShape:
     mask: bool = False  # inpainting: the init image's mask blends every step
 
     def __post_init__(self) -> None:
-        for h, w in ((self.height, self.width), *self.references):
-            self.geometry.check(h, w)
-        check_steps(self.steps)
-        if min(self.batch, self.prompts, self.max_sequence_length) < 1:
-            raise UserInputError("batch, prompts and max sequence length must be at least 1")
-        if self.kv and not self.references:
-            raise UserInputError("--kv needs at least one reference size (--refs)")
-        if self.batch % self.prompts:
-            raise UserInputError(f"batch {self.batch} is not a multiple of the {self.prompts} prompts")
-        if self.init and (self.kv or not self.references or self.references[0] != (self.height, self.width)):
-            raise UserInputError("an init image is the first reference, at the output size, and no KV edit")
-        if self.mask and not self.init:
-            raise UserInputError("a mask needs an init image")
-        if self.steps_per_call is not None and (self.steps_per_call < 1 or self.steps % self.steps_per_call):
-            raise UserInputError(f"steps per call {self.steps_per_call} does not divide {self.steps} steps")
+        """A shape no run can have is a bug of its builder: requests are checked by their plan
+        (core/engine/plan.py: build_plan / build_shape), once, with messages naming fields."""
+        problems = [
+            (min(self.batch, self.prompts, self.max_sequence_length, self.steps) < 1,
+             "batch, prompts, steps and max sequence length must be at least 1"),
+            (self.kv and not self.references, "a KV edit needs reference sizes"),
+            (self.batch % self.prompts != 0, f"batch {self.batch} is not a multiple of the {self.prompts} prompts"),
+            (self.init and (self.kv or not self.references or self.references[0] != (self.height, self.width)),
+             "an init image is the first reference, at the output size, and no KV edit"),
+            (self.mask and not self.init, "a mask needs an init image"),
+            (self.steps_per_call is not None and (self.steps_per_call < 1 or self.steps % self.steps_per_call != 0),
+             f"steps per call {self.steps_per_call} does not divide {self.steps} steps"),
+        ]
+        for wrong, why in problems:
+            if wrong:
+                raise ValueError(f"RunShape: {why}")
 
     @property
     def grid(self) -> tuple[int, int]:
