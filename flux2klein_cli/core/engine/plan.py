@@ -217,9 +217,9 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
     if fields.kv and not model.kv:
         raise FieldError("kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
                          f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
-    if fields.height is not None or fields.width is not None:  # what was given fails before any image is read
-        check_size(fields.height or model.geometry.pixels_per_token, fields.width or model.geometry.pixels_per_token,
-                   model)
+    sized = fields.height is not None and fields.width is not None
+    if sized:  # a size given whole fails before any image is read; else once it is known, below
+        check_size(fields.height, fields.width, model)  # type: ignore[arg-type]
     conditioning = check_conditioning(fields)
     max_area = check_max_area(fields.reference_max_area, model)
     multiple = model.geometry.pixels_per_token
@@ -233,11 +233,13 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
     init = read_init_image(fields, model) if fields.init_image is not None else None
     side = model.default_side
     first = init[1].shape[:2] if init else references[0].shape[:2] if references else (side, side)
-    height, width = fields.height or int(first[0]), fields.width or int(first[1])
+    height = int(first[0]) if fields.height is None else fields.height
+    width = int(first[1]) if fields.width is None else fields.width
     if init and (height, width) != tuple(first):
         raise FieldError("height" if height != first[0] else "width",
                          f"is set by the init image ({{field:init_image}}: {first[1]}x{first[0]}); drop it")
-    check_size(height, width, model)
+    if not sized:
+        check_size(height, width, model)
     latents = None
     if fields.latents is not None:
         from flux2klein_cli.core.runs.image_files import load_latents
