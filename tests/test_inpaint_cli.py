@@ -101,3 +101,35 @@ def test_an_inpaint_run_compiles_nothing_in_a_second_process(tiny_checkpoint: Pa
     # A text-to-image run's denoise program is not the inpainting one: it misses in the same store.
     plain = worker(tiny_checkpoint, store)
     assert plain["statuses"]["denoise"] == "miss"
+
+
+@pytest.mark.slow
+def test_parity_with_an_init_image_and_a_mask(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    import json
+
+    images(tmp_path)
+    result = runner.invoke(app, ["parity", "--model", str(tiny_checkpoint), "--steps", "3", "--init-image",
+                                 str(tmp_path / "init.png"), "--mask", str(tmp_path / "mask.png"), "--strength", "0.7",
+                                 "--out-dir", str(tmp_path / "parity"), "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["pipeline"] == "Flux2KleinInpaintPipeline" and (report["width"], report["height"]) == (128, 96)
+    assert report["ssim"] >= 0.999 and report["max_diff"] <= 2, report
+
+
+def test_reference_max_area_sizes_references_and_keys_batches(tmp_path: Path) -> None:
+    from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, build_plan
+    from flux2klein_cli.core.errors import FieldError
+
+    Image.fromarray(np.zeros((300, 400, 3), np.uint8)).save(tmp_path / "ref.png")
+    from flux2klein_cli.core.compile.specs import model_configs
+
+    facts = ModelFacts.of("tiny", model_configs("tiny"))
+    fields = RunFields(prompts=("x",), references=(tmp_path / "ref.png",))
+    default = build_plan(fields, facts)
+    small = build_plan(RunFields(prompts=("x",), references=(tmp_path / "ref.png",), reference_max_area=128 * 128),
+                       facts)
+    assert default.reference_sizes == ((288, 400),) and small.reference_sizes == ((96, 144),)
+    assert default.batch_key() != small.batch_key()
+    with pytest.raises(FieldError, match="reference_max_area"):
+        build_plan(RunFields(prompts=("x",), references=(tmp_path / "ref.png",), reference_max_area=0), facts)

@@ -33,14 +33,18 @@ def parity(
                        ] = Path("parity"),
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing files in --out-dir.")] = False,
     lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
+    init_image: o.InitImageOpt = None,
+    mask: o.MaskOpt = None,
+    strength: o.StrengthOpt = None,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,
 ) -> None:
     """Compare with diffusers' pipeline: SSIM, PSNR and max pixel difference.
 
-    Needs the \\[parity] extra (torch, diffusers). Writes both images and a difference image;
-    exits 1 when SSIM is below --threshold.
+    Needs the \\[parity] extra (torch, diffusers). With --init-image (and --mask), against
+    diffusers' Flux2KleinInpaintPipeline, the noise drawn by torch from --seed. Writes both
+    images and a difference image; exits 1 when SSIM is below --threshold.
 
     Example: flux2klein parity --model 4b --steps 4 --height 512 --width 512 --json
     """
@@ -56,6 +60,7 @@ def parity(
             model=model, resolve=partial(resolve_composed, transformer=transformer, vae=vae),
             prompt=prompt, references=list(image), height=height, width=width,
             steps=steps, guidance=guidance, seed=seed, dtype=dtype.value, out_dir=out_dir, force=force, lora=lora,
+            init_image=init_image, mask=mask, strength=strength,
         )
     passed = report["ssim"] >= threshold
     report["threshold"], report["passed"] = threshold, passed

@@ -209,8 +209,12 @@ def parity_check(
     out_dir: Any,
     force: bool,
     lora: list[str] | None = None,
+    init_image: Path | None = None,
+    mask: Path | None = None,
+    strength: float | None = None,
 ) -> dict[str, Any]:
-    """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk."""
+    """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk. With
+    `init_image` (and `mask`), against diffusers' inpaint pipeline."""
     from flux2klein_cli.core.choices import jax_dtype
     from flux2klein_cli.core.runs.image_files import plan_outputs, write_png
     from flux2klein_cli.core.runs.images import load_reference, preprocess_reference
@@ -230,7 +234,10 @@ def parity_check(
     chosen = sampling(pipeline.snapshot.is_distilled, steps, guidance)
     request = Request(prompts=[prompt], steps=chosen.steps, guidance=chosen.guidance,
                       height=height, width=width, seed=seed, references=processed)
-    run = run_parity(pipeline, request, pil, dtype)
+    init = None
+    if init_image is not None or mask is not None or strength is not None:
+        init = _init_images(pipeline, request, init_image, mask, strength)
+    run = run_parity(pipeline, request, pil, dtype, init)
     meta = dict(prompt=prompt, seed=seed, steps=request.steps, guidance=request.guidance, model=model)
     for name, image in (("ours", run.ours[0]), ("diffusers", run.reference[0]),
                         ("diff", difference_image(run.ours[0], run.reference[0]))):
@@ -242,4 +249,31 @@ def parity_check(
         psnr=psnr if math.isfinite(psnr) else None, max_diff=run.metrics.max_diff,
         files={name: str(path) for name, path in targets.items()},
         lora=pipeline.lora.records() if pipeline.lora else [],
+        **({} if init is None else {"init_image": str(init_image), "mask": None if mask is None else str(mask),
+                                    "strength": request.strength, "pipeline": INPAINT_PIPELINE}),
     )
+
+
+def _init_images(pipeline: KleinPipeline, request: Request, init_image: Path | None, mask: Path | None,
+                 strength: float | None) -> InitImages:
+    """The init image and mask read and prepared as a plan prepares them, set on `request`."""
+    from flux2klein_cli.core.engine.plan import DEFAULT_STRENGTH
+    from flux2klein_cli.core.errors import FieldError
+    from flux2klein_cli.core.runs import conditioning
+    from flux2klein_cli.core.runs.images import load_reference
+
+    if init_image is None:
+        raise FieldError("mask" if mask is not None else "strength", "needs an init image ({field:init_image})")
+    strength = DEFAULT_STRENGTH if strength is None else strength
+    if not 0.0 < strength <= 1.0:
+        raise FieldError("strength", f"must be a number in (0, 1], got {strength!r}")
+    multiple = pipeline.geometry.pixels_per_token
+    init_pil = load_reference(init_image)
+    request.init_image, request.strength = conditioning.preprocess_init_image(init_pil, multiple_of=multiple), strength
+    request.height, request.width = request.init_image.shape[:2]
+    mask_pil = None
+    if mask is not None:
+        mask_pil = load_reference(mask)
+        binary = conditioning.preprocess_mask(mask_pil, init_pil.size, multiple_of=multiple)
+        request.mask = conditioning.mask_to_grid(binary, pipeline.geometry.grid(request.height, request.width))
+    return InitImages(init_pil, mask_pil)
