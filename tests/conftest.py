@@ -17,7 +17,14 @@ if "FLUX2KLEIN_COMPILE_CACHE" not in os.environ:  # a private store for the sess
     os.environ["FLUX2KLEIN_COMPILE_CACHE"] = _SESSION_STORE
     atexit.register(shutil.rmtree, _SESSION_STORE, ignore_errors=True)
 
+import importlib.util  # noqa: E402
+
 import pytest  # noqa: E402
+
+# The server's tests need the [serve] extra; a base install (the base tier) does not collect them,
+# as `-m "not reference"` leaves out the ones that need torch.
+SERVE_EXTRA = ("fastapi", "uvicorn", "prometheus_client", "httpx", "openai")
+collect_ignore_glob = [] if all(importlib.util.find_spec(m) for m in SERVE_EXTRA) else ["test_serve*.py"]
 
 from tests.fixtures.checkpoint import build_checkpoint  # noqa: E402
 from tests.fixtures.reference import REFERENCE_FIXTURE_NAMES, needs_reference  # noqa: E402

@@ -21,13 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+# httpx and openai come with the [serve] and [dev] extras: tests/conftest.py collects this file only then.
+import httpx
+import openai
 import pytest
-
-httpx = pytest.importorskip("httpx")
-openai = pytest.importorskip("openai")
-pytest.importorskip("fastapi")
-pytest.importorskip("prometheus_client")
-from PIL import Image  # noqa: E402
+from PIL import Image
 
 KEY = "serve-test-key-0123456789"
 START_TIMEOUT = 300.0  # the first server compiles its warm shapes (two batch sizes) on a shared CPU
