@@ -271,3 +271,49 @@ def test_a_failure_at_image_k_keeps_and_names_the_images_written(tiny_checkpoint
     assert json.loads(result.stdout) == {"error": json.loads(result.stdout)["error"], "outputs": written}
     assert "2 of 4 images were written" in result.stderr and all(w in result.stderr for w in written)
     assert sorted(str(p) for p in tmp_path.iterdir()) == written
+
+
+# --- a signal as the command ends: after it returned, and during Python's own shutdown
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_a_signal_after_the_command_returned_exits_130(signum: int, tmp_path: Path) -> None:
+    """The command's work is done (its result is on stdout); the signal is still answered: one
+    `interrupted`, exit 130, never death by the signal with no message."""
+    mark = tmp_path / "exiting"
+    proc = _start(["fetch", "tiny"], _env(tmp_path, FLUX2KLEIN_TEST_EXIT_MARK=str(mark)))
+    _wait_for(proc, mark.exists, "the command returned")
+    code, out, err = _interrupt(proc, signum)
+    assert code == 130, err
+    assert err.splitlines()[-1] == "interrupted" and err.splitlines().count("interrupted") == 1, err
+    assert "Traceback" not in err
+    assert out.strip() == str(tmp_path / "cache" / "tiny-v1")
+
+
+LATE = textwrap.dedent("""
+    import os, signal, sys, time
+    from flux2klein_cli.cli import main
+
+    main.install_handlers()
+    MODE = sys.argv[1]
+
+    class Slow:  # destroyed as modules are torn down, after Python put the default handlers back
+        def __del__(self, mode=MODE, os=os, signal=signal, time=time):
+            if mode == "signal":
+                os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)
+
+    slow = Slow()
+    if MODE == "timer":
+        signal.setitimer(signal.ITIMER_REAL, 0.1)  # a retry timer still pending as the process ends
+""")
+
+
+@pytest.mark.parametrize("mode", ["signal", "timer"])
+def test_a_signal_or_a_timer_in_the_last_moments_is_ignored(mode: str, tmp_path: Path) -> None:
+    """Past the last exit hook nothing can be answered any more: the signal (or the pending retry
+    timer's SIGALRM) is ignored, and the process ends with its own code instead of dying of it."""
+    done = subprocess.run([sys.executable, "-c", LATE, mode], env=_env(tmp_path), capture_output=True, text=True,
+                          preexec_fn=_as_at_a_terminal, timeout=DEADLINE_S)
+    assert (done.returncode, done.stderr) == (0, "")

@@ -7,12 +7,18 @@ KeyboardInterrupt, so neither click (which turns that into "Aborted!" and exit 1
 the main thread is stuck in native code (an XLA compile), forces the same exit if the process has not
 ended a few seconds later, or at once on a second signal, removing live temporaries first.
 
+Once the command has returned, a signal no longer raises: it is noted, and the exit is 130 with
+`interrupted`. Python's own shutdown restores the default handlers (which kill the process with no
+message) and then tears modules down for a while, so the exit hook registered first (it runs last)
+cancels the retry timer and sets SIGINT, SIGTERM and SIGALRM to be ignored before that happens.
+
 Only the standard library is imported here: the handlers are in place before jax, so a signal
 during the imports is handled too.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.abc
 import importlib.machinery
 import os
@@ -27,7 +33,10 @@ EXIT_INTERRUPTED = 130
 GRACE_S = 4.0  # time the main thread gets to clean up before the watchdog exits for it
 _RETRY_S = 0.02
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state = {"signalled": False, "announced": False}
+_state = {"signalled": False, "announced": False, "exiting": False, "hooked": False}
+# Test hook: a path; once the command has returned, the exit touches it and waits (10 s at most) for a
+# signal, so a test can send one during the interpreter's shutdown (tests/test_interrupts.py).
+TEST_EXIT_MARK = "FLUX2KLEIN_TEST_EXIT_MARK"
 
 
 class Interrupted(BaseException):
@@ -38,7 +47,8 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     if _state["signalled"]:
         return  # the watchdog handles a second signal; raising again could cut a cleanup short
     _state["signalled"] = True
-    _raise_soon(frame)
+    if not _state["exiting"]:
+        _raise_soon(frame)
 
 
 def _raise_soon(frame: FrameType | None) -> None:
@@ -54,7 +64,8 @@ def _raise_soon(frame: FrameType | None) -> None:
 
 
 def _retry(signum: int, frame: FrameType | None) -> None:
-    _raise_soon(frame)
+    if not _state["exiting"]:
+        _raise_soon(frame)
 
 
 def _unraisable(unraisable: sys.UnraisableHookArgs) -> None:
@@ -112,6 +123,10 @@ def install_handlers() -> None:
     # Imported now, not by the watchdog: the main thread may hold the import lock when it fires.
     import flux2klein_cli.core.temporaries  # noqa: F401
 
+    _state["exiting"] = False
+    if not _state["hooked"]:  # first, so it runs after every exit hook the imports register
+        _state["hooked"] = True
+        atexit.register(_at_exit)
     read_fd, write_fd = os.pipe()
     os.set_blocking(write_fd, False)
     os.set_blocking(read_fd, False)
@@ -121,6 +136,32 @@ def install_handlers() -> None:
     signal.signal(signal.SIGALRM, _retry)
     _reinstall()
     sys.meta_path.insert(0, _XlaBridgeHook())
+
+
+def _at_exit() -> None:
+    """The last exit hook: from here on a signal is ignored (Python's shutdown would otherwise put
+    the default handlers back); one that came since the command returned makes the exit 130."""
+    _state["exiting"] = True
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    for signum in (*_SIGNALS, signal.SIGALRM):
+        signal.signal(signum, signal.SIG_IGN)
+    if _state["signalled"]:
+        _announce()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(EXIT_INTERRUPTED)
+
+
+def _pause_for_test() -> None:
+    """FLUX2KLEIN_TEST_EXIT_MARK's exit hook (registered last, so it runs first)."""
+    with open(os.environ[TEST_EXIT_MARK], "w"):
+        pass
+    deadline = time.monotonic() + 10.0
+    while not _state["signalled"] and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _reinstall() -> None:
@@ -194,9 +235,14 @@ def _run() -> int | str | None:
 
 def main() -> None:
     try:
-        code = _run()
+        try:
+            code = _run()
+        finally:
+            _state["exiting"] = True  # the command is over: a signal from now on is noted, not raised
     except (Interrupted, KeyboardInterrupt):  # the signal came while _run was handling an exit
         code = EXIT_INTERRUPTED
+    if os.environ.get(TEST_EXIT_MARK):
+        atexit.register(_pause_for_test)
     if _state["signalled"] or code == EXIT_INTERRUPTED:
         # Also when a library swallowed the exception and the command went on: the user asked to stop.
         _announce()
