@@ -295,3 +295,41 @@ def test_help_shows_no_type_after_flags(command: str) -> None:
     assert "--force" in lines and "--help" in lines
     if command == "generate":
         assert "<int>" in lines["--steps"]  # value-taking options keep their type
+
+
+# --- FLUX2KLEIN_XLA_CACHE ---------------------------------------------------------------------------------
+
+
+def test_xla_cache_variable_must_name_a_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from flux2klein_cli.core.devices import runtime
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    monkeypatch.setenv("FLUX2KLEIN_XLA_CACHE", str(notes))
+    with pytest.raises(UserInputError, match=rf"^FLUX2KLEIN_XLA_CACHE='{notes}': {notes} is not a folder$"):
+        runtime.xla_cache_dir()
+    monkeypatch.setenv("FLUX2KLEIN_XLA_CACHE", str(notes / "xla"))
+    with pytest.raises(UserInputError, match=f"is under {notes}, which is not a folder$"):
+        runtime.xla_cache_dir()
+    for fine in (tmp_path / "new" / "xla", tmp_path):  # yet to be made, or a folder
+        monkeypatch.setenv("FLUX2KLEIN_XLA_CACHE", str(fine))
+        assert runtime.xla_cache_dir() == fine
+    monkeypatch.setenv("FLUX2KLEIN_XLA_CACHE", "off")
+    assert runtime.xla_cache_dir() is None
+
+
+def test_generate_refuses_an_xla_cache_that_is_a_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from flux2klein_cli.cli.app import app
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("x")
+    monkeypatch.setenv("FLUX2KLEIN_XLA_CACHE", str(notes))
+    out = tmp_path / "out"
+    out.mkdir()
+    done = CliRunner().invoke(app, ["generate", "x", "--model", "tiny", "--height", "64", "--width", "64",
+                                    "--steps", "1", "-o", str(out / "x.png")])
+    assert done.exit_code == 2, done.output
+    assert done.stderr.splitlines() == [f"error: FLUX2KLEIN_XLA_CACHE='{notes}': {notes} is not a folder"]
+    assert list(out.iterdir()) == [] and notes.read_text() == "x"

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flux2klein_cli.core.cache_paths import xla_dir
+from flux2klein_cli.core.errors import UserInputError
 
 CACHE_ENV = "FLUX2KLEIN_XLA_CACHE"
 
@@ -15,13 +16,25 @@ def xla_cache_dir() -> Path | None:
     """Where jax's own persistent compilation cache lives, when FLUX2KLEIN_XLA_CACHE names a
     folder (`on`: the default folder); off otherwise. Off by default: the executable store holds
     every program of a run, and on CPU an executable that jax also wrote to its cache was
-    stored without its fused kernels (the next process recompiled it)."""
+    stored without its fused kernels (the next process recompiled it). A path that is (or lies
+    under) something other than a folder is one line naming the variable, as the other
+    FLUX2KLEIN_* variables are checked (core/models/cpu_matmul.py)."""
     value = os.environ.get(CACHE_ENV)
     if value is None or value.lower() in ("", "0", "off", "false", "no"):
         return None
-    if value.lower() in ("1", "on", "true", "yes"):
-        return xla_dir()
-    return Path(value).expanduser()
+    cache = xla_dir() if value.lower() in ("1", "on", "true", "yes") else Path(value).expanduser()
+    for path in (cache, *cache.parents):  # the nearest part that exists must be a folder
+        try:
+            if not path.exists():
+                continue
+            is_dir = path.is_dir()
+        except OSError:  # unreadable: configure_jax's own check decides (an unwritable cache only costs speed)
+            break
+        if not is_dir:
+            where = "is not a folder" if path == cache else f"is under {path}, which is not a folder"
+            raise UserInputError(f"{CACHE_ENV}={value!r}: {cache} {where}")
+        break
+    return cache
 
 
 def configure_jax(warn: Callable[[str], None] | None = None) -> None:

@@ -210,7 +210,10 @@ def xla_cache_report() -> XlaCacheReport:
     from flux2klein_cli.core.devices.runtime import CACHE_ENV, xla_cache_dir
 
     setting = os.environ.get(CACHE_ENV)
-    cache = xla_cache_dir()
+    try:
+        cache = xla_cache_dir()
+    except Flux2KleinError as e:  # not a folder: a run would refuse it
+        return XlaCacheReport(setting, "refused", setting, str(e), 0, 0)
     if cache is None:
         return XlaCacheReport(setting, "off", None, None, 0, 0)
     if not cache.exists():
