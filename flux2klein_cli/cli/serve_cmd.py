@@ -40,6 +40,9 @@ def serve(
     dtype: o.DtypeOpt = o.Dtype.bf16,
     mesh: o.MeshOpt = None,
     tpu: o.TpuOpt = None,
+    coordinator: o.CoordinatorOpt = None,
+    num_processes: o.NumProcessesOpt = None,
+    process_id: o.ProcessIdOpt = None,
     compile_cache: o.CompileCacheOpt = None,
     no_save: o.NoSaveOpt = False,
     effort: o.EffortOpt = o.Effort.default,
@@ -51,6 +54,10 @@ def serve(
 
     Needs the \\[serve] extra. Endpoints: POST /v1/images/generations, POST /v1/images/edits,
     POST /v1/jobs, GET and DELETE /v1/jobs/ID, GET /healthz, /readyz, /metrics. SIGTERM drains.
+
+    On a multi-host TPU slice (or CPU processes given --coordinator, --num-processes and
+    --process-id) every process runs this command: process 0 serves HTTP and sends each batch
+    to the others, which run it with it.
 
     Example: flux2klein serve --model 4b --port 8000 --warm 1024x1024 --max-batch 8
     """
@@ -65,7 +72,9 @@ def serve(
         from flux2klein_cli.core.hub.snapshot import resolve_model
         from flux2klein_cli.core.serve.server import serve as run_server
 
-        engine = EngineOptions(model=model, dtype=dtype.value, devices=DeviceOptions(mesh=mesh, tpu=tpu),
+        engine = EngineOptions(model=model, dtype=dtype.value, devices=DeviceOptions(
+                                   mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes,
+                                   process_id=process_id),
                                compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,
                                transformer=transformer, vae=vae, lora=tuple(lora), kv_cache_dir=kv_cache_dir,
                                kv_memory=kv_memory)

@@ -170,6 +170,12 @@ class Batcher:
             self._accepting, self._closed = False, True
             self._cond.notify_all()
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the worker to end after `close` (the batch it runs finishes); True once it has."""
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     # --------------------------------------------------------------------- the worker thread
 
     def _take(self) -> list[Ticket] | None:

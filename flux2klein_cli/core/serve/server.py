@@ -62,8 +62,19 @@ def serve(options: ServeOptions, resolve: Callable[[str], Path], *, warn: Note, 
     from flux2klein_cli.core.serve.service import Service
 
     engine = open_engine(options.engine, resolve, warn=warn, on_phase=note)
+    import jax
+
+    lockstep = None
+    if jax.process_count() > 1:  # process 0 serves; every process runs each batch
+        from flux2klein_cli.core.serve.multihost import Lockstep, follow
+
+        if jax.process_index() != 0:
+            note(f"process {jax.process_index()} of {jax.process_count()}: running process 0's batches")
+            note(f"stopped after {follow(engine.run_batch, note)} batch(es)")
+            return
+        lockstep = Lockstep(engine.run_batch)
     metrics = Metrics(options.max_batch)
-    service = Service(engine, options, metrics)
+    service = Service(engine, options, metrics, run_batch=lockstep.run_batch if lockstep else None)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn's server whose first signal drains (ours) and second exits at once."""
@@ -83,7 +94,12 @@ def serve(options: ServeOptions, resolve: Callable[[str], Path], *, warn: Note, 
     server = DrainingServer(config)
     service.batcher.start()  # warms on the worker thread; /readyz turns 200 after it
     threading.Thread(target=_report_ready, args=(service, options, server, note), daemon=True).start()
-    server.run()
+    try:
+        server.run()
+    finally:
+        # The stop goes after the worker's last batch: the processes' collectives stay in order.
+        if lockstep is not None and service.batcher.join(timeout=options.drain_timeout + 60):
+            lockstep.stop()
     if service.batcher.start_error is not None:
         raise Flux2KleinError(f"warming up failed: {service.batcher.start_error}")
     if not service.draining:  # uvicorn stopped on its own

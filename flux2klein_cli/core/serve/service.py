@@ -7,7 +7,7 @@ import base64
 import io
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,9 +105,13 @@ def image_data(run: ImageRun) -> list[dict[str, str]]:
 class Service:
     """The engine, the batcher in front of it, the jobs and the metrics; HTTP-free."""
 
-    def __init__(self, engine: Engine, options: ServeOptions, metrics: Any = None):
+    def __init__(self, engine: Engine, options: ServeOptions, metrics: Any = None,
+                 run_batch: Callable[[Sequence[RunPlan]], Sequence[ImageRun]] | None = None):
+        """`run_batch`: how a batch runs (default: the engine's; on several processes, the
+        lockstep one of core/serve/multihost.py, which first sends the batch to the others)."""
         self.engine, self.options, self.metrics = engine, options, metrics
-        self.batcher = Batcher(self.engine.run_batch, max_batch=options.max_batch,
+        self.run_batch = run_batch or engine.run_batch
+        self.batcher = Batcher(self.run_batch, max_batch=options.max_batch,
                                wait_s=options.batch_wait_ms / 1000, queue_size=options.queue,
                                pad=options.pad_batches, on_batch=self._on_batch, on_depth=self._on_depth,
                                before_first=self.warm)
@@ -150,7 +154,7 @@ class Service:
                                               max_sequence_length=self.options.max_sequence_length))
             for count in counts:
                 log.info("warming %dx%d at batch %d", width, height, count)
-                self.engine.run_batch([plan] * count)
+                self.run_batch([plan] * count)
         self._on_depth(0)
 
     def count_error(self, error: ApiError) -> None:
