@@ -67,7 +67,7 @@ def test_check_int_refuses_non_integers() -> None:
     (64, 8, "width must be at least 16 px"),
     (LIMITS.max_side + 16, 64, "height must be at most 16384 px"),
     (65, 64, "height 65 is not a multiple of 16; use 64 or 80"),
-    (LIMITS.max_side, LIMITS.max_side, "height x width is 16384x16384"),
+    (LIMITS.max_side, LIMITS.max_side, "width x height is 16384x16384"),
 ])
 def test_size(height: int, width: int, words: str) -> None:
     with pytest.raises(UserInputError, match=words):

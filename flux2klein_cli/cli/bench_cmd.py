@@ -144,7 +144,7 @@ def _gib(n: int | None) -> str:
 
 
 def _plan_table(result: dict[str, Any]) -> None:
-    table = Table(title=f"{result['model']} for {result['slice']['preset']}: {result['height']}x{result['width']}, "
+    table = Table(title=f"{result['model']} for {result['slice']['preset']}: {result['width']}x{result['height']}, "
                         f"batch {result['batch']}, {result['steps']} steps, {result['dtype']} (compiled, not run)")
     for column in ("program", "store", "compile s", "peak GiB/chip", "GFLOP", "GB accessed", "est. ms"):
         table.add_column(column, justify="left" if column in ("program", "store") else "right")
@@ -164,8 +164,8 @@ def _plan_table(result: dict[str, Any]) -> None:
 
 
 def _compile_table(result: dict[str, Any]) -> None:
-    table = Table(title=f"{result['model']} transformer-compile ({result['layers']}, {result['height']}x"
-                        f"{result['width']}, batch {result['batch']})")
+    table = Table(title=f"{result['model']} transformer-compile ({result['layers']}, {result['width']}x"
+                        f"{result['height']}, batch {result['batch']})")
     for column in ("step", "min s", "median s"):
         table.add_column(column, justify="left" if column == "step" else "right")
     for key in ("lower_s", "compile_s", "total_s"):
@@ -177,7 +177,7 @@ def _pipeline_table(result: dict[str, Any]) -> None:
     refs = result["references"]
     edit = f", {len(refs)} reference(s) ({', '.join(refs)})" if refs else ""
     runs = {"plain": result} | ({"kv": result["kv"]} if "kv" in result else {})
-    table = Table(title=f"{result['model']} {result['height']}x{result['width']}, batch {result['batch']}, "
+    table = Table(title=f"{result['model']} {result['width']}x{result['height']}, batch {result['batch']}, "
                         f"{result['steps']} steps, {result['dtype']}{edit}")
     table.add_column("phase")
     for name in runs:
@@ -239,7 +239,7 @@ def _executables_table(result: dict[str, Any], runs: dict[str, dict[str, Any]]) 
 
 
 def _ttfi_table(result: dict[str, Any]) -> None:
-    table = Table(title=f"time to first image: {result['model']} {result['height']}x{result['width']}, "
+    table = Table(title=f"time to first image: {result['model']} {result['width']}x{result['height']}, "
                         f"{result['steps']} steps, {result['dtype']}")
     for column in ("run", "min s", "median s", "vs diffusers"):
         table.add_column(column, justify="left" if column == "run" else "right")

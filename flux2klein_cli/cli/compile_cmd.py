@@ -107,7 +107,7 @@ def _mib(n: int | None) -> str:
 def _table(report: dict[str, Any]) -> None:
     target = report["target"]
     where = report.get("tpu", {}).get("preset") or f"{target['device_kind']} x{target['device_count']}"
-    table = Table(title=f"{report['model']} {report['height']}x{report['width']}, batch {report['batch']}, "
+    table = Table(title=f"{report['model']} {report['width']}x{report['height']}, batch {report['batch']}, "
                         f"{report['steps']} steps on {where}, {target.get('effort', 'default')} effort")
     for column in ("program", "status", "lower s", "compile s", "load s", "peak MiB/device", "with weights MiB"):
         table.add_column(column, justify="left" if column in ("program", "status") else "right")

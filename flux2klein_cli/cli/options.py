@@ -88,7 +88,7 @@ CompileCacheOpt = Annotated[Path | None, typer.Option(
 OldCacheDirOpt = Annotated[Path | None, typer.Option("--cache-dir", hidden=True)]
 RefsOpt = Annotated[str | None, typer.Option(
     "--refs", help="The edit's references: a count, that many at the output size (e.g. 2), or their sizes, "
-    "HxW comma-separated (e.g. 1024x1024,768x1024).")]
+    "HEIGHTxWIDTH comma-separated, height first (e.g. 1024x1024,768x1024); reports print WIDTHxHEIGHT.")]
 NoSaveOpt = Annotated[bool, typer.Option("--no-save", help="Use stored executables but store no new ones.")]
 RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub branch, tag or commit (default: main).")]
 OfflineOpt = Annotated[bool, typer.Option("--offline", help="Use the local Hugging Face cache only (as "

@@ -49,7 +49,7 @@ class Limits:
             ("steps", f"1 .. {self.steps}", "denoising steps"),
             ("height, width", f"{self.size_multiple} .. {self.max_side} px, a multiple of the model's "
                               f"pixels per token ({self.size_multiple})", "output size per side"),
-            ("height x width", f"at most {self.max_pixels} px ({_square(self.max_pixels)})", "output pixels"),
+            ("width x height", f"at most {self.max_pixels} px ({_square(self.max_pixels)})", "output pixels"),
             ("prompt", f"at most {self.prompt_bytes} bytes (UTF-8)", "each prompt and the negative prompt"),
             ("max_sequence_length", f"1 .. {self.prompt_tokens} tokens", "prompt tokens (padded and truncated)"),
             ("references", f"at most {self.references}", "reference images per edit"),
@@ -124,7 +124,7 @@ def check_size(height: int, width: int, multiple: int = LIMITS.size_multiple) ->
             lower = value - value % multiple
             raise FieldError(field, f"{value} is not a multiple of {multiple}; use {lower} or {lower + multiple}")
     if height * width > LIMITS.max_pixels:
-        raise FieldError("height", f"x width is {height}x{width} = {height * width} px; the limit is "
+        raise FieldError("width", f"x {{field:height}} is {width}x{height} = {width * height} px; the limit is "
                              f"{LIMITS.max_pixels} px ({_square(LIMITS.max_pixels)})")
 
 

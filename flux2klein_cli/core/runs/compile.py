@@ -130,7 +130,7 @@ def _report(opts: CompileOptions, configs: Any, run: Any, target: Any, store: An
     return {
         "model": opts.model, "source": configs.source, "height": run.height, "width": run.width,
         "batch": run.batch, "prompts": run.prompts, "steps": run.steps, "cfg": run.cfg,
-        "references": [f"{h}x{w}" for h, w in run.references], "dtype": opts.dtype,
+        "references": [f"{w}x{h}" for h, w in run.references], "dtype": opts.dtype,
         "target": target.describe(), "store": str(store.root), "parallel": parallel,
         "programs": programs, "resident_bytes_per_device": resident,
         "peak_bytes_per_device": max(needs) if needs else 0, "wall_s": wall,

@@ -96,7 +96,7 @@ def bench_pipeline(
                       height=height, width=width, references=refs)
     result = dict(load_s=load_s, load_components_s=pipeline.models.seconds,
                   lora=pipeline.lora.records() if pipeline.lora else [], steps=request.steps, batch=batch,
-                  height=height, width=width, references=[f"{h}x{w}" for h, w in references], store=store_info,
+                  height=height, width=width, references=[f"{w}x{h}" for h, w in references], store=store_info,
                   **_time_request(pipeline, request, reps),
                   devices=device_memory(pipeline))
     if not kv:
