@@ -81,7 +81,7 @@ def test_the_three_formats_give_the_same_requests(tmp_path: Path) -> None:
 @pytest.mark.parametrize("line, message", [
     ("not json", "is not JSON"), ('["a list"]', "must be a JSON object"), ('{"steps": 2}', "prompt is missing"),
     ('{"prompt": "x", "colour": 1}', "unknown field 'colour'"), ('{"prompt": "x", "steps": "4"}', "whole number"),
-    ('{"prompt": "x", "seed": 1, "seeds": [2]}', "not both"), ('{"prompt": "x", "mask": "m.png"}', "not supported"),
+    ('{"prompt": "x", "seed": 1, "seeds": [2]}', "not both"), ('{"prompt": "x", "strength": "0.5"}', "finite number"),
     ('{"prompt": "x", "seeds": [-1]}', "seed must be at least 0"),
 ])
 def test_a_bad_line_is_an_entry_with_its_reason(tmp_path: Path, line: str, message: str) -> None:

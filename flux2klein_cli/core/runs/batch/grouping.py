@@ -17,11 +17,11 @@ import re
 import string
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import PurePosixPath
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from flux2klein_cli.core import limits
-from flux2klein_cli.core.engine.plan import ModelFacts, RunPlan, build_plan
+from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan
 from flux2klein_cli.core.errors import FieldError, UserInputError
 from flux2klein_cli.core.runs.batch.manifest import Entry
 
@@ -127,11 +127,29 @@ def check_output_name(name: str) -> str:
     return normal
 
 
+def input_files(fields: RunFields | None) -> dict[str, str]:
+    """sha256 of each file a request reads (references, init image, mask), by path: a file
+    changed in place is a new request though its line is not."""
+    if fields is None:
+        return {}
+    paths = [*fields.references, fields.init_image, fields.mask]
+    out: dict[str, str] = {}
+    for path in paths:
+        if isinstance(path, PurePath) and str(path) not in out:
+            try:
+                out[str(path)] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+            except OSError:
+                out[str(path)] = "unreadable"  # planning already refused it; the run will again
+    return out
+
+
 def digest(entry: Entry, seeds: Sequence[int], outputs: Sequence[str], engine: dict[str, Any]) -> str:
     """sha256 of everything that decides the item's images and names: the line's fields with
-    the defaults applied, its seeds and outputs, and the engine (model, dtype, LoRAs)."""
+    the defaults applied, the content of the files they name, its seeds and outputs, and the
+    engine (model, dtype, LoRAs)."""
     fields = asdict(entry.fields) if entry.fields is not None else {}
-    record = dict(fields=fields, seeds=list(seeds), outputs=list(outputs), engine=engine)
+    record = dict(fields=fields, files=input_files(entry.fields), seeds=list(seeds), outputs=list(outputs),
+                  engine=engine)
     text = json.dumps(record, sort_keys=True, default=str)
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 

@@ -101,9 +101,10 @@ def _wholes(name: str, value: Any) -> tuple[int, ...]:
 READERS: dict[str, Callable[[str, Any], Any]] = {
     "prompt": _text, "negative_prompt": _text, "seed": _whole, "seeds": _wholes, "num_images": _whole,
     "height": _whole, "width": _whole, "steps": _whole, "guidance": _number, "max_sequence_length": _whole,
-    "images": _texts, "kv": _flag, "output": _text,
+    "images": _texts, "kv": _flag, "output": _text, "init_image": _text, "mask": _text, "strength": _number,
+    "reference_max_area": _whole,
 }
-NOT_YET = {"mask", "strength"}  # image conditioning: not in this version
+FILE_FIELDS = ("init_image", "mask")  # one path each, relative to the manifest like `images`
 
 
 def entry_from_object(obj: Any, *, index: int, line: int, text: str, defaults: RunFields, base: Path,
@@ -114,10 +115,7 @@ def entry_from_object(obj: Any, *, index: int, line: int, text: str, defaults: R
             raise LineError(f"must be a JSON object, got {type(obj).__name__}")
         unknown = sorted(set(obj) - set(READERS))
         if unknown:
-            name = unknown[0]
-            if name in NOT_YET:
-                raise LineError(f"{name} is not supported by this version")
-            raise LineError(f"unknown field {name!r} (fields: {', '.join(READERS)})")
+            raise LineError(f"unknown field {unknown[0]!r} (fields: {', '.join(READERS)})")
         values = {name: READERS[name](name, value) for name, value in obj.items()}
         if "prompt" not in values:
             raise LineError("prompt is missing")
@@ -132,6 +130,11 @@ def entry_from_object(obj: Any, *, index: int, line: int, text: str, defaults: R
             values.update(seed=seeds[0], num_images=len(seeds))
         template = values.pop("output", output)
         references = tuple(p if Path(p).is_absolute() else base / p for p in map(Path, values.pop("images", ())))
+        for name in FILE_FIELDS:
+            if name in values:
+                if not values[name]:
+                    raise LineError(f"{name} must be a file name, got \"\"")
+                values[name] = Path(values[name]) if Path(values[name]).is_absolute() else base / values[name]
         fields = replace(defaults, prompts=(values.pop("prompt"),), references=references or defaults.references,
                          **values)
         return Entry(index, line, text, fields, seeds, template)
@@ -152,6 +155,8 @@ def _jsonl(text: str) -> Iterator[tuple[int, str, Any]]:
 
 def _csv_value(name: str, cell: str) -> Any:
     """A CSV cell as the JSON value its field takes."""
+    if name in FILE_FIELDS:
+        return cell.strip()
     if name in ("images",):
         return [part.strip() for part in cell.split(LIST_SEPARATOR) if part.strip()]
     if name == "seeds":
