@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.cli.output import emit_json, note, plain, result, status, user_errors, warn
-from flux2klein_cli.cli.progress import StepBar, wanted
+from flux2klein_cli.cli.progress import PhaseLines, StepBar, wanted
 from flux2klein_cli.core.errors import Flux2KleinError
 
 
@@ -41,8 +41,8 @@ def run(*, prompt: str | None, prompt_file: Path | None, as_json: bool, devices:
             engine=EngineOptions(devices=DeviceOptions(**devices), **engine),
             fields=RunFields(prompts=tuple(read_prompts(prompt, prompt_file)), **fields),
             output=output, force=force)
-        if as_json:
-            report = run_generate(opts, resolve_model, warn=warn)
+        if as_json:  # progress as plain lines on stderr, one per phase
+            report = run_generate(opts, resolve_model, warn=warn, on_phase=PhaseLines(note))
         else:
             with status("starting") as spinner:
                 bar = StepBar(pause=spinner.stop, resume=spinner.start) if wanted(as_json) else None

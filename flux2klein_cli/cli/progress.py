@@ -50,6 +50,19 @@ class StepBar:
             self.resume()
 
 
+class PhaseLines:
+    """`on_phase(text)` where no spinner is drawn (--json): one plain line per phase on stderr,
+    a phase said twice in a row printed once."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say, self.last = say, None
+
+    def __call__(self, phase: str) -> None:
+        if phase != self.last:
+            self.last = phase
+            self.say(phase)
+
+
 class ByteBar(StepBar):
     """`on_bytes(done, total)` for a copy of known size: bytes, rate and ETA."""
 

@@ -8,7 +8,8 @@ to jit with a warning instead of using it."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from flux2klein_cli.core.compile.store import ExecutableStore
 from flux2klein_cli.core.compile.target import Target
 from flux2klein_cli.core.pipeline.programs import RunShape
 
+LOADING_PHASE = "loading or compiling programs"
+
 
 class StoredExecutables:
     def __init__(self, model_dir: str | Path, store: ExecutableStore, *, mesh: Mesh | None = None, save: bool = True,
@@ -30,10 +33,28 @@ class StoredExecutables:
         target = Target(mesh) if mesh is not None else Target.local()
         self.target = dataclasses.replace(target, effort=effort)
         self.report: list[dict[str, Any]] = []
+        self._phases: tuple[Callable[[str], None], str] | None = None
+
+    @contextmanager
+    def announcing(self, on_phase: Callable[[str], None], then: str) -> Iterator[None]:
+        """While in: a load of a run's executables says `loading or compiling programs` as it
+        starts and `then` (the run's next phase) as it ends."""
+        self._phases = (on_phase, then)
+        try:
+            yield
+        finally:
+            self._phases = None
 
     def for_run(self, run: RunShape) -> dict[str, jax.stages.Compiled]:
-        specs = pipeline_programs(self.configs, run, self.target)
-        results = compile_all(specs, self.store, parallel=True, save=self.save, progress=self.progress)
+        phases, self._phases = self._phases, None  # once per run
+        if phases is not None:
+            phases[0](LOADING_PHASE)
+        try:
+            specs = pipeline_programs(self.configs, run, self.target)
+            results = compile_all(specs, self.store, parallel=True, save=self.save, progress=self.progress)
+        finally:
+            if phases is not None:
+                phases[0](phases[1])
         self.report = [info.as_dict() for _, info in results]
         return {spec.name: compiled for spec, (compiled, _) in zip(specs, results, strict=True)
                 if compiled is not None}

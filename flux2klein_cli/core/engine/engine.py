@@ -9,6 +9,7 @@ any thread; one lock makes the device work one at a time (a single device worker
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -128,16 +129,28 @@ class Engine:
         """A request against this engine's model, checked (FieldError naming the field)."""
         return build_plan(fields, self.facts)
 
-    def run(self, plan: RunPlan, on_step: StepCallback | None = None) -> ImageRun:
-        return self.run_batch([plan], on_step)[0]
+    def run(self, plan: RunPlan, on_step: StepCallback | None = None,
+            on_phase: Callable[[str], None] | None = None) -> ImageRun:
+        return self.run_batch([plan], on_step, on_phase)[0]
 
-    def run_batch(self, plans: Sequence[RunPlan], on_step: StepCallback | None = None) -> list[ImageRun]:
+    def run_batch(self, plans: Sequence[RunPlan], on_step: StepCallback | None = None,
+                  on_phase: Callable[[str], None] | None = None) -> list[ImageRun]:
         """Plans of one batch key (RunPlan.batch_key) as one batch; one result per plan, each
-        image the same as its plan run alone would give in float32 (the noise is per image)."""
+        image the same as its plan run alone would give in float32 (the noise is per image).
+        `on_phase` hears `loading or compiling programs` while the shape's executables load, and
+        `generating N image(s), S steps` when the run itself starts."""
         from flux2klein_cli.core.runs.images import postprocess
 
         merged = merge_plans(plans)
-        with self._device:
+        generating = f"generating {merged.batch} image(s), {merged.steps} steps"
+        executables = self.pipeline.executables
+        announce: Any = contextlib.nullcontext()
+        if on_phase is not None:
+            if executables is not None and hasattr(executables, "announcing"):
+                announce = executables.announcing(on_phase, generating)
+            if executables is None or self.pipeline.shapes_kept:  # no load ahead, or maybe none: say it now
+                on_phase(generating)
+        with self._device, announce:
             start = time.perf_counter()
             try:
                 result = self.pipeline(merged.request(), on_step=on_step)

@@ -204,8 +204,7 @@ def run_generate(
     engine = Engine.load(options, model_dir, mesh=mesh, warn=warn)
     load_seconds = time.perf_counter() - load_start
 
-    on_phase(f"generating {plan.batch} image(s), {plan.steps} steps")
-    run = engine.run(plan, on_step=on_step)
+    run = engine.run(plan, on_step=on_step, on_phase=on_phase)  # says "loading or compiling programs", "generating"
 
     on_phase("writing")
     write_start = time.perf_counter()
