@@ -6,9 +6,9 @@ Each spec lowers the very function the pipeline calls (`jit_module_call` of the 
 encoder and of the VAE's `encode_tokens` / `decode_latents`, `denoise_fn` of the
 transformer, `noise_fn`) on the very argument pytrees it passes: the same `nnx.State`
 structure, shapes, dtypes and shardings, so an executable compiled here is the one a real
-call needs. A program is one short function below; the
-denoise inputs are a `DenoiseInputs` of ShapeDtypeStructs built field by field, so a field
-added to DenoiseInputs needs one entry in `denoise_fields` and nothing else.
+call needs. A program is one short function below; the denoise inputs come from the
+pipeline's own builder (`denoise.build_inputs`) under `jax.eval_shape`, fed the abstract
+outputs of the programs that make them, so a field added to DenoiseInputs is described once.
 
 Shardings: on a one-device mesh the parameters carry NamedSharding(mesh, P()) as the loader
 places them and the inputs none (the pipeline passes fresh host arrays). On a larger mesh
@@ -37,7 +37,14 @@ from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.models.layers import is_word_leaf
 from flux2klein_cli.core.models.trace import TraceOptions
 from flux2klein_cli.core.pipeline import programs
-from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn
+from flux2klein_cli.core.pipeline.denoise import (
+    BATCHED_FIELDS,
+    DenoiseInputs,
+    build_inputs,
+    denoise_fn,
+    noise_fn,
+    reference_kv_fn,
+)
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.programs import RunShape
 
@@ -192,36 +199,49 @@ def _explicit(mesh: Mesh) -> bool:
 
 
 def denoise_fields(models: AbstractModels, run: RunShape, mesh: Mesh) -> dict[str, Any]:
-    """Every DenoiseInputs field the pipeline fills for this run, as ShapeDtypeStructs."""
-    from flux2klein_cli.core.models.transformer import TransformerConfig
+    """Every DenoiseInputs field the pipeline fills for this run, as ShapeDtypeStructs: the
+    pipeline's own builder (denoise.build_inputs) under `jax.eval_shape`, fed the abstract
+    outputs of the very programs that make them (text encoder, VAE encode, noise, the
+    references-only pass), then placed as the pipeline places them."""
+    from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 
-    cfg = TransformerConfig.from_dict(models.configs.transformer)
-    b, (h, w), r, t = run.batch, run.grid, run.reference_tokens, run.max_sequence_length
-    n = h * w
-    text_width = _text_width(models)
-    # One row per prompt (and one negative): the program repeats them per image.
-    text = _input((run.prompts, t, text_width), models.dtype, mesh)
-    negative = _input((1, t, text_width), models.dtype, mesh, batched=False)
-    kv = None
+    grid, t = run.grid, run.max_sequence_length
+    trace = None  # shapes only: any platform's forms give the same
+
+    def text_features(prompts: int) -> Any:
+        ids = jax.ShapeDtypeStruct((prompts, t), jnp.int32)
+        return jax.eval_shape(programs.jit_module_call(models.text_encoder, trace=trace),
+                              models.states["text_encoder"], ids, ids)
+
+    references, grids, kv = None, [], None
     if run.kv:  # references enter as their cached K / V, not as tokens
-        shapes = reference_kv_shapes(models, run, mesh)
-        kv = jax.tree.map(lambda x: _input(x.shape, x.dtype, mesh, batched=False), shapes)
-        r = 0
-    return {
-        "latents": _input((b, h, w, cfg.in_channels), jnp.float32, mesh),
-        "text": text,
-        "negative_text": negative if run.cfg else None,
-        "references": _input((1, r, cfg.in_channels), jnp.float32, mesh, batched=False) if r else None,
-        "reference_kv": kv,
-        "rope_cos": _input((t + n + r, cfg.attention_head_dim), jnp.float32, mesh, batched=False),
-        "rope_sin": _input((t + n + r, cfg.attention_head_dim), jnp.float32, mesh, batched=False),
-        "timesteps": _input((run.steps,), jnp.float32, mesh, batched=False),
-        "sigmas": _input((run.steps + 1,), jnp.float32, mesh, batched=False),
-        "guidance": _input((), jnp.float32, mesh, batched=False),
-        "init_latents": _input((1, n, cfg.in_channels), jnp.float32, mesh, batched=False) if run.init else None,
-        "noise": _input((b, h, w, cfg.in_channels), jnp.float32, mesh) if run.mask else None,
-        "mask": _input((1, n, 1), jnp.float32, mesh, batched=False) if run.mask else None,
-    }
+        kv = reference_kv_shapes(models, run, mesh)
+    elif run.references:
+        encode = programs.jit_module_call(models.vae, programs.encode_tokens, trace)
+        parts = [jax.eval_shape(encode, models.states["vae"],
+                                jax.ShapeDtypeStruct((1, *size, models.vae.config.in_channels), models.dtype))
+                 for size in run.references]
+        references = parts[0] if len(parts) == 1 else jax.eval_shape(
+            lambda *xs: jnp.concatenate(xs, axis=1), *parts)  # the pipeline joins them on the host
+        grids = [run.geometry.grid(*size) for size in run.references]
+    noise = jax.eval_shape(noise_fn(run.geometry.channels, *grid), jax.ShapeDtypeStruct((run.batch,), jnp.uint32))
+    mask = jax.ShapeDtypeStruct(grid, jnp.float32) if run.mask else None
+    schedule = make_schedule(run.steps, grid[0] * grid[1], SchedulerConfig())  # the lengths are the steps run
+
+    def build(text: Any, negative: Any, references: Any, kv: Any, noise: Any, mask: Any) -> DenoiseInputs:
+        return build_inputs(models.transformer.rope, grid, latents=noise, text=text, negative_text=negative,
+                            references=references, reference_grids=grids, reference_kv=kv, schedule=schedule,
+                            guidance=1.0, init=run.init, noise=noise if run.mask else None, mask=mask)
+
+    inputs = jax.eval_shape(build, text_features(run.prompts), text_features(1) if run.cfg else None, references,
+                            kv, noise, mask)
+    return {f.name: _place(getattr(inputs, f.name), mesh, f.name in BATCHED_FIELDS)
+            for f in dataclasses.fields(DenoiseInputs)}
+
+
+def _place(value: Any, mesh: Mesh, batched: bool) -> Any:
+    """Abstract values placed as the pipeline's arrays are (`_input`)."""
+    return jax.tree.map(lambda x: _input(tuple(x.shape), x.dtype, mesh, batched=batched), value)
 
 
 def denoise_inputs(fields: dict[str, Any]) -> Any:
@@ -231,11 +251,6 @@ def denoise_inputs(fields: dict[str, Any]) -> Any:
     if unknown:
         raise ValueError(f"DenoiseInputs has no field(s) {sorted(unknown)}")
     return DenoiseInputs(**{name: fields.get(name) for name in names})
-
-
-def _text_width(models: AbstractModels) -> int:
-    encoder = models.text_encoder
-    return len(encoder.feature_layers) * encoder.config.hidden_size
 
 
 # ----------------------------------------------------------------------------- programs

@@ -11,14 +11,19 @@ but its programs (and compiles nothing once they are stored).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.models.transformer import Flux2Transformer, ReferenceKV
+from flux2klein_cli.core.pipeline import tokens
+from flux2klein_cli.core.pipeline.schedule import Schedule
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,39 @@ class DenoiseInputs:
     # sigma with this noise, as diffusers blends them; None without a mask.
     noise: jax.Array | None = None  # (B, h, w, C) float32, the run's initial noise
     mask: jax.Array | None = None  # (1, N, 1) float32, 1 repaint .. 0 keep, per token
+
+
+# Fields split over the mesh's batch axes (one row per image or prompt); every other one is replicated.
+BATCHED_FIELDS = frozenset({"latents", "text", "noise"})
+
+
+def build_inputs(rope: Callable[[np.ndarray, np.ndarray], tuple[Any, Any]], grid: tuple[int, int], *,
+                 latents: Any, text: Any, negative_text: Any, references: Any, reference_grids: list[tuple[int, int]],
+                 reference_kv: Any, schedule: Schedule, guidance: float, init: bool, noise: Any, mask: Any
+                 ) -> DenoiseInputs:
+    """A run's DenoiseInputs from its stages' outputs: the pipeline calls it with arrays, and
+    compile/specs.py under `jax.eval_shape` with the stages' abstract outputs, so the stored
+    programs' arguments are described once. `rope` is the transformer's table builder; the
+    references' tokens (the init image's first, when `init`) are also the init latents."""
+    n = grid[0] * grid[1]
+    ids = np.concatenate([tokens.image_ids(*grid), tokens.reference_ids(reference_grids)])
+    cos, sin = rope(tokens.text_ids(text.shape[1]), ids)
+    init_latents = None
+    if init:  # its tokens lead the references; a lone init image is all of them (no slice program)
+        init_latents = references if references.shape[1] == n else references[:, :n]
+    return DenoiseInputs(
+        latents=latents, text=text, negative_text=negative_text, references=references, reference_kv=reference_kv,
+        rope_cos=cos, rope_sin=sin, timesteps=np.asarray(schedule.timesteps, np.float32),
+        sigmas=np.asarray(schedule.sigmas, np.float32), guidance=np.float32(guidance),
+        init_latents=init_latents, noise=noise, mask=None if mask is None else _mask_tokens(mask),
+    )
+
+
+def _mask_tokens(mask: Any) -> Any:
+    """(h, w) per-token mask -> (1, N, 1) float32, host or traced alike."""
+    if isinstance(mask, np.ndarray):
+        return np.asarray(mask, np.float32).reshape(1, -1, 1)
+    return mask.astype(jnp.float32).reshape(1, -1, 1)
 
 
 def denoise(model: Flux2Transformer, x: DenoiseInputs, start: jax.Array | int = 0,

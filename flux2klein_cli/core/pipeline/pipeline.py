@@ -31,7 +31,14 @@ from flux2klein_cli.core.hub.registry import DEFAULT_SIZE
 from flux2klein_cli.core.models.layers import as_words
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import programs, tokens
-from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, denoise_fn, noise_fn, reference_kv_fn, steps_per_call
+from flux2klein_cli.core.pipeline.denoise import (
+    DenoiseInputs,
+    build_inputs,
+    denoise_fn,
+    noise_fn,
+    reference_kv_fn,
+    steps_per_call,
+)
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
@@ -439,23 +446,15 @@ class KleinPipeline:
             kv, kv_source = self.reference_kv(request.references, seconds, compiled)
         else:  # the init image is the first of them: its tokens are also the init latents
             refs, grids = _timed(seconds, "references", lambda: self.encode_references(request.conditioning, compiled))
-        init_latents = None
-        if request.init_image is not None:
-            tokens_in = grid[0] * grid[1]
-            init_latents = refs[:, :tokens_in] if isinstance(refs, np.ndarray) else refs
         noise, seeds = self.noise_latents(request, grid, compiled)
         schedule = make_schedule(request.steps, grid[0] * grid[1], self.scheduler)
         if request.init_image is not None:
             schedule = from_step(schedule, start_step(request.steps, request.strength))
-        ids = np.concatenate([tokens.image_ids(*grid), tokens.reference_ids(grids)])
-        cos, sin = self.models.transformer.rope(tokens.text_ids(text.shape[1]), ids)
-        inputs = DenoiseInputs(
-            latents=self._batched(noise), text=text, negative_text=negative, references=refs, reference_kv=kv,
-            rope_cos=cos, rope_sin=sin, timesteps=np.asarray(schedule.timesteps, np.float32),
-            sigmas=np.asarray(schedule.sigmas, np.float32), guidance=np.float32(request.guidance),
-            init_latents=init_latents, noise=None if request.mask is None else self._batched(noise),
-            mask=None if request.mask is None else np.asarray(request.mask, np.float32).reshape(1, -1, 1),
-        )
+        noise = self._batched(noise)
+        inputs = build_inputs(
+            self.models.transformer.rope, grid, latents=noise, text=text, negative_text=negative, references=refs,
+            reference_grids=grids, reference_kv=kv, schedule=schedule, guidance=request.guidance,
+            init=request.init_image is not None, noise=None if request.mask is None else noise, mask=request.mask)
         latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, steps, per_call, on_step, compiled))
         images = _timed(seconds, "decode",
                         lambda: self._call(compiled, programs.VAE_DECODE, self._decode, self.vae_state, latents))
