@@ -23,6 +23,7 @@ from flux2klein_cli.core.paths import check_input_file, check_name_length
 from flux2klein_cli.core.temporaries import temporary_file
 
 PNG_SUFFIX = ".png"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Each key is one text chunk of its own, for exiftool, `identify -verbose` and image viewers: a string as
 # it is, anything else as JSON. One more iTXt chunk under this key says which chunks hold JSON, so reading
 # them back gives the original types, and every value is stored once. A string PNG text cannot hold (a
@@ -150,28 +151,79 @@ def write_png(
     return path
 
 
-def read_png_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The metadata `write_png` stored, with its original types; for other PNGs, their text chunks as strings."""
-    p = Path(path)
+def _png_text(p: Path) -> dict[str, str]:
     try:
         with Image.open(p) as im:
             if im.format != "PNG":
                 raise UserInputError(f"{p} is not a PNG file")
-            text = {k: str(v) for k, v in getattr(im, "text", {}).items()}  # iTXt values are str subclasses
+            return {k: str(v) for k, v in getattr(im, "text", {}).items()}  # iTXt values are str subclasses
     except FileNotFoundError:
         raise UserInputError(f"{p} does not exist") from None
+    except IsADirectoryError:
+        raise UserInputError(f"{p} is a directory, not a PNG file") from None
     except UnidentifiedImageError:
         raise UserInputError(f"{p} is not a PNG file") from None
     except OSError as e:
         raise UserInputError(f"cannot read {p}: {e}") from None
-    if JSON_KEY in text:
-        with contextlib.suppress(ValueError):
-            decoded = json.loads(text.pop(JSON_KEY))
-            if isinstance(decoded, dict) and decoded.get("format") == METADATA_FORMAT:
-                return {k: json.loads(v) if k in decoded.get("json", ()) else v for k, v in text.items()}
-            if isinstance(decoded, dict):
-                return decoded  # format 1: the whole dict
+
+
+def _decode(text: dict[str, str]) -> tuple[int | None, dict[str, Any] | None]:
+    """The metadata format the JSON_KEY chunk declares (None: no such chunk; 1: the older whole-dict form;
+    0: unreadable) and the metadata it gives (None unless the format is one this version reads)."""
+    if JSON_KEY not in text:
+        return None, None
+    try:
+        decoded = json.loads(text[JSON_KEY])
+    except ValueError:
+        return 0, None
+    if not isinstance(decoded, dict):
+        return 0, None
+    if "format" not in decoded:
+        return 1, decoded  # format 1: the whole dict
+    version = decoded["format"]
+    if not isinstance(version, int) or isinstance(version, bool):
+        return 0, None
+    if version != METADATA_FORMAT:
+        return version, None
+    listed = decoded.get("json", ())
+    try:
+        return version, {k: json.loads(v) if k in listed else v for k, v in text.items() if k != JSON_KEY}
+    except ValueError:
+        return 0, None
+
+
+def read_png_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata `write_png` stored, with its original types; for other PNGs, their text chunks as strings."""
+    text = _png_text(Path(path))
+    _, metadata = _decode(text)
+    if metadata is not None:
+        return metadata
+    text.pop(JSON_KEY, None)
     return text
+
+
+def read_run_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The parameters a PNG written by flux2klein carries (`generate --from`, `inspect IMAGE.png`); a PNG
+    without them, or written in a metadata format newer than this version reads, is a UserInputError."""
+    p = Path(path)
+    version, metadata = _decode(_png_text(p))
+    if version is None:
+        raise UserInputError(f"{p} carries no flux2klein parameters (it was not written by generate, edit or batch)")
+    if version > METADATA_FORMAT:
+        raise UserInputError(f"{p} carries parameters in metadata format {version}, newer than this flux2klein "
+                             f"reads ({METADATA_FORMAT}); upgrade flux2klein")
+    if metadata is None:
+        raise UserInputError(f"{p}: its flux2klein parameters cannot be read (a damaged or altered chunk)")
+    return metadata
+
+
+def is_png_file(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is an existing file that starts with the PNG signature."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
+    except OSError:
+        return False
 
 
 def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> list[Path]:
