@@ -34,6 +34,7 @@ def edit(
     init_image: o.InitImageOpt = None,
     mask: o.MaskOpt = None,
     strength: o.StrengthOpt = None,
+    padding_mask_crop: o.PaddingMaskCropOpt = None,
     reference_max_area: o.ReferenceMaxAreaOpt = None,
     force: o.ForceOpt = False,
     max_sequence_length: o.MaxSequenceOpt = 512,
@@ -72,6 +73,8 @@ def edit(
       flux2klein edit "a red armchair" --init-image room.png --mask chair.png --strength 0.9
 
       flux2klein edit "make it a watercolour" --init-image photo.png --strength 0.6
+
+      flux2klein edit "a small bird" --init-image tree.png --mask branch.png --padding-mask-crop 32
     """
     if not image and init_image is None:
         with user_errors():
@@ -85,5 +88,5 @@ def edit(
         fields=dict(references=tuple(image), height=height, width=width, steps=steps, guidance=guidance,
                     negative_prompt=negative_prompt, seed=seed, num_images=num_images, latents=latents,
                     max_sequence_length=max_sequence_length, kv=kv, init_image=init_image, mask=mask,
-                    strength=strength, reference_max_area=reference_max_area),
+                    strength=strength, padding_mask_crop=padding_mask_crop, reference_max_area=reference_max_area),
     )

@@ -114,6 +114,9 @@ MaskOpt = Annotated[Path | None, typer.Option(
 StrengthOpt = Annotated[float | None, float_option(
     "--strength", help="With --init-image: how much of the schedule runs, in (0, 1]; 1 starts from pure noise "
     "\\[default: 0.8]")]
+PaddingMaskCropOpt = Annotated[int | None, typer.Option(
+    "--padding-mask-crop", metavar="PIXELS", help="With --mask: inpaint only the mask's box grown by PIXELS on each "
+    "side (and to the output's aspect), scaled up to the output size, then pasted back into the init image.")]
 ReferenceMaxAreaOpt = Annotated[int | None, typer.Option(
     "--reference-max-area", metavar="PIXELS", help="References above this many pixels are scaled down to it, "
     "keeping their aspect, before the crop to multiples of 16 \\[default: 1048576 = 1024x1024]")]

@@ -165,7 +165,12 @@ class Engine:
         out, first = [], 0
         for plan in plans:
             count = plan.batch
-            out.append(ImageRun(plan, images[first:first + count], result.seeds[first:first + count],
+            chunk = images[first:first + count]
+            if plan.crop_box is not None:  # a padding mask crop: the crop's images back into the init image
+                from flux2klein_cli.core.runs.conditioning import paste_back
+
+                chunk = paste_back(chunk, plan.paste_image, plan.paste_mask, plan.crop_box)
+            out.append(ImageRun(plan, chunk, result.seeds[first:first + count],
                                 result.guidance_used, result.kv_cache, result.executables, seconds))
             first += count
         return out

@@ -45,6 +45,10 @@ class RunFields:
     mask: ReferenceSource | None = None  # white: repaint, black: keep; the init image's size
     strength: float | None = None  # (0, 1]; None: 0.8 (diffusers' default) with an init image
     reference_max_area: int | None = None  # references above this many pixels are scaled down (None: 1024^2)
+    # With a mask: inpaint the mask's box grown by this many pixels (and to the output's aspect),
+    # resized to the output size, then pasted back into the init image (diffusers' padding_mask_crop).
+    padding_mask_crop: int | None = None
+    mask_alpha: bool = False  # a mask with transparency says it in alpha: transparent is repainted (serve)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,12 @@ class RunPlan:
     mask_name: str | None = None
     strength: float | None = None
     reference_max_area: int = 1024 * 1024
+    # A padding mask crop: its padding, the crop box (left, top, right, bottom) in the init image,
+    # and what the paste back takes: the init image (H, W, 4) RGBA uint8 and the mask (H, W) uint8.
+    padding_mask_crop: int | None = None
+    crop_box: tuple[int, int, int, int] | None = None
+    paste_image: np.ndarray | None = field(default=None, compare=False, repr=False)
+    paste_mask: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def loop_steps(self) -> int:
@@ -130,7 +140,8 @@ class RunPlan:
         per image, and what the batch shares (negative prompt, guidance, references)."""
         return (self.height, self.width, self.steps, self.guidance, self.cfg, self.max_sequence_length, self.kv,
                 self.num_images, self.negative_prompt if self.cfg else "", self.reference_names,
-                self.latents is None, self.init_image_name, self.mask_name, self.strength, self.reference_max_area)
+                self.latents is None, self.init_image_name, self.mask_name, self.strength, self.reference_max_area,
+                self.padding_mask_crop)
 
     def request(self) -> Any:
         """The pipeline's view of the plan."""
@@ -231,6 +242,7 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         names.append(name)
         references.append(pixels)
     init = read_init_image(fields, model) if fields.init_image is not None else None
+    crop = init[4] if init else None
     side = model.default_side
     first = init[1].shape[:2] if init else references[0].shape[:2] if references else (side, side)
     height = int(first[0]) if fields.height is None else fields.height
@@ -255,6 +267,8 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         init_image=None if init is None else init[1], init_image_name=None if init is None else init[0],
         mask=None if init is None else init[3], mask_name=None if init is None else init[2],
         strength=conditioning, reference_max_area=max_area,
+        **({} if crop is None else dict(zip(("padding_mask_crop", "crop_box", "paste_image", "paste_mask"), crop,
+                                            strict=True))),
     )
 
 
@@ -265,10 +279,14 @@ def check_conditioning(fields: RunFields) -> float | None:
     """The strength of a run with an init image (None without one); what needs an init image
     or cannot take one fails here, before any image is read."""
     if fields.init_image is None:
-        for name in ("mask", "strength"):
+        for name in ("mask", "strength", "padding_mask_crop"):
             if getattr(fields, name) is not None:
                 raise FieldError(name, "needs an init image ({field:init_image})")
         return None
+    if fields.padding_mask_crop is not None:
+        if fields.mask is None:
+            raise FieldError("padding_mask_crop", "needs a mask ({field:mask}): it crops to the mask's box")
+        limits.check_int("padding_mask_crop", fields.padding_mask_crop, 0, limits.LIMITS.max_side, "px")
     if fields.kv:
         raise FieldError("kv", "cannot take an init image ({field:init_image}): no KV pipeline inpaints or starts "
                          "from an image; drop {field:kv} (the plain edit path takes the same references)")
@@ -288,8 +306,13 @@ def check_max_area(area: int | None, model: ModelFacts) -> int:
     return int(area)
 
 
-def read_init_image(fields: RunFields, model: ModelFacts) -> tuple[str, np.ndarray, str | None, np.ndarray | None]:
-    """(name, pixels at the output size, mask name, mask on the token grid) of an init image and its mask."""
+MaskCrop = tuple[int, tuple[int, int, int, int], np.ndarray, np.ndarray]  # RunPlan's padding_mask_crop .. paste_mask
+
+
+def read_init_image(fields: RunFields, model: ModelFacts) -> tuple[str, np.ndarray, str | None, np.ndarray | None,
+                                                                    MaskCrop | None]:
+    """(name, pixels at the output size, mask name, mask on the token grid, padding mask crop) of an
+    init image and its mask."""
     from flux2klein_cli.core.runs import conditioning
 
     multiple = model.geometry.pixels_per_token
@@ -297,10 +320,19 @@ def read_init_image(fields: RunFields, model: ModelFacts) -> tuple[str, np.ndarr
     pixels = conditioning.preprocess_init_image(image, multiple_of=multiple)
     check_size(*pixels.shape[:2], model)
     if fields.mask is None:
-        return name, pixels, None, None
+        return name, pixels, None, None, None
     mask_name, mask_image = read_reference(fields.mask)
-    mask = conditioning.preprocess_mask(mask_image, image.size, multiple_of=multiple)
-    return name, pixels, mask_name, conditioning.mask_to_grid(mask, model.geometry.grid(*pixels.shape[:2]))
+    box = crop = None
+    if fields.padding_mask_crop is not None:
+        conditioning.check_mask_size(mask_image, image.size)
+        conditioning.check_crop_size(image, multiple_of=multiple)
+        levels = conditioning.mask_levels(mask_image, alpha=fields.mask_alpha)
+        box = conditioning.crop_box(levels, image.width, image.height, fields.padding_mask_crop)
+        pixels = conditioning.preprocess_init_image(image, multiple_of=multiple, box=box)
+        crop = (fields.padding_mask_crop, box, np.asarray(image.convert("RGBA")), np.asarray(levels, np.uint8))
+    mask = conditioning.preprocess_mask(mask_image, image.size, multiple_of=multiple, alpha=fields.mask_alpha, box=box)
+    grid = conditioning.mask_to_grid(mask, model.geometry.grid(*pixels.shape[:2]))
+    return name, pixels, mask_name, grid, crop
 
 
 def build_shape(model: ModelFacts, *, dtype: Any, height: int | None = None, width: int | None = None,

@@ -9,7 +9,15 @@ a size that is not a multiple is refused here (diffusers would resample it silen
 Mask (`mask_image=`): the same size as the init image as given; resized like it when the init
 image was (Lanczos, in grayscale), then binarised (value / 255 < 0.5 -> 0 keep, else 1 repaint),
 and brought to the latent grid by bilinear interpolation as torch's `interpolate(mode="bilinear")`
-with `align_corners=False` computes it, so a token on the mask's edge gets a fraction.
+with `align_corners=False` computes it, so a token on the mask's edge gets a fraction. A mask read
+by `serve` may say it in transparency instead (OpenAI's Images API): see `mask_levels`.
+
+Padding mask crop (`padding_mask_crop=`): the box around the mask's nonzero pixels, grown by the
+padding and then to the output's aspect (`crop_box`, diffusers' `get_crop_region`); the init image
+and the mask cropped to it and resized to the output size keeping the aspect, edges stretched into
+any gap (`_fill`, diffusers' resize mode "fill"); after decoding, the image resized back to the box
+(`_cover`, mode "crop": a resize to cover it, centre-cropped to it, the inverse of "fill") and laid
+under the init image, which covers it where the mask is black (`paste_back`, `apply_overlay`).
 """
 
 from __future__ import annotations
@@ -55,10 +63,26 @@ def _resized(image: Image.Image, *, multiple_of: int) -> Image.Image:
     return image if image.size == target else image.resize(target, Image.Resampling.LANCZOS)
 
 
-def preprocess_init_image(image: Image.Image, *, multiple_of: int) -> np.ndarray:
-    """The init image as the VAE takes it: (H, W, 3) float32 in [-1, 1] at the output size."""
-    pixels = np.asarray(_resized(image, multiple_of=multiple_of).convert("RGB")).astype(np.float32) / 255.0
+def preprocess_init_image(image: Image.Image, *, multiple_of: int,
+                          box: tuple[int, int, int, int] | None = None) -> np.ndarray:
+    """The init image as the VAE takes it: (H, W, 3) float32 in [-1, 1] at the output size; with a
+    padding mask crop's `box`, that part of it filled out to the output size."""
+    sized = _resized(image, multiple_of=multiple_of)
+    if box is not None:
+        sized = _fill(sized.crop(box), *sized.size)
+    pixels = np.asarray(sized.convert("RGB")).astype(np.float32) / 255.0
     return 2.0 * pixels - 1.0
+
+
+def mask_levels(mask: Image.Image, *, alpha: bool = False) -> Image.Image:
+    """The mask as one channel "L", white = repaint. With `alpha` (serve's uploads, OpenAI's rule), a
+    mask with an alpha channel that is transparent anywhere says it in transparency: repaint is
+    255 - alpha (fully transparent: repaint, opaque: keep); an opaque one is read by its gray levels."""
+    if alpha and ("A" in mask.getbands() or (mask.mode == "P" and "transparency" in mask.info)):
+        opacity = np.asarray(mask.convert("RGBA"))[..., 3]
+        if (opacity < 255).any():
+            return Image.fromarray((255 - opacity).astype(np.uint8), "L")
+    return check_grayscale(mask)
 
 
 def check_grayscale(mask: Image.Image) -> Image.Image:
@@ -73,15 +97,23 @@ def check_grayscale(mask: Image.Image) -> Image.Image:
     return Image.fromarray(rgb[..., 0], "L")
 
 
-def preprocess_mask(mask: Image.Image, init_size: tuple[int, int], *, multiple_of: int) -> np.ndarray:
-    """The mask at pixel resolution, binarised: (H, W) float32 of 0 (keep) and 1 (repaint) at the
-    output size. `init_size` is the init image's (width, height) as given: the mask must match it."""
+def check_mask_size(mask: Image.Image, init_size: tuple[int, int]) -> None:
     if mask.size != init_size:
         raise FieldError("mask", f"is {mask.size[0]}x{mask.size[1]} but the init image ({{field:init_image}}) is "
                          f"{init_size[0]}x{init_size[1]}: they must be the same size")
-    gray = check_grayscale(mask)
+
+
+def preprocess_mask(mask: Image.Image, init_size: tuple[int, int], *, multiple_of: int, alpha: bool = False,
+                    box: tuple[int, int, int, int] | None = None) -> np.ndarray:
+    """The mask at pixel resolution, binarised: (H, W) float32 of 0 (keep) and 1 (repaint) at the
+    output size. `init_size` is the init image's (width, height) as given: the mask must match it.
+    `alpha`: see `mask_levels`; `box`: a padding mask crop's, that part filled out to the output size."""
+    check_mask_size(mask, init_size)
+    gray = mask_levels(mask, alpha=alpha)
     target = init_image_size(*init_size, multiple_of=multiple_of)
-    if target != gray.size:
+    if box is not None:
+        gray = _fill(gray.crop(box), *target).convert("L")
+    elif target != gray.size:
         gray = gray.resize(_scaled(*gray.size), Image.Resampling.LANCZOS)
         if gray.size != target:
             gray = gray.resize(target, Image.Resampling.LANCZOS)
@@ -110,3 +142,98 @@ def mask_to_grid(mask: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
     rows = _bilinear_weights(mask.shape[0], grid[0])
     cols = _bilinear_weights(mask.shape[1], grid[1])
     return (rows @ mask.astype(np.float32) @ cols.T).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- padding mask crop
+
+
+def check_crop_size(image: Image.Image, *, multiple_of: int) -> None:
+    """A padding mask crop needs the init image at its own size: diffusers crops the init image it
+    scaled down with the box of the mask it did not (and then fails pasting back)."""
+    if init_image_size(*image.size, multiple_of=multiple_of) != image.size:
+        raise FieldError("padding_mask_crop", f"needs an init image ({{field:init_image}}) of at most 1024x1024 "
+                         f"pixels; it is {image.size[0]}x{image.size[1]}: scale it down first")
+
+
+def crop_box(mask: Image.Image, width: int, height: int, pad: int) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) around the mask's nonzero pixels, `pad` pixels more on each side
+    (within the image), then grown to the output's aspect `width / height` about its centre,
+    shifted back inside the image where it runs over: diffusers' get_crop_region, step for step."""
+    levels = np.asarray(mask.convert("L"))
+    rows, cols = np.flatnonzero(levels.any(axis=1)), np.flatnonzero(levels.any(axis=0))
+    if not rows.size:
+        raise FieldError("mask", "is black everywhere: a padding mask crop ({field:padding_mask_crop}) needs "
+                         "something to repaint")
+    h, w = levels.shape
+    x1, y1 = max(int(cols[0]) - pad, 0), max(int(rows[0]) - pad, 0)
+    x2, y2 = min(int(cols[-1]) + 1 + pad, w), min(int(rows[-1]) + 1 + pad, h)
+    ratio = width / height
+    if (x2 - x1) / (y2 - y1) > ratio:
+        y1, y2 = _grow(y1, y2, int((x2 - x1) / ratio - (y2 - y1)), h)
+    else:
+        x1, x2 = _grow(x1, x2, int((y2 - y1) * ratio - (x2 - x1)), w)
+    return x1, y1, x2, y2
+
+
+def _grow(low: int, high: int, by: int, size: int) -> tuple[int, int]:
+    """[low, high) grown by `by` (half each side, the odd one at the end), moved back inside [0, size)."""
+    low, high = low - by // 2, high + by - by // 2
+    if high >= size:
+        low, high = low - (high - size), size
+    if low < 0:
+        low, high = 0, high - low
+    return low, min(high, size)
+
+
+def _fill(image: Image.Image, width: int, height: int) -> Image.Image:
+    """`image` Lanczos-resized to fit (width, height) keeping its aspect, centred on an RGB canvas,
+    the gap on either side filled by its edge row or column stretched (diffusers' "fill")."""
+    ratio, source = width / height, image.width / image.height
+    w = width if ratio < source else image.width * height // image.height
+    h = height if ratio >= source else image.height * width // image.width
+    resized = image.resize((w, h), resample=Image.Resampling.LANCZOS)
+    out = Image.new("RGB", (width, height))
+    out.paste(resized, box=(width // 2 - w // 2, height // 2 - h // 2))
+    if ratio < source:
+        gap = height // 2 - h // 2
+        if gap > 0:
+            out.paste(resized.resize((width, gap), box=(0, 0, width, 0)), box=(0, 0))
+            out.paste(resized.resize((width, gap), box=(0, resized.height, width, resized.height)), box=(0, gap + h))
+    elif ratio > source:
+        gap = width // 2 - w // 2
+        if gap > 0:
+            out.paste(resized.resize((gap, height), box=(0, 0, 0, height)), box=(0, 0))
+            out.paste(resized.resize((gap, height), box=(resized.width, 0, resized.width, height)), box=(gap + w, 0))
+    return out
+
+
+def _cover(image: Image.Image, width: int, height: int) -> Image.Image:
+    """`image` Lanczos-resized to cover (width, height) keeping its aspect, centre-cropped to it
+    (diffusers' "crop"): with the box at the output's aspect, a plain resize up to rounding."""
+    ratio, source = width / height, image.width / image.height
+    w = width if ratio > source else image.width * height // image.height
+    h = height if ratio <= source else image.height * width // image.width
+    out = Image.new("RGB", (width, height))
+    out.paste(image.resize((w, h), resample=Image.Resampling.LANCZOS), box=(width // 2 - w // 2, height // 2 - h // 2))
+    return out
+
+
+def paste_back(images: np.ndarray, original: np.ndarray, mask: np.ndarray,
+               box: tuple[int, int, int, int]) -> np.ndarray:
+    """(B, H, W, 3) uint8 images made at the crop's size, each resized into `box` of a transparent
+    canvas the init image's size, then the init image (`original`: (H, W, 4) RGBA uint8) laid over
+    it with opacity 255 - `mask` ((H, W) uint8, white = repaint; gray levels as given, not
+    binarised): black outside the box where the mask is white, which a mask inside its box never is."""
+    height, width = mask.shape
+    keep = Image.new("RGBa", (width, height))
+    keep.paste(Image.fromarray(original, "RGBA").convert("RGBa"), mask=Image.fromarray(255 - mask, "L"))
+    keep = keep.convert("RGBA")
+    x1, y1, x2, y2 = box
+    out = []
+    for image in images:
+        canvas = Image.new("RGBA", (width, height))
+        canvas.paste(_cover(Image.fromarray(image, "RGB"), x2 - x1, y2 - y1), (x1, y1))
+        layered = canvas.convert("RGB").convert("RGBA")
+        layered.alpha_composite(keep)
+        out.append(np.asarray(layered.convert("RGB")))
+    return np.stack(out)

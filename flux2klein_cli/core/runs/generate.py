@@ -125,7 +125,8 @@ def init_metadata(plan: RunPlan) -> dict[str, Any]:
     if plan.init_image_name is None:
         return {}
     mask = {"mask": plan.mask_name} if plan.mask_name is not None else {}
-    return {"init_image": plan.init_image_name, **mask, "strength": plan.strength}
+    crop = {"padding_mask_crop": plan.padding_mask_crop} if plan.padding_mask_crop is not None else {}
+    return {"init_image": plan.init_image_name, **mask, "strength": plan.strength, **crop}
 
 
 @dataclass

@@ -117,6 +117,7 @@ class InitImages:
 
     init_image: Any
     mask: Any = None
+    padding_mask_crop: int | None = None  # diffusers' padding_mask_crop (its output is then PIL only)
 
 
 def torch_noise(shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -141,6 +142,8 @@ def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_
         mask = init.mask if init.mask is not None else Image.new("L", init.init_image.size, 255)
         kwargs.update(image=init.init_image, mask_image=mask, strength=request.strength,
                       generator=torch.Generator().manual_seed(request.seed))
+        if init.padding_mask_crop is not None:
+            kwargs.update(padding_mask_crop=init.padding_mask_crop, output_type="pil")
         if pil_references:
             kwargs["image_reference"] = pil_references[0] if len(pil_references) == 1 else pil_references
     elif pil_references:
@@ -153,7 +156,27 @@ def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_
         kwargs["negative_prompt_embeds"] = negative
     if type(reference).__name__ != "Flux2KleinKVPipeline":  # distilled only: it takes no guidance argument
         kwargs["guidance_scale"] = request.guidance
-    out = reference(
+    if init is not None and init.padding_mask_crop is not None:
+        # diffusers 0.42's paste back is broken: apply_overlay's "crop" resize is Flux2ImageProcessor's
+        # override, a plain centre crop, so the box gets the middle of the made image at the wrong
+        # scale. Compared with its intent instead: VaeImageProcessor's own resize (cover, centre crop).
+        from diffusers.image_processor import VaeImageProcessor
+
+        reference.image_processor.apply_overlay = VaeImageProcessor(vae_scale_factor=16).apply_overlay
+    try:
+        out = _call_reference(reference, request, noise_nchw, init, kwargs)
+    finally:
+        reference.image_processor.__dict__.pop("apply_overlay", None)
+    if isinstance(out, list):  # PIL images (padding_mask_crop): already rounded to uint8
+        return np.stack([np.asarray(image.convert("RGB")) for image in out])
+    return postprocess(out * 2 - 1)  # diffusers' [0, 1] floats back through the same rounding
+
+
+def _call_reference(reference: Any, request: Request, noise_nchw: np.ndarray, init: InitImages | None,
+                    kwargs: dict[str, Any]) -> Any:
+    import torch
+
+    return reference(
         prompt=request.prompts,
         height=request.height,
         width=request.width,
@@ -161,10 +184,8 @@ def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_
         num_images_per_prompt=request.num_images,
         **({} if init is not None else {"latents": torch.from_numpy(noise_nchw).to(reference.transformer.dtype)}),
         max_sequence_length=request.max_sequence_length,
-        output_type="np",
-        **kwargs,
+        **{"output_type": "np", **kwargs},
     ).images
-    return postprocess(out * 2 - 1)  # diffusers' [0, 1] floats back through the same rounding
 
 
 @dataclass

@@ -102,7 +102,7 @@ READERS: dict[str, Callable[[str, Any], Any]] = {
     "prompt": _text, "negative_prompt": _text, "seed": _whole, "seeds": _wholes, "num_images": _whole,
     "height": _whole, "width": _whole, "steps": _whole, "guidance": _number, "max_sequence_length": _whole,
     "images": _texts, "kv": _flag, "output": _text, "init_image": _text, "mask": _text, "strength": _number,
-    "reference_max_area": _whole,
+    "padding_mask_crop": _whole, "reference_max_area": _whole,
 }
 FILE_FIELDS = ("init_image", "mask")  # one path each, relative to the manifest like `images`
 
