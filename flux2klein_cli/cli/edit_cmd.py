@@ -15,6 +15,7 @@ from flux2klein_cli.core.hub.registry import DEFAULT_KV_MODEL, DEFAULT_MODEL
 
 
 def edit(
+    ctx: typer.Context,
     image: Annotated[list[Path], typer.Option("--image", "-i", help="Reference image; repeat for several (up to 4).")
                      ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
     prompt: Annotated[str | None, typer.Argument(help="The edit to make. Or use --prompt-file.")] = None,
@@ -54,6 +55,7 @@ def edit(
     lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
+    from_image: o.FromOpt = None,
     as_json: o.JsonOpt = False,
 ) -> None:
     """Edit or combine reference images following a prompt.
@@ -75,18 +77,26 @@ def edit(
       flux2klein edit "make it a watercolour" --init-image photo.png --strength 0.6
 
       flux2klein edit "a small bird" --init-image tree.png --mask branch.png --padding-mask-crop 32
+
+      flux2klein edit --from cats.png --steps 8 -o cats-8.png   (cats.png's parameters, more steps)
     """
-    if not image and init_image is None:
+    a = image_options.with_png(ctx, from_image, "edit", dict(
+        image=list(image), prompt=prompt, model=model, height=height, width=width, steps=steps, guidance=guidance,
+        negative_prompt=negative_prompt, seed=seed, dtype=dtype.value, latents=latents, init_image=init_image,
+        mask=mask, strength=strength, padding_mask_crop=padding_mask_crop, reference_max_area=reference_max_area,
+        max_sequence_length=max_sequence_length, kv=kv, lora=list(lora), transformer=transformer, vae=vae))
+    if not a["image"] and a["init_image"] is None:
         with user_errors():
             raise FieldError("references", "is missing: give a reference image, or an --init-image to start from")
     image_options.run(
-        prompt=prompt, prompt_file=prompt_file, as_json=as_json, output=output, force=force,
+        prompt=a["prompt"], prompt_file=prompt_file, as_json=as_json, output=output, force=force,
         devices=dict(mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes, process_id=process_id),
-        engine=dict(model=model or (DEFAULT_KV_MODEL if kv else DEFAULT_MODEL), dtype=dtype.value,
+        engine=dict(model=a["model"] or (DEFAULT_KV_MODEL if a["kv"] else DEFAULT_MODEL), dtype=a["dtype"],
                     compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,
-                    transformer=transformer, vae=vae, lora=tuple(lora), kv_cache_dir=kv_cache_dir),
-        fields=dict(references=tuple(image), height=height, width=width, steps=steps, guidance=guidance,
-                    negative_prompt=negative_prompt, seed=seed, num_images=num_images, latents=latents,
-                    max_sequence_length=max_sequence_length, kv=kv, init_image=init_image, mask=mask,
-                    strength=strength, padding_mask_crop=padding_mask_crop, reference_max_area=reference_max_area),
+                    transformer=a["transformer"], vae=a["vae"], lora=tuple(a["lora"]), kv_cache_dir=kv_cache_dir),
+        fields=dict(references=tuple(a["image"]), height=a["height"], width=a["width"], steps=a["steps"],
+                    guidance=a["guidance"], negative_prompt=a["negative_prompt"], seed=a["seed"],
+                    num_images=num_images, latents=a["latents"], max_sequence_length=a["max_sequence_length"],
+                    kv=a["kv"], init_image=a["init_image"], mask=a["mask"], strength=a["strength"],
+                    padding_mask_crop=a["padding_mask_crop"], reference_max_area=a["reference_max_area"]),
     )

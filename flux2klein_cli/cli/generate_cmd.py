@@ -13,6 +13,7 @@ from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
 def generate(
+    ctx: typer.Context,
     prompt: Annotated[str | None, typer.Argument(help="What to draw. Or use --prompt-file.")] = None,
     prompt_file: o.PromptFileOpt = None,
     model: Annotated[str, typer.Option("--model", "-m", help=o.MODEL_HELP_IMAGES)] = DEFAULT_MODEL,
@@ -39,6 +40,7 @@ def generate(
     lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
+    from_image: o.FromOpt = None,
     as_json: o.JsonOpt = False,
 ) -> None:
     """Generate images from a text prompt.
@@ -50,12 +52,19 @@ def generate(
       flux2klein generate --prompt-file prompts.txt -n 2 --seed 7 -o batch.png --json
 
       flux2klein generate "a red fox in snow" --model tiny -o fox.png   (random weights: noise, for testing)
+
+      flux2klein generate --from fox.png --seed 5 -o fox-5.png   (fox.png's parameters, another seed)
     """
+    a = image_options.with_png(ctx, from_image, "generate", dict(
+        prompt=prompt, model=model, height=height, width=width, steps=steps, guidance=guidance,
+        negative_prompt=negative_prompt, seed=seed, dtype=dtype.value, latents=latents,
+        max_sequence_length=max_sequence_length, lora=list(lora), transformer=transformer, vae=vae))
     image_options.run(
-        prompt=prompt, prompt_file=prompt_file, as_json=as_json, output=output, force=force,
+        prompt=a["prompt"], prompt_file=prompt_file, as_json=as_json, output=output, force=force,
         devices=dict(mesh=mesh, tpu=tpu, coordinator=coordinator, num_processes=num_processes, process_id=process_id),
-        engine=dict(model=model, dtype=dtype.value, compile_cache=compile_cache, save_executables=not no_save,
-                    effort=effort.value, transformer=transformer, vae=vae, lora=tuple(lora)),
-        fields=dict(height=height, width=width, steps=steps, guidance=guidance, negative_prompt=negative_prompt,
-                    seed=seed, num_images=num_images, latents=latents, max_sequence_length=max_sequence_length),
+        engine=dict(model=a["model"], dtype=a["dtype"], compile_cache=compile_cache, save_executables=not no_save,
+                    effort=effort.value, transformer=a["transformer"], vae=a["vae"], lora=tuple(a["lora"])),
+        fields=dict(height=a["height"], width=a["width"], steps=a["steps"], guidance=a["guidance"],
+                    negative_prompt=a["negative_prompt"], seed=a["seed"], num_images=num_images,
+                    latents=a["latents"], max_sequence_length=a["max_sequence_length"]),
     )

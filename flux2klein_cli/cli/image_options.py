@@ -7,6 +7,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import typer
+
 from flux2klein_cli.cli.output import emit_json, note, plain, result, status, user_errors, warn
 from flux2klein_cli.cli.progress import PhaseLines, StepBar, wanted
 from flux2klein_cli.core.errors import Flux2KleinError
@@ -22,6 +24,26 @@ def _written_on_failure(as_json: bool) -> Iterator[None]:
         if as_json and hasattr(e, "written"):
             emit_json({"error": str(e), "outputs": e.written})
         raise
+
+
+def given(ctx: typer.Context) -> set[str]:
+    """The names of the parameters the user gave (on the command line or through their environment variable)."""
+    def source(name: str) -> str:  # by name: Typer's click and the installed one differ
+        found = ctx.get_parameter_source(name)
+        return "DEFAULT" if found is None else found.name
+
+    return {p.name for p in ctx.command.params if p.name and source(p.name) not in ("DEFAULT", "DEFAULT_MAP")}
+
+
+def with_png(ctx: typer.Context, source: Path | None, command: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    """`--from IMAGE.png`: `arguments` (the command's, by parameter name) with those the user did not give
+    taken from the PNG (core/runs/from_png.py); without --from, `arguments` as they are."""
+    if source is None:
+        return arguments
+    from flux2klein_cli.core.runs import from_png
+
+    with user_errors():
+        return from_png.overlay(from_png.parameters(source, command), arguments, given(ctx), source=source)
 
 
 def run(*, prompt: str | None, prompt_file: Path | None, as_json: bool, devices: dict[str, Any],

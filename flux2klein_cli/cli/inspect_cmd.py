@@ -13,7 +13,8 @@ from flux2klein_cli.core.hub.registry import aliases
 
 def inspect(
     model: Annotated[str, typer.Argument(help=f"Alias ({aliases()}), hub repo id, snapshot or converted "
-                                         "directory.")],
+                                         "directory; or a PNG written by generate, edit or batch.",
+                                         metavar="MODEL|IMAGE.png")],
     dtype: o.DtypeOpt = o.Dtype.bf16,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
@@ -26,8 +27,20 @@ def inspect(
     the file and keys. Parameters holding NaN or inf are counted per component; any is
     exit code 2 after the report, naming the first ones.
 
-    Example: flux2klein inspect ~/models/FLUX.2-klein-4B --dtype bf16
+    Given a PNG written by generate, edit or batch instead, print the parameters it carries (what
+    generate --from reruns); a PNG without them is exit code 2.
+
+    Examples:
+
+      flux2klein inspect ~/models/FLUX.2-klein-4B --dtype bf16
+
+      flux2klein inspect fox.png --json
     """
+    from flux2klein_cli.core.runs import from_png
+
+    if from_png.names_image(model):
+        _image_parameters(model, as_json)
+        return
     with user_errors():
         from flux2klein_cli.core.choices import jax_dtype
         from flux2klein_cli.core.hub.checkpoint import (
@@ -76,3 +89,20 @@ def inspect(
         names = ", ".join(f"{path} ({n})" for path, n in list(bad.items())[:3]) + (" ..." if len(bad) > 3 else "")
         error(f"{len(bad)} parameter(s) hold NaN or inf values: {names}; this checkpoint makes black images")
         raise typer.Exit(2)
+
+
+def _image_parameters(path: str, as_json: bool) -> None:
+    from flux2klein_cli.core.runs import from_png
+    from flux2klein_cli.core.runs.image_files import read_run_metadata
+
+    with user_errors():
+        parameters = read_run_metadata(path)
+    if as_json:
+        emit_json(parameters)
+        return
+    table = Table(title=path)
+    table.add_column("parameter")
+    table.add_column("value", overflow="fold")
+    for name, value in parameters.items():
+        table.add_row(name, from_png.shown(value))
+    show_table(table)

@@ -102,6 +102,9 @@ OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="PNG path; sever
 NegativeOpt = Annotated[str, typer.Option("--negative-prompt", help="What to steer away from (base models with "
                                           "guidance > 1).")]
 NumImagesOpt = Annotated[int, typer.Option("--num-images", "-n", help="Images per prompt.")]
+FromOpt = Annotated[Path | None, typer.Option(
+    "--from", help="Rerun an image from the parameters its PNG carries (prompt, seed, size, model, ...); options "
+    "given beside it override them.", metavar="IMAGE.png")]
 LatentsOpt = Annotated[Path | None, typer.Option(
     "--latents", help="Initial noise .npy in diffusers' latents= shape: (B, 128, H/16, W/16) for klein, from the "
     "model's latent geometry in general.")]

@@ -117,6 +117,9 @@ def png_metadata(plan: RunPlan, run: ImageRun, index: int, options: EngineOption
         steps=plan.steps, guidance=plan.guidance, size=f"{plan.width}x{plan.height}", model=options.model,
         **options.components, references=list(plan.reference_names), dtype=options.dtype,
         version=__version__, **({"lora": lora} if lora else {}), **init_metadata(plan),
+        # What else decides the pixels, so that `--from` reruns the image exactly.
+        max_sequence_length=plan.max_sequence_length, **({"kv": True} if plan.kv else {}),
+        **({"reference_max_area": plan.reference_max_area} if plan.reference_names else {}),
     )
 
 
