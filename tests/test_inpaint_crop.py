@@ -178,3 +178,16 @@ def test_an_edit_with_padding_mask_crop_keeps_the_init_image_outside_the_mask(en
         pixels = np.asarray(image.convert("RGB"))
     keep = np.asarray(Image.open(env / "mask.png")) == 0
     np.testing.assert_array_equal(pixels[keep], np.asarray(Image.open(env / "init.png").convert("RGB"))[keep])
+
+
+def test_mask_levels_reads_transparency_only_when_asked() -> None:
+    """serve's rule: with transparency anywhere, repaint = 255 - alpha; opaque, or not asked (the
+    CLI, batch: diffusers reads the gray levels), the gray levels."""
+    rgba = np.zeros((8, 8, 4), np.uint8)
+    rgba[..., 3] = 255
+    rgba[2:5, 2:6, 3] = 0
+    image = Image.fromarray(rgba, "RGBA")
+    np.testing.assert_array_equal(np.asarray(conditioning.mask_levels(image, alpha=True)), 255 - rgba[..., 3])
+    assert not np.asarray(conditioning.mask_levels(image)).any()  # black RGB: keep everything
+    rgba[..., 3], rgba[..., :3] = 255, 255
+    assert np.asarray(conditioning.mask_levels(Image.fromarray(rgba, "RGBA"), alpha=True)).min() == 255

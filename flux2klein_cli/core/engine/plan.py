@@ -194,17 +194,19 @@ def check_size(height: int, width: int, model: ModelFacts) -> None:
     limits.check_size(height, width, model.geometry.pixels_per_token)
 
 
-def read_reference(source: ReferenceSource) -> tuple[str, Any]:
+def read_reference(source: ReferenceSource, *, keep_alpha: bool = False) -> tuple[str, Any]:
     """(name, PIL image) of a reference. An upload's name carries a digest of its bytes: names are
-    part of the batch key, so two uploads called image.png must not pass for one reference."""
+    part of the batch key, so two uploads called image.png must not pass for one reference.
+    `keep_alpha`: RGBA when the image has transparency (images.load_reference)."""
     from flux2klein_cli.core.runs.images import load_reference
 
     if isinstance(source, tuple):
         import hashlib
 
         label, data = source
-        return f"{label}@sha256:{hashlib.sha256(data).hexdigest()[:16]}", load_reference(label, data)
-    return str(source), load_reference(source)
+        return (f"{label}@sha256:{hashlib.sha256(data).hexdigest()[:16]}",
+                load_reference(label, data, keep_alpha=keep_alpha))
+    return str(source), load_reference(source, keep_alpha=keep_alpha)
 
 
 def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
@@ -321,7 +323,7 @@ def read_init_image(fields: RunFields, model: ModelFacts) -> tuple[str, np.ndarr
     check_size(*pixels.shape[:2], model)
     if fields.mask is None:
         return name, pixels, None, None, None
-    mask_name, mask_image = read_reference(fields.mask)
+    mask_name, mask_image = read_reference(fields.mask, keep_alpha=fields.mask_alpha)
     box = crop = None
     if fields.padding_mask_crop is not None:
         conditioning.check_mask_size(mask_image, image.size)

@@ -80,7 +80,8 @@ def _to_eight_bit(image: Image.Image, name: str) -> Image.Image:
     return Image.fromarray(scaled.astype(np.uint8), "L")
 
 
-def load_reference(path: str | os.PathLike[str], data: bytes | None = None) -> Image.Image:
+def load_reference(path: str | os.PathLike[str], data: bytes | None = None, *, keep_alpha: bool = False
+                   ) -> Image.Image:
     """Open a reference image fully (so a truncated file fails here), upright per EXIF, as RGB,
     checked for size and aspect (`check_reference`) under its file name.
 
@@ -89,6 +90,8 @@ def load_reference(path: str | os.PathLike[str], data: bytes | None = None) -> I
 
     For 8-bit images this is what `diffusers.utils.load_image(path)` returns, so both pipelines see
     the same pixels; deeper grayscale (16-bit, float) is scaled by its range (`_to_eight_bit`).
+    `keep_alpha`: an image with an alpha channel (or a palette's transparency) comes back RGBA
+    (a mask read by OpenAI's rule, conditioning.mask_levels).
     """
     p = Path(path)
     name = f"reference image {p}"
@@ -102,7 +105,8 @@ def load_reference(path: str | os.PathLike[str], data: bytes | None = None) -> I
             check_reference_pixels(name, *opened.size)
             opened.load()
             upright = _to_eight_bit(ImageOps.exif_transpose(opened), name)
-            rgb = upright.convert("RGB")
+            alpha = "A" in upright.getbands() or (upright.mode == "P" and "transparency" in upright.info)
+            rgb = upright.convert("RGBA" if keep_alpha and alpha else "RGB")
     except PermissionError:
         raise UserInputError(f"cannot read reference image {p}: permission denied") from None
     except UnidentifiedImageError:

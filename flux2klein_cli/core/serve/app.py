@@ -119,6 +119,8 @@ def _request_models() -> tuple[type, type]:
         """`POST /v1/images/edits`: the form fields beside the image files."""
 
         kv: bool = False
+        strength: float | None = None  # image-to-image / inpainting: the first image is the init image
+        padding_mask_crop: int | None = None
 
     return ImageRequest, EditRequest
 
@@ -174,10 +176,12 @@ def create_app(service: Service) -> Any:
             raise ApiError(400, "the request body is not valid JSON") from None
         return validated(ImageRequest, data)
 
-    async def images(body: dict[str, Any], references: list[tuple[str, bytes]], endpoint: str) -> dict[str, Any]:
+    async def images(body: dict[str, Any], references: list[tuple[str, bytes]], endpoint: str,
+                     init_image: tuple[str, bytes] | None = None, mask: tuple[str, bytes] | None = None
+                     ) -> dict[str, Any]:
         start = time.perf_counter()
         try:
-            plan = await asyncio.to_thread(service.plan, body, references)
+            plan = await asyncio.to_thread(service.plan, body, references, init_image, mask)
             run = await asyncio.wrap_future(service.submit(plan).future)
             data = await asyncio.to_thread(image_data, run)
         except Exception as e:
@@ -196,13 +200,14 @@ def create_app(service: Service) -> Any:
     @app.post("/v1/images/edits")
     async def edits(request: Request) -> dict[str, Any]:
         try:
-            form = await request.form(max_files=LIMITS.references + 1, max_fields=64)
+            form = await request.form(max_files=LIMITS.references + 2, max_fields=64)
         except BodyTooLarge:
             raise
         except Exception as e:  # not multipart, or a malformed one
             raise ApiError(400, f"the request body must be multipart/form-data: {e}") from None
         fields: dict[str, Any] = {}
         references: list[tuple[str, bytes]] = []
+        masks: list[tuple[str, bytes]] = []
         for key, value in form.multi_items():
             is_file = hasattr(value, "read")
             if key in ("image", "image[]"):
@@ -210,15 +215,26 @@ def create_app(service: Service) -> Any:
                     raise ApiError(400, f"{key} must be an uploaded image file", param="image")
                 references.append((value.filename or "image", await value.read()))
             elif key in ("mask", "mask[]"):
-                raise ApiError(400, "mask is not supported yet: edits take whole reference images", param="mask")
+                if not is_file:
+                    raise ApiError(400, f"{key} must be an uploaded image file", param="mask")
+                masks.append((value.filename or "mask", await value.read()))
             elif is_file:
-                raise ApiError(400, f"{key} is not a file field of this request (image, image[])", param=key)
+                raise ApiError(400, f"{key} is not a file field of this request (image, image[], mask)", param=key)
             else:
                 fields[key] = value
         await form.close()
         if not references:
             raise ApiError(400, "image is missing: upload at least one reference image", param="image")
-        return await images(validated(EditRequest, fields), references, "edits")
+        if len(masks) > 1:
+            raise ApiError(400, f"mask: {len(masks)} were uploaded; give one (it applies to the first image)",
+                           param="mask")
+        body = validated(EditRequest, fields)
+        if masks or body.get("strength") is not None:  # OpenAI's: the first image is the one edited
+            return await images(body, references[1:], "edits", init_image=references[0],
+                                mask=masks[0] if masks else None)
+        if body.get("padding_mask_crop") is not None:
+            raise ApiError(400, "padding_mask_crop needs a mask", param="padding_mask_crop")
+        return await images(body, references, "edits")
 
     @app.post("/v1/jobs", status_code=202)
     async def create_job(request: Request) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from flux2klein_cli.core.serve.options import ServeOptions, parse_size
 log = logging.getLogger("flux2klein.serve")
 
 # Core's field names as the Images API spells them.
-PARAMS = {"num_images": "n", "height": "size", "width": "size", "references": "image", "reference": "image"}
+PARAMS = {"num_images": "n", "height": "size", "width": "size", "references": "image", "reference": "image",
+          "init_image": "image"}
 RESPONSE_FORMATS = ("b64_json",)
 
 
@@ -70,8 +71,11 @@ def api_error(error: BaseException) -> ApiError:
                     type="server_error", code="internal_error")
 
 
-def run_fields(body: Mapping[str, Any], references: Sequence[ReferenceSource], max_sequence_length: int) -> RunFields:
-    """The fields of an Images API request (already typed by its pydantic model) as a RunFields."""
+def run_fields(body: Mapping[str, Any], references: Sequence[ReferenceSource], max_sequence_length: int,
+               init_image: ReferenceSource | None = None, mask: ReferenceSource | None = None) -> RunFields:
+    """The fields of an Images API request (already typed by its pydantic model) as a RunFields. A
+    mask is read by OpenAI's rule when it has transparency (transparent: repaint), else by its gray
+    levels as the CLI reads one (white: repaint)."""
     response_format = body.get("response_format") or "b64_json"
     if response_format == "url":
         raise FieldError("response_format", "url is not supported: this server keeps no files; use b64_json")
@@ -85,7 +89,8 @@ def run_fields(body: Mapping[str, Any], references: Sequence[ReferenceSource], m
         prompts=(body["prompt"],), references=tuple(references), height=height, width=width,
         steps=body.get("steps"), guidance=body.get("guidance"), negative_prompt=body.get("negative_prompt") or "",
         seed=body.get("seed", 0), num_images=body.get("n", 1), max_sequence_length=max_sequence_length,
-        kv=bool(body.get("kv")),
+        kv=bool(body.get("kv")), init_image=init_image, mask=mask, strength=body.get("strength"),
+        padding_mask_crop=body.get("padding_mask_crop"), mask_alpha=True,
     )
 
 
@@ -131,10 +136,11 @@ class Service:
         if name is not None and name != self.model:
             raise FieldError("model", f"is {name!r}; this server serves {self.model!r}")
 
-    def plan(self, body: Mapping[str, Any], references: Sequence[ReferenceSource] = ()) -> RunPlan:
+    def plan(self, body: Mapping[str, Any], references: Sequence[ReferenceSource] = (),
+             init_image: ReferenceSource | None = None, mask: ReferenceSource | None = None) -> RunPlan:
         """A request checked against the model (FieldError / UserInputError: 400). No device work."""
         self.check_model(body.get("model"))
-        return self.engine.plan(run_fields(body, references, self.options.max_sequence_length))
+        return self.engine.plan(run_fields(body, references, self.options.max_sequence_length, init_image, mask))
 
     def submit(self, plan: RunPlan) -> Ticket:
         try:
