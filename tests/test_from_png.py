@@ -154,6 +154,16 @@ def test_generate_from_reruns_bit_for_bit_and_overrides(tmp_path: Path) -> None:
     table = run("inspect", first)
     assert table.exit_code == 0 and "a fox in snow" in table.stdout + table.stderr
 
+    # A run from initial noise records latents:PATH and reruns from that file.
+    noise = tmp_path / "noise.npy"
+    np.save(noise, np.random.default_rng(1).standard_normal((1, 128, 2, 3)).astype(np.float32))
+    from_noise = run("generate", "a fox in snow", *TINY, "--latents", noise, "-o", tmp_path / "l.png")
+    assert from_noise.exit_code == 0, from_noise.stderr
+    assert read_png_metadata(tmp_path / "l.png")["seed"] == f"latents:{noise}"
+    rerun = run("generate", "--from", tmp_path / "l.png", "-o", tmp_path / "l2.png")
+    assert rerun.exit_code == 0, rerun.stderr
+    assert np.array_equal(pixels(tmp_path / "l.png"), pixels(tmp_path / "l2.png"))
+
 
 @pytest.mark.slow
 def test_edit_from_reruns_bit_for_bit(tmp_path: Path) -> None:
