@@ -9,6 +9,7 @@ import typer
 
 from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli import output
+from flux2klein_cli.cli.flags import SHAPE_FLAGS
 from flux2klein_cli.cli.output import Table, emit_json, note, show_table, status, user_errors, warn
 from flux2klein_cli.core import choices
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
@@ -104,7 +105,7 @@ def bench(
 
       flux2klein bench --model 4b --phase decode --vae small-decoder --dtype fp32
     """
-    with user_errors():
+    with user_errors(SHAPE_FLAGS):
         from flux2klein_cli.core.runs.bench.run import BenchOptions, run_bench
 
         opts = BenchOptions(

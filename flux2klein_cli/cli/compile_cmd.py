@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from flux2klein_cli.cli import options as o
+from flux2klein_cli.cli.flags import SHAPE_FLAGS
 from flux2klein_cli.cli.output import Table, emit_json, note, result, show_table, user_errors, warn
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core import choices
@@ -70,7 +71,7 @@ def compile_programs(
 
       flux2klein compile --model 9b-kv --height 1024 --width 1024 --refs 4 --kv
     """
-    with user_errors():
+    with user_errors(SHAPE_FLAGS):
         from flux2klein_cli.core.runs.compile import CompileOptions, run_compile
 
         opts = CompileOptions(model=model, height=height, width=width, batch=bs, prompts=prompts, steps=steps,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from flux2klein_cli.core.errors import FieldError
 
 # Fields whose flag is not `--` + the field with dashes.
@@ -12,12 +14,18 @@ _FLAGS = {
     "latents": "--latents",
 }
 
+# `compile` and `bench` take a run's shape: its images are --bs (the batch), not --num-images.
+SHAPE_FLAGS = {"num_images": "--bs", "batch": "--bs"}
+
 
 def flag(field: str) -> str:
     """The command-line spelling of a request field."""
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
-def message(error: Exception) -> str:
-    """An error's one line as this CLI says it: a field error names the flag."""
-    return error.named(flag) if isinstance(error, FieldError) else str(error)
+def message(error: Exception, flags: Mapping[str, str] | None = None) -> str:
+    """An error's one line as this CLI says it: a field error names the flag (`flags`: a
+    command's own spellings, e.g. SHAPE_FLAGS)."""
+    if not isinstance(error, FieldError):
+        return str(error)
+    return error.named(lambda field: (flags or {}).get(field) or flag(field))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -81,14 +81,15 @@ def status(message: object) -> Status:
 
 
 @contextmanager
-def user_errors() -> Iterator[None]:
-    """Known failures become one readable line on stderr and their exit code, never a traceback."""
+def user_errors(flags: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Known failures become one readable line on stderr and their exit code, never a traceback
+    (`flags`: the command's own spellings of fields, cli/flags.py)."""
     try:
         yield
     except Flux2KleinError as e:
         from flux2klein_cli.cli.flags import message
 
-        error(message(e))
+        error(message(e, flags))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         stderr.print("interrupted")

@@ -87,6 +87,12 @@ class BenchOptions:
                 limits.check_int(name, value, limits.LIMITS.size_multiple, limits.LIMITS.max_side, "px")
         if self.batch < 1 or self.reps < 1 or (self.steps is not None and self.steps < 1):
             raise UserInputError("--bs, --reps and --steps must be at least 1")
+        # The limits table's bounds, as build_shape applies them to compile's shape (--bs is num_images).
+        if self.steps is not None:
+            limits.check_steps(self.steps)
+        limits.check_images(self.batch)
+        if self.height is not None and self.width is not None:  # the pixel count; the multiple comes later
+            limits.check_size(self.height, self.width, multiple=1)
         if self.kv and (self.phase != "pipeline" or not self.reference_sizes()):
             raise UserInputError(f"--kv times edits: use it with --phase pipeline and --refs 1..{MAX_REFERENCES}")
         store_flags = [flag for flag in ("--compile-cache", "--no-save", "--effort") if given[flag]]
