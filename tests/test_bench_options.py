@@ -32,7 +32,7 @@ def test_a_phase_flag_with_another_phase_is_exit_2(phase: str, flag: str) -> Non
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"refs": "5"}, "--refs: 5 references; at most 4 are supported"),
+    ({"refs": "5"}, "references gives 5 reference images; at most 4 are supported"),
     ({"refs": "-1"}, "--refs: '-1' is neither a count nor HEIGHTxWIDTH"),
     ({"kv": True}, "--kv times edits"),
     ({"kv": True, "refs": "0"}, "--kv times edits"),

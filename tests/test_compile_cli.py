@@ -177,7 +177,7 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
         (["--tpu", "v9-4"], "unknown TPU preset 'v9-4': use one of v4-8,"),
         (["--tpu", "v6e-3"], "unknown TPU preset 'v6e-3'"),
         (["--refs", "512by512"], "--refs: '512by512' is neither a count nor HEIGHTxWIDTH"),
-        (["--refs", "5"], "--refs: 5 references; at most 4 are supported"),
+        (["--refs", "5"], "--refs gives 5 reference images; at most 4 are supported"),
         (["--refs", "512x500"], "width 500 is not a multiple of 16"),
         (["--height", "0", "--width", "64"], "--height must be at least 16 px, got 0"),
         (["--mesh", "model=2"], "--mesh: unknown axis 'model'"),

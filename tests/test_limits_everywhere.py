@@ -40,8 +40,8 @@ CASES = {
     "max-sequence-length": (["--max-sequence-length", str(LIMITS.prompt_tokens + 1)], (*RUNS, "compile"),
                             f"--max-sequence-length must be at most {LIMITS.prompt_tokens} tokens, "
                             f"got {LIMITS.prompt_tokens + 1}"),
-    "references": (["{references}"], ("edit", *SHAPES), f"--refs: {LIMITS.references + 1} references; at most "
-                                                         f"{LIMITS.references} are supported"),
+    "references": (["{references}"], ("edit", *SHAPES), f"{{refs}} gives {LIMITS.references + 1} reference images; "
+                                                         f"at most {LIMITS.references} are supported"),
     "prompt bytes": (["--prompt-file", "{long_prompt}"], RUNS,
                      f"PROMPT is {LIMITS.prompt_bytes + 1} bytes; the limit is {LIMITS.prompt_bytes} bytes"),
     "prompt file": (["--prompt-file", "{big_file}"], RUNS,
@@ -49,15 +49,8 @@ CASES = {
 }
 IMAGE_FLAG = {"generate": "-n", "edit": "-n", "compile": "--bs", "bench": "--bs"}
 SPELLED = {"generate": "--num-images", "edit": "--num-images", "compile": "--bs", "bench": "--bs"}
-# Known differences whose fix lies in modules others own (reported with issue 30):
-LEFT = {
-    # build_plan checks --num-images per prompt first, without the table's unit (core/engine/plan.py).
-    ("images", "generate"): "plan.py's per-prompt check has no unit",
-    ("images", "edit"): "plan.py's per-prompt check has no unit",
-    # edit's count is checked by limits.check_reference_count, --refs by parse_refs' own copy of the
-    # bound (core/pipeline/references.py), in other words.
-    ("references", "edit"): "edit says '5 reference images given', --refs 'references'",
-}
+REFS = {"edit": "--image", "compile": "--refs", "bench": "--refs"}  # where a command takes its references
+LEFT: dict[tuple[str, str], str] = {}  # known differences between commands: none
 
 
 def _params() -> list[object]:
@@ -109,7 +102,7 @@ def test_a_limit_plus_one_is_the_same_line_everywhere(name: str, command: str, i
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(cache))
     monkeypatch.setenv("FLUX2KLEIN_COMPILE_CACHE", str(tmp_path / "store"))
     done = runner.invoke(app, _argv(name, command, inputs, out))
-    expected = CASES[name][2].format(flag=SPELLED[command], **inputs)
+    expected = CASES[name][2].format(flag=SPELLED[command], refs=REFS.get(command), **inputs)
     assert (done.exit_code, done.stderr.splitlines()) == (2, [f"error: {expected}"])
     # Refused before any model work: no output, no executable store (the `tiny` alias may have
     # written its checkpoint into the cache: its configs are the model's facts).

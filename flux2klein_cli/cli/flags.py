@@ -14,8 +14,9 @@ _FLAGS = {
     "latents": "--latents",
 }
 
-# `compile` and `bench` take a run's shape: its images are --bs (the batch), not --num-images.
-SHAPE_FLAGS = {"num_images": "--bs", "batch": "--bs"}
+# `compile` and `bench` take a run's shape: its images are --bs (the batch), not --num-images, and
+# its references --refs sizes, not --image files.
+SHAPE_FLAGS = {"num_images": "--bs", "batch": "--bs", "references": "--refs"}
 
 
 def flag(field: str) -> str:

@@ -159,7 +159,7 @@ def check_prompt(text: str, field: str = "prompt") -> None:
 
 def check_reference_count(count: int) -> None:
     if count > LIMITS.references:
-        raise UserInputError(f"{count} reference images given; at most {LIMITS.references} are supported")
+        raise FieldError("references", f"gives {count} reference images; at most {LIMITS.references} are supported")
 
 
 def check_reference_pixels(name: str, width: int, height: int) -> None:

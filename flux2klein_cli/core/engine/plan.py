@@ -215,7 +215,8 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
     from flux2klein_cli.core.runs.images import preprocess_reference
 
     prompts = check_prompts(fields.prompts, fields.negative_prompt)
-    limits.check_int("num_images", fields.num_images, 1, limits.LIMITS.images)
+    if isinstance(fields.num_images, bool) or not isinstance(fields.num_images, int) or fields.num_images < 1:
+        raise FieldError("num_images", f"must be a whole number of at least 1, got {fields.num_images!r}")
     batch = len(prompts) * fields.num_images
     limits.check_images(batch)
     limits.check_seed(fields.seed, batch)

@@ -3,14 +3,11 @@ sizes that `bench` and `compile` share."""
 
 from __future__ import annotations
 
+from flux2klein_cli.core import limits
 from flux2klein_cli.core.errors import UserInputError
 
-MAX_REFERENCES = 4  # what FLUX.2 [klein] was trained with; diffusers warns above it
-
-
-def check_reference_count(count: int) -> None:
-    if count > MAX_REFERENCES:
-        raise UserInputError(f"{count} reference images given; at most {MAX_REFERENCES} are supported")
+MAX_REFERENCES = limits.LIMITS.references  # the limits table's: what FLUX.2 [klein] was trained with
+check_reference_count = limits.check_reference_count  # one rule for edit's images and --refs
 
 
 def parse_refs(text: str | None, height: int, width: int) -> tuple[tuple[int, int], ...]:
@@ -20,6 +17,7 @@ def parse_refs(text: str | None, height: int, width: int) -> tuple[tuple[int, in
         return ()
     text = text.strip()
     if text.isdigit():
+        check_reference_count(int(text))  # before a tuple of that many is made
         sizes = ((height, width),) * int(text)
     else:
         parsed = []
@@ -30,6 +28,5 @@ def parse_refs(text: str | None, height: int, width: int) -> tuple[tuple[int, in
                                      "(e.g. --refs 2 or --refs 512x512,768x1024)")
             parsed.append((int(parts[0]), int(parts[1])))
         sizes = tuple(parsed)
-    if len(sizes) > MAX_REFERENCES:
-        raise UserInputError(f"--refs: {len(sizes)} references; at most {MAX_REFERENCES} are supported")
+    check_reference_count(len(sizes))
     return sizes
