@@ -313,7 +313,7 @@ class FakePlan:
 
 
 def test_the_batcher_gathers_same_key_plans_and_a_failing_batch_fails_only_its_own() -> None:
-    from flux2klein_cli.core.serve.batcher import Batcher, padded_count
+    from flux2klein_cli.core.serve.batcher import Batcher, batch_count, padded_count
 
     runs: list[list[str]] = []
 
@@ -336,6 +336,8 @@ def test_the_batcher_gathers_same_key_plans_and_a_failing_batch_fails_only_its_o
     assert runs[1] == ["bad", "bad"]
     assert [t.state for t in tickets] == ["succeeded", "failed", "succeeded", "succeeded", "failed"]
     assert [padded_count(k, 8) for k in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 9]
+    # padding 5 to 8 would waste 3 of 8 images: 4 run, 1 waits; 3 -> 4 and 7 -> 8 waste at most a quarter
+    assert [batch_count(k, 8) for k in range(1, 10)] == [1, 2, 3, 4, 4, 6, 7, 8, 9]
 
 
 def test_the_batcher_cancels_queued_tickets_and_bounds_its_queue() -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from flux2klein_cli.core.limits import LIMITS
 from flux2klein_cli.core.serve.batcher import Draining
 from flux2klein_cli.core.serve.jobs import job_view
-from flux2klein_cli.core.serve.service import ApiError, Service, api_error, image_data
+from flux2klein_cli.core.serve.service import ApiError, Service, api_error
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -182,8 +182,7 @@ def create_app(service: Service) -> Any:
         start = time.perf_counter()
         try:
             plan = await asyncio.to_thread(service.plan, body, references, init_image, mask)
-            run = await asyncio.wrap_future(service.submit(plan).future)
-            data = await asyncio.to_thread(image_data, run)
+            data = (await asyncio.wrap_future(service.submit(plan).future)).data
         except Exception as e:
             if metrics is not None:
                 metrics.requests.labels(endpoint=endpoint, status=str(api_error(e).status)).inc()
@@ -257,8 +256,7 @@ def create_app(service: Service) -> Any:
         job = find_job(job_id)
         future = job.ticket.future
         if job.state == "succeeded" and job.data is None:
-            data = await asyncio.to_thread(image_data, future.result())
-            job.data = job.data or data
+            job.data = future.result().data
         error = api_error(future.exception()).body() if job.state in ("failed", "cancelled") else None
         return job_view(job, error)
 

@@ -3,7 +3,8 @@
 The worker takes the oldest plan, waits until `wait_s` after it arrived for more plans of its
 batch key (RunPlan.batch_key) up to `max_batch` images, and runs them as one batch. Batches are
 padded up to the next power of two plans (copies of the last plan, whose images are dropped)
-so a shape compiles for a few batch sizes, not every count from 1 to max_batch. Plans of other
+so a shape compiles for a few batch sizes, not every count from 1 to max_batch; where padding
+would waste more than a quarter of the batch, the power of two below runs and the rest wait. Plans of other
 keys wait their turn in arrival order: a new shape compiles while the queue holds, and is then
 kept by the engine with the others. A failing batch fails its own tickets only.
 
@@ -83,6 +84,20 @@ class BatchReport:
     error: BaseException | None
 
 
+MAX_PADDING = 0.25  # of a padded batch: more, and the batch runs the power of two below instead
+
+
+def batch_count(count: int, cap: int) -> int:
+    """How many of `count` gathered plans run now: all when padding them to `padded_count`
+    wastes at most MAX_PADDING of the batch, else the largest power of two below (the rest
+    wait for the next batch, with whatever arrives meanwhile): a batch never computes more
+    than a third more images than it returns, and every size run is one `warm` compiled."""
+    padded = padded_count(count, cap)
+    if padded - count <= MAX_PADDING * padded:
+        return count
+    return 1 << (count.bit_length() - 1)
+
+
 def padded_count(count: int, cap: int) -> int:
     """`count` plans rounded up to a power of two, at most `cap` (and never below `count`)."""
     if count >= cap:
@@ -93,9 +108,13 @@ def padded_count(count: int, cap: int) -> int:
 class Batcher:
     def __init__(self, run_batch: RunBatch, *, max_batch: int, wait_s: float, queue_size: int,
                  pad: bool = True, on_batch: Callable[[BatchReport], None] = lambda report: None,
-                 on_depth: Callable[[int], None] = lambda depth: None, before_first: Callable[[], None] | None = None):
+                 on_depth: Callable[[int], None] = lambda depth: None, before_first: Callable[[], None] | None = None,
+                 finish: Callable[[Any], Any] = lambda result: result):
         self.run_batch, self.max_batch, self.wait_s, self.queue_size = run_batch, max_batch, wait_s, queue_size
         self.pad, self.on_batch, self.on_depth, self.before_first = pad, on_batch, on_depth, before_first
+        # Each answered plan's result as its ticket gets it, on the worker thread: a batch's answers
+        # then go out together, so closed-loop clients come back within one batch window.
+        self.finish = finish
         self._queue: deque[Ticket] = deque()
         self._running: list[Ticket] = []
         self._cond = threading.Condition()
@@ -201,6 +220,9 @@ class Batcher:
                 if ticket.key == first.key and (not chosen or images + ticket.plan.batch <= self.max_batch):
                     chosen.append(ticket)
                     images += ticket.plan.batch
+            if self.pad:  # a size padding would waste more than a quarter of: the power of two below it
+                cap = max(1, self.max_batch // max(1, first.plan.batch))
+                chosen = chosen[:batch_count(len(chosen), cap)]
             for ticket in chosen:
                 self._queue.remove(ticket)
                 ticket.state, ticket.started = "running", time.monotonic()
@@ -236,10 +258,16 @@ class Batcher:
             results = self.run_batch(plans)
         except BaseException as e:  # noqa: BLE001 (a failing batch fails its own tickets only)
             error = e
+        answers: list[Any] = [None] * len(chosen)
+        if error is None:
+            try:
+                answers = [self.finish(results[i]) for i in range(len(chosen))]
+            except BaseException as e:  # noqa: BLE001 (as a failing run: its own tickets only)
+                error = e
         seconds = time.perf_counter() - start
         self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
-        for i, ticket in enumerate(chosen):
-            ticket.resolve(None if error else results[i], error)
+        for ticket, answer in zip(chosen, answers, strict=True):
+            ticket.resolve(None if error else answer, error)
         with self._cond:
             self._running = []
             self._cond.notify_all()

@@ -107,6 +107,18 @@ def image_data(run: ImageRun) -> list[dict[str, str]]:
     return [{"b64_json": encode_png(image)} for image in run.images]
 
 
+@dataclass
+class Served:
+    """A ticket's answer: its run and the run's images as the API returns them."""
+
+    run: ImageRun
+    data: list[dict[str, str]]
+
+
+def served(run: ImageRun) -> Served:
+    return Served(run, image_data(run))
+
+
 class Service:
     """The engine, the batcher in front of it, the jobs and the metrics; HTTP-free."""
 
@@ -119,7 +131,7 @@ class Service:
         self.batcher = Batcher(self.run_batch, max_batch=options.max_batch,
                                wait_s=options.batch_wait_ms / 1000, queue_size=options.queue,
                                pad=options.pad_batches, on_batch=self._on_batch, on_depth=self._on_depth,
-                               before_first=self.warm)
+                               before_first=self.warm, finish=served)
         self.jobs = JobStore(options.jobs_kept)
         self.draining = False
         self.started = time.time()
