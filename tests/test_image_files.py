@@ -251,3 +251,10 @@ def test_load_latents_unreadable(tmp_path: Path) -> None:
     np.save(tmp_path / "nan.npy", bad)
     with pytest.raises(UserInputError, match="NaN"):
         load_latents(tmp_path / "nan.npy", SHAPE)
+
+
+def test_an_output_directory_that_takes_no_files_is_refused_up_front() -> None:
+    # os.access says yes to root there; only a file made and removed tells (issue 30: -o /proc/o.png)
+    with pytest.raises(UserInputError, match=r"output directory /proc is not writable \("):
+        plan_outputs("/proc/o.png", 1, force=False)
+    assert not any(p.name.startswith(".o.png") for p in Path("/proc").iterdir())

@@ -248,6 +248,11 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
         raise UserInputError(f"{parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise UserInputError(f"output directory {parent} is not writable")
+    try:  # os.access says yes to root anywhere (/proc too): a file made and removed says for sure
+        with temporary_file(parent, "write-check") as (fd, _):
+            os.close(fd)
+    except OSError as e:
+        raise UserInputError(f"output directory {parent} is not writable ({e.strerror or e})") from None
 
     if count == 1:
         paths = [output]
