@@ -32,7 +32,7 @@ done
 MODEL=$M HW=512 ITEMS=32 BS=4 OUT=$OUT/batch bash benchmarks/batch.sh
 
 port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$PY" -m flux2klein_cli serve --model "$M" --port "$port" --max-batch 8 --warm 512x512 --batch-wait-ms 50 \
+"$PY" -m flux2klein_cli serve --model "$M" --port "$port" --max-batch 8 --warm 512x512 \
   --queue 64 2>>"$OUT/serve.log" &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
