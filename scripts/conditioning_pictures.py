@@ -64,6 +64,16 @@ def start(init: Image.Image, strength: float, steps: int = 10) -> Image.Image:
     return Image.fromarray(postprocess((sigma * noise + (1 - sigma) * pixels)[None])[0])
 
 
+def padding_crop(init: Image.Image, mask_image: Image.Image, pad: int = 16) -> list[tuple[str, Image.Image]]:
+    """--padding-mask-crop: the box on the init image, and the box's pixels scaled up to the output
+    size, which is what the model denoises (then scaled back into the box)."""
+    box = conditioning.crop_box(mask_image, W, H, pad)
+    framed = init.copy()
+    ImageDraw.Draw(framed).rectangle(box, outline=(220, 30, 30), width=2)
+    denoised = init.crop(box).resize((W, H), Image.Resampling.LANCZOS)
+    return [(f"crop-box-{pad}", framed), (f"crop-denoised-{pad}", denoised)]
+
+
 def reference_sizes() -> list[tuple[str, Image.Image]]:
     """A 400x300 reference as the transformer sees it at the default and a smaller max area."""
     y, x = np.mgrid[0:300, 0:400]
@@ -81,6 +91,7 @@ def main() -> None:
     init, m = room(), mask()
     pictures = [("init", init), ("mask", m), ("mask-tokens", token_mask(m)), ("kept", kept(init, m))]
     pictures += [(f"start-strength-{s}", start(init, s)) for s in (0.1, 0.3, 0.6)]
+    pictures += padding_crop(init, m)
     pictures += reference_sizes()
     for name, image in pictures:
         image.save(OUT / f"conditioning-{name}.png", optimize=True)
