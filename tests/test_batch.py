@@ -23,6 +23,9 @@ from flux2klein_cli.core.engine.plan import RunFields, model_facts
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.runs.batch import grouping, manifest, results
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--model", "tiny", "--height", "32", "--width", "32", "--steps", "1", "--max-sequence-length", "16"]
 DEFAULTS = RunFields(prompts=(), height=32, width=32, steps=1, max_sequence_length=16)

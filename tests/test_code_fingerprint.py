@@ -7,7 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import flux2klein_cli
+
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
 
 PACKAGE = Path(flux2klein_cli.__file__).resolve().parent
 

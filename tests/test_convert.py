@@ -34,6 +34,9 @@ from flux2klein_cli.core.weights import flat_store
 from flux2klein_cli.core.weights.convert import convert
 from flux2klein_cli.core.weights.converted import check_converted, load_component
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 runner = CliRunner()
 CLI = "from flux2klein_cli.cli.app import main; main()"
 

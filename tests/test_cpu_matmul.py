@@ -18,6 +18,9 @@ from flux2klein_cli.core.models import cpu_matmul, layers
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 CPUINFO_AMX = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n\nprocessor\t: 1\n"
 CPUINFO_AVX512 = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16\n"
 DIMS = (((1,), (0,)), ((), ()))

@@ -12,6 +12,9 @@ from flux2klein_cli.core.engine.engine import Engine, EngineOptions
 from flux2klein_cli.core.engine.plan import RunFields
 from flux2klein_cli.core.errors import FieldError
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:

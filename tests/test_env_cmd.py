@@ -23,6 +23,9 @@ from flux2klein_cli.core.compile.target import ProgramSpec
 from flux2klein_cli.core.runs import env_report
 from tests.test_light_cli import probe
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 

@@ -18,6 +18,9 @@ from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
 from flux2klein_cli.core.runs.parity import InitImages, run_parity
 from tests.test_pipeline_parity import MAX_DIFF, MIN_SSIM, synthetic_image
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def pipeline(tiny_checkpoint: Path) -> KleinPipeline:

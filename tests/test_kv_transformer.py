@@ -19,6 +19,9 @@ from flux2klein_cli.core.models.transformer import Flux2Transformer, ReferenceKV
 from tests.fixtures.reference import lazy
 from tests.test_transformer import image_ids, rel_err, text_ids
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 # torch and diffusers on first use: the module collects on a base install (no torch).
 torch = lazy("torch")
 

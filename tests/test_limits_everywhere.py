@@ -14,6 +14,9 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.limits import LIMITS
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 runner = CliRunner()
 RUNS = ("generate", "edit")  # a prompt, an output, the whole plan
 SHAPES = ("compile", "bench")  # a run's shape: --bs for its images, --refs for its references

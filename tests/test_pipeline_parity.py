@@ -13,6 +13,9 @@ from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
 from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
 from flux2klein_cli.core.runs.parity import reference_pipeline, run_parity, run_reference
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 MIN_SSIM, MAX_DIFF = 0.999, 2  # max pixel difference in 1/255 steps
 BF16_FACTOR = 2.0  # our bf16 error over diffusers' bf16 error, both against diffusers' fp32
 

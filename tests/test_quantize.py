@@ -20,6 +20,9 @@ from flux2klein_cli.core.weights.convert import _stored_bytes, convert
 from flux2klein_cli.core.weights.converted import abstract_component, load_component, read_manifest
 from tests.test_convert import mapped_ranges
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 MIN_SSIM = 0.995
 runner = CliRunner()
 

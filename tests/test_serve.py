@@ -27,6 +27,9 @@ import openai
 import pytest
 from PIL import Image
 
+# Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
+pytestmark = pytest.mark.slow
+
 KEY = "serve-test-key-0123456789"
 START_TIMEOUT = 300.0  # the first server compiles its warm shapes (two batch sizes) on a shared CPU
 BASE_FLAGS = ["--model", "tiny", "--dtype", "fp32", "--max-batch", "2", "--max-sequence-length", "32",
