@@ -53,15 +53,13 @@ CASES = {
 IMAGE_FLAG = {"generate": "-n", "edit": "-n", "compile": "--bs", "bench": "--bs"}
 SPELLED = {"generate": "--num-images", "edit": "--num-images", "compile": "--bs", "bench": "--bs"}
 REFS = {"edit": "--image", "compile": "--refs", "bench": "--refs"}  # where a command takes its references
-LEFT: dict[tuple[str, str], str] = {}  # known differences between commands: none
 
 
 def _params() -> list[object]:
     out = []
     for name, (_, commands, _) in CASES.items():
         for command in commands:
-            marks = [pytest.mark.xfail(strict=True, reason=LEFT[name, command])] if (name, command) in LEFT else []
-            out.append(pytest.param(name, command, id=f"{name}-{command}", marks=marks))
+            out.append(pytest.param(name, command, id=f"{name}-{command}"))
     return out
 
 
