@@ -10,8 +10,10 @@ from pathlib import Path
 
 # Tests measure float32 parity: keep XLA from using reduced-precision matmuls.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# jax's persistent XLA cache stays off (its default): the executable store is under test.
-os.environ.setdefault("FLUX2KLEIN_XLA_CACHE", "off")
+# jax's persistent XLA cache stays off whatever the caller exported (CI's base tier exports one for
+# its commands): a hit there gives CPU executables the store refuses, and the store is under test.
+# Tests that want it on set it themselves.
+os.environ["FLUX2KLEIN_XLA_CACHE"] = "off"
 if "FLUX2KLEIN_COMPILE_CACHE" not in os.environ:  # a private store for the session, removed at its end
     _SESSION_STORE = tempfile.mkdtemp(prefix="flux2klein-executables-")
     os.environ["FLUX2KLEIN_COMPILE_CACHE"] = _SESSION_STORE
