@@ -22,7 +22,8 @@ def serve(
         show_default=False)] = None,
     max_batch: Annotated[int, typer.Option("--max-batch", help="Images run as one batch at most.")] = 8,
     batch_wait_ms: Annotated[float, typer.Option("--batch-wait-ms", help="How long a request waits for others of "
-                                                 "its shape to batch with.")] = 20.0,
+                                                 "its shape to batch with, while requests come "
+                                                 "together (a lone client waits none).")] = 20.0,
     queue: Annotated[int, typer.Option("--queue", help="Requests waiting at most; beyond it, 429 with Retry-After."
                                        )] = 64,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", help="Seconds in-flight requests get after "

@@ -1,7 +1,10 @@
 """Dynamic batching: a bounded queue of plans and one worker thread that runs them on the engine.
 
 The worker takes the oldest plan, waits until `wait_s` after it arrived for more plans of its
-batch key (RunPlan.batch_key) up to `max_batch` images, and runs them as one batch. Batches are
+batch key (RunPlan.batch_key) up to `max_batch` images, and runs them as one batch. The window is
+only worth its wait when requests come together: once one closed with its plan alone, the next
+plan starts at once, and the window opens again as soon as a plan arrives to find the worker busy
+or others queued (a lone closed-loop client then pays no window; concurrent ones are gathered). Batches are
 padded up to the next power of two plans (copies of the last plan, whose images are dropped)
 so a shape compiles for a few batch sizes, not every count from 1 to max_batch; where padding
 would waste more than a quarter of the batch, the power of two below runs and the rest wait. Plans of other
@@ -121,6 +124,7 @@ class Batcher:
         self._accepting = True
         self._closed = False
         self._batch_seconds = 1.0  # a running mean, for Retry-After
+        self._company = True  # whether plans have been arriving together: the window is waited
         self._thread = threading.Thread(target=self._work, name="flux2klein-batcher", daemon=True)
         self.started = threading.Event()  # set once before_first (the warm-up) returned
         self.start_error: BaseException | None = None
@@ -150,6 +154,8 @@ class Batcher:
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(len(self._queue), self.retry_after())
             ticket = Ticket(plan, plan.batch_key())
+            if self._queue or self._running:
+                self._company = True
             self._queue.append(ticket)
             self.on_depth(len(self._queue))
             self._cond.notify_all()
@@ -205,7 +211,7 @@ class Batcher:
                     return None
                 self._cond.wait()
             first = self._queue[0]
-            deadline = first.enqueued + self.wait_s
+            deadline = first.enqueued + (self.wait_s if self._company else 0.0)
             while True:
                 same = [t for t in self._queue if t.key == first.key]
                 images = sum(t.plan.batch for t in same)
@@ -215,6 +221,7 @@ class Batcher:
                 self._cond.wait(remaining)
                 if not self._queue or self._queue[0] is not first:  # cancelled meanwhile: start over
                     return []
+            self._company = len(self._queue) > 1
             chosen, images = [], 0
             for ticket in self._queue:
                 if ticket.key == first.key and (not chosen or images + ticket.plan.batch <= self.max_batch):
