@@ -23,6 +23,9 @@ from flux2klein_cli.core.paths import check_input_file, check_name_length
 from flux2klein_cli.core.temporaries import temporary_file
 
 PNG_SUFFIX = ".png"
+# zlib's fastest level: about half the encoding time of PIL's default (6) for a few percent more
+# bytes, and the encoding is on every image's path (generate, batch, serve).
+PNG_COMPRESS_LEVEL = 1
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Each key is one text chunk of its own, for exiftool, `identify -verbose` and image viewers: a string as
 # it is, anything else as JSON. One more iTXt chunk under this key says which chunks hold JSON, so reading
@@ -133,7 +136,7 @@ def write_png(
     try:
         with temporary_file(path.parent, path.name) as (fd, tmp):
             with os.fdopen(fd, "wb") as f:
-                picture.save(f, format="PNG", pnginfo=info)
+                picture.save(f, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL)
                 f.flush()
                 os.fsync(f.fileno())
             _commit(tmp, path, force)

@@ -98,8 +98,10 @@ def encode_png(image: np.ndarray) -> str:
     """One (H, W, 3) uint8 image as base64 PNG text."""
     from PIL import Image
 
+    from flux2klein_cli.core.runs.image_files import PNG_COMPRESS_LEVEL
+
     out = io.BytesIO()
-    Image.fromarray(image).save(out, format="PNG", compress_level=3)
+    Image.fromarray(image).save(out, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
     return base64.b64encode(out.getvalue()).decode("ascii")
 
 
