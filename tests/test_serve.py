@@ -247,10 +247,17 @@ def test_jobs_queue_read_and_refuse_to_cancel_a_finished_job(server: Server) -> 
     assert httpx.get(server.url + "/v1/jobs/job-nope", headers=auth(), timeout=30).status_code == 404
 
 
+def metric_values(server: Server) -> dict[str, float]:
+    """The server's /metrics samples by name and labels, as written."""
+    text = httpx.get(server.url + "/metrics", headers=auth(), timeout=30).text
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
 @pytest.mark.slow
 def test_bounded_load_loses_no_request(server: Server) -> None:
-    """48 requests, 8 at a time (the issue's 200 / 16, sized to this 2-core runner's minute): each
-    gets its image or an explicit 429, and the batcher ran some of them together."""
+    """200 requests, 16 at a time, against a queue of 16: each gets its image or an explicit 429
+    with Retry-After, and the batcher ran some of them together."""
 
     def one(i: int) -> int:
         response = post(server, {"prompt": f"load {i}", "size": "32x32", "seed": i})
@@ -260,11 +267,17 @@ def test_bounded_load_loses_no_request(server: Server) -> None:
             assert response.status_code == 429 and int(response.headers["Retry-After"]) >= 1, response.text
         return response.status_code
 
+    before = metric_values(server)
     start = time.monotonic()
-    with ThreadPoolExecutor(8) as pool:
-        codes = list(pool.map(one, range(48), timeout=120))
-    assert len(codes) == 48 and set(codes) <= {200, 429} and codes.count(200) > 0
-    assert time.monotonic() - start < 120
+    with ThreadPoolExecutor(16) as pool:
+        codes = list(pool.map(one, range(200), timeout=240))
+    assert len(codes) == 200 and set(codes) <= {200, 429} and codes.count(200) > 0
+    assert time.monotonic() - start < 240
+    after = metric_values(server)
+    # Every answer is accounted for: one image per 200, one queue_full error per 429.
+    assert after["flux2klein_images_total"] - before["flux2klein_images_total"] == codes.count(200)
+    queue_full = 'flux2klein_errors_total{kind="queue_full"}'
+    assert after.get(queue_full, 0) - before.get(queue_full, 0) == codes.count(429)
     metrics = httpx.get(server.url + "/metrics", headers=auth(), timeout=30).text
     assert 'flux2klein_batch_images_bucket{le="2.0"}' in metrics
     count = float(next(line.split()[-1] for line in metrics.splitlines()
