@@ -8,7 +8,8 @@ text-to-image of 1 and 3 images, one guided image (a pair of 2 inside the progra
 one-image 2-reference edit and KV edit (`--any-batch-64`: the same at 64 px, where the
 image tokens split over the axes the batch leaves idle);
 `--cfg-diffusers BASE_CKPT MESH...` runs one guided image on each mesh beside diffusers'
-Flux2KleinPipeline on the same weights and initial noise (needs torch and diffusers)."""
+Flux2KleinPipeline on the same weights and initial noise (needs torch and diffusers).
+A mesh written `MESH@NAME,NAME` runs only the requests of those names on it."""
 
 from __future__ import annotations
 
@@ -45,14 +46,23 @@ def requests(kind: str, batch: int) -> dict[str, Request]:
     return {"text-to-image": Request(**common), "edit-2-refs": Request(**common, references=refs)}
 
 
+def chosen(mesh: str, named: dict[str, Request]) -> tuple[str, dict[str, Request]]:
+    """`MESH@NAME,NAME`: the mesh and those of `named`; a bare mesh: all of them."""
+    text, _, names = mesh.partition("@")
+    return text, {n: r for n, r in named.items() if not names or n in names.split(",")}
+
+
 def main(runs: list[tuple[str, str]], meshes: list[str]) -> None:
     for path, kind in runs:
         single = KleinPipeline.load(path, dtype=jnp.float32)
         expected: dict[tuple[str, int], np.ndarray] = {}
-        for text in meshes:
-            spec = MeshSpec.parse(text)
+        for entry in meshes:
+            spec = MeshSpec.parse(entry.partition("@")[0])
             batch = spec.data * spec.fsdp
-            for name, r in requests(kind, batch).items():
+            text, named = chosen(entry, requests(kind, batch))
+            if not named:
+                continue
+            for name, r in named.items():
                 if (name, batch) not in expected:
                     expected[name, batch] = postprocess(single(r).images)
             mesh = make_mesh(spec)
@@ -61,7 +71,7 @@ def main(runs: list[tuple[str, str]], meshes: list[str]) -> None:
             qkv = pipeline.models.transformer.single_transformer_blocks.attn.to_qkv_mlp_proj.kernel.get_value()
             out_kernel = pipeline.models.transformer.transformer_blocks.attn.to_out[0].kernel.get_value()
             assert isinstance(kernel.sharding, NamedSharding)
-            for name, request in requests(kind, batch).items():
+            for name, request in named.items():
                 images = postprocess(pipeline(request).images)
                 diff = int(np.abs(images.astype(int) - expected[name, batch].astype(int)).max())
                 print(json.dumps(dict(mesh=text, request=name, max_diff=diff, std=float(images.std()),
@@ -85,10 +95,16 @@ def any_batch(plain: str, base: str, kv: str, meshes: list[str], size: int = 32)
         base: {"cfg-1": Request(prompts=["a red fox"], negative_prompt="blurry", **dict(common, guidance=4.0))},
         kv: {"kv-edit-1": Request(prompts=["a red fox"], references=refs, kv=True, **common)},
     }
-    for path, named in cases.items():
+    for path, requests_here in cases.items():
+        on_meshes = [chosen(entry, requests_here) for entry in meshes]
+        wanted = {name: r for _, named in on_meshes for name, r in named.items()}
+        if not wanted:
+            continue
         single = KleinPipeline.load(path, dtype=jnp.float32)
-        expected = {name: postprocess(single(r).images) for name, r in named.items()}
-        for text in meshes:
+        expected = {name: postprocess(single(r).images) for name, r in wanted.items()}
+        for text, named in on_meshes:
+            if not named:
+                continue
             pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=make_mesh(MeshSpec.parse(text)))
             kernel = pipeline.models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
             for name, request in named.items():
