@@ -23,9 +23,9 @@ from flux2klein_cli.core.paths import check_input_file, check_name_length
 from flux2klein_cli.core.temporaries import temporary_file
 
 PNG_SUFFIX = ".png"
-# zlib's fastest level: about half the encoding time of PIL's default (6) for a few percent more
-# bytes, and the encoding is on every image's path (generate, batch, serve).
-PNG_COMPRESS_LEVEL = 1
+# zlib level 3: on photo-like 512x512 images 1.6-3.6x faster to encode than PIL's default (6), for
+# files 10-13% larger (docs/benchmarks.md); the encoding is on every image's path (batch, serve).
+PNG_COMPRESS_LEVEL = 3
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Each key is one text chunk of its own, for exiftool, `identify -verbose` and image viewers: a string as
 # it is, anything else as JSON. One more iTXt chunk under this key says which chunks hold JSON, so reading
