@@ -8,6 +8,7 @@ blocks are each stacked on a leading layer axis and run with a scan.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,15 @@ def rope_tables(ids: np.ndarray, axes_dims: tuple[int, ...], theta: float) -> tu
         cos.append(np.cos(angles))
         sin.append(np.sin(angles))
     return np.concatenate(cos, -1).astype(np.float32), np.concatenate(sin, -1).astype(np.float32)
+
+
+@functools.lru_cache(maxsize=16)
+def _kept_rope_tables(ids: bytes, count: int, axes_dims: tuple[int, ...],
+                      theta: float) -> tuple[np.ndarray, np.ndarray]:
+    # Read-only: the same tables are handed to every run of a shape (a few ms each to build).
+    cos, sin = rope_tables(np.frombuffer(ids, np.float64).reshape(count, len(axes_dims)), axes_dims, theta)
+    cos.flags.writeable = sin.flags.writeable = False
+    return cos, sin
 
 
 def apply_rope(x: jax.Array, rope: Rope) -> jax.Array:
@@ -397,7 +407,9 @@ class Flux2Transformer(nnx.Module):
 
     def rope(self, txt_ids: np.ndarray, img_ids: np.ndarray) -> Rope:
         """RoPE tables for the joint sequence [txt, img] from (T, 4) and (N, 4) position ids."""
-        cos, sin = rope_tables(np.concatenate([txt_ids, img_ids]), self.config.axes_dims_rope, self.config.rope_theta)
+        ids = np.concatenate([txt_ids, img_ids]).astype(np.float64)
+        cos, sin = _kept_rope_tables(ids.tobytes(), len(ids), tuple(self.config.axes_dims_rope),
+                                     self.config.rope_theta)
         return jax.device_put(cos), jax.device_put(sin)  # jnp.asarray would compile a copy program
 
     def __call__(

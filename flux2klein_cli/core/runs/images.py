@@ -183,8 +183,13 @@ def postprocess(images: np.ndarray) -> np.ndarray:
         x = x.astype(np.float32)
     # A typed 0.5: bf16 * a Python float would promote to float32 and round differently from diffusers.
     half = np.asarray(0.5, dtype=x.dtype)
-    x = np.clip((x * half + half).astype(np.float32), 0.0, 1.0)  # clamping to 0/1 is exact in any dtype
-    return (x * 255).round().astype(np.uint8)
+    y = x * half  # a new array: the passes below work in place (a 512x512 image is on serve's path)
+    y += half
+    y = y.astype(np.float32, copy=False)
+    np.clip(y, 0.0, 1.0, out=y)  # clamping to 0/1 is exact in any dtype
+    y *= 255
+    np.rint(y, out=y)  # round half to even, as torch's round
+    return y.astype(np.uint8)
 
 
 def validate_size(height: int | None, width: int | None, *, multiple_of: int) -> None:
