@@ -6,14 +6,7 @@
 #   3. serve at concurrency 1 (16 requests, the default batching window, --max-batch 8).
 #   OUT=/tmp/round benchmarks/overheads_cpu.sh     (about 10 minutes on 2 cores, the store warm)
 set -eu
-OUT=${OUT:-/tmp/flux2klein-round}
-PY=${PYTHON:-python3}
-REQUESTS=${REQUESTS:-16}
-mkdir -p "$OUT"
-export FLUX2KLEIN_COMPILE_CACHE=$OUT/executables FLUX2KLEIN_XLA_CACHE=off
-M=$OUT/medium
-[ -d "$M" ] || "$PY" -m flux2klein_cli.core.hub.random_checkpoint "$M" --preset medium >/dev/null
-lscpu | grep -m1 'Model name' | sed 's/^/cpu: /'
+. "$(dirname "$0")/cpu_common.sh"
 for bs in 1 4; do
   "$PY" -m flux2klein_cli bench --model "$M" --height 512 --width 512 --bs "$bs" --reps 5 --dtype bf16 --json \
     2>>"$OUT/log.txt" | "$PY" -c "import json,sys; r=json.load(sys.stdin); print(json.dumps({'bench_bs': $bs,
@@ -30,11 +23,7 @@ common=(--model "$M" --dtype bf16 --height 512 --width 512 --bs 4 --json)
   "$PY" -c "import json,sys; r=json.load(sys.stdin); print(json.dumps({'batch_items': r['items'],
   'run_s': round(r['seconds']['run'], 3), 'per_image_s': round(r['seconds']['run'] / r['images'], 3)}))"
 
-port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$PY" -m flux2klein_cli serve --model "$M" --port "$port" --max-batch 8 --warm 512x512 2>>"$OUT/serve.log" &
-server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
-until curl -sf "http://127.0.0.1:$port/readyz" >/dev/null; do sleep 2; kill -0 $server; done
+start_server --model "$M" --max-batch 8 --warm 512x512
 "$PY" benchmarks/serve_load.py --url "http://127.0.0.1:$port" --size 512x512 --requests "$REQUESTS" \
   --concurrency 1 --json
 kill -TERM $server; wait $server || true

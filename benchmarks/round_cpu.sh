@@ -7,15 +7,9 @@
 #   4. a KV edit through serve whose reference is reused against one that computes it.
 #   OUT=/tmp/round benchmarks/round_cpu.sh     (about 15 minutes on 2 cores)
 set -eu
-OUT=${OUT:-/tmp/flux2klein-round}
-PY=${PYTHON:-python3}
-REQUESTS=${REQUESTS:-16}
-mkdir -p "$OUT"
-export FLUX2KLEIN_COMPILE_CACHE=$OUT/executables FLUX2KLEIN_XLA_CACHE=off
-M=$OUT/medium MKV=$OUT/medium-kv
-[ -d "$M" ] || "$PY" -m flux2klein_cli.core.hub.random_checkpoint "$M" --preset medium >/dev/null
+. "$(dirname "$0")/cpu_common.sh"
+MKV=$OUT/medium-kv
 [ -d "$MKV" ] || "$PY" -m flux2klein_cli.core.hub.random_checkpoint "$MKV" --preset medium --kv >/dev/null
-lscpu | grep -m1 'Model name' | sed 's/^/cpu: /'
 
 for bs in 1 4 8; do
   "$PY" -m flux2klein_cli bench --model "$M" --height 512 --width 512 --bs "$bs" --reps 3 --dtype bf16 --json \
@@ -31,18 +25,11 @@ done
 
 MODEL=$M HW=512 ITEMS=32 BS=4 OUT=$OUT/batch bash benchmarks/batch.sh
 
-port=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-"$PY" -m flux2klein_cli serve --model "$M" --port "$port" --max-batch 8 --warm 512x512 \
-  --queue 64 2>>"$OUT/serve.log" &
-server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
-until curl -sf "http://127.0.0.1:$port/readyz" >/dev/null; do sleep 2; kill -0 $server; done
+start_server --model "$M" --max-batch 8 --warm 512x512 --queue 64
 "$PY" benchmarks/serve_load.py --url "http://127.0.0.1:$port" --size 512x512 --requests "$REQUESTS" --json
 kill -TERM $server; wait $server || true
 
-"$PY" -m flux2klein_cli serve --model "$MKV" --port "$port" --max-batch 1 --warm 512x512 2>>"$OUT/serve.log" &
-server=$!
-until curl -sf "http://127.0.0.1:$port/readyz" >/dev/null; do sleep 2; kill -0 $server; done
+start_server --model "$MKV" --max-batch 1 --warm 512x512
 "$PY" - "$port" "$M" <<'PYEOF'
 import io, json, sys, time
 import httpx
