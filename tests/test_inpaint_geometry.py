@@ -4,13 +4,12 @@
 on the same files and noise.
 
 Outside the mask the final latents are the init image's own; the decoder's 3x3 convolutions still
-spread the repainted tokens' change into their neighbours, fading with distance: diffusers moves
-pixels one token (16-32 px) from the mask by about a fifth of the change inside, and those beyond
-two tokens by under a twentieth. At a low strength the seed still matters as much as at full
-strength: klein's 4-step schedule, shifted for small images, runs strength 0.1 as its last step
-from sigma 0.70 (70 % noise), and a random transformer's velocity does not remove that noise (a
-trained one does). What a correct pipeline guarantees there is diffusers' start step, sigma and
-blend: checked image for image.
+spread the repainted tokens' change into their neighbours, fading with distance (diffusers' figures
+in docs/cli.md), so the far side of "far" is two tokens (32 px) from the mask, not one.
+At a low strength the seed still matters as much as at full strength: klein's 4-step schedule,
+shifted for small images, runs strength 0.1 as its last step from sigma 0.70 (70 % noise), and a
+random transformer's velocity does not remove that noise (a trained one does). What a correct
+pipeline guarantees there is diffusers' start step, sigma and blend: checked image for image.
 """
 
 from __future__ import annotations
