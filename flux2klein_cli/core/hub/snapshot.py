@@ -97,7 +97,7 @@ def resolve(
     `tqdm_class` draws a download's byte progress (huggingface_hub's own bars when None)."""
     if not model or not model.strip():
         raise UserInputError("empty model name: give an alias (e.g. 4b), a hub repo id or a directory")
-    check_name_length(model, "--model")
+    check_name_length(model, "model")
     local = Path(model).expanduser()
     if local.is_dir():
         if revision:

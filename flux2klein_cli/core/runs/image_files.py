@@ -238,7 +238,7 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
-    check_name_length(output, "--output")
+    check_name_length(output, "output")
     output = Path(output).expanduser()
     if output.is_dir():
         raise UserInputError(f"output {output} is a directory; give a file name ending in {PNG_SUFFIX}")
@@ -264,7 +264,7 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
         paths = [parent / f"{output.stem}-{i:0{width}d}{output.suffix}" for i in range(count)]
 
     for p in paths:
-        check_name_length(p, "--output")  # NAME-0.png is longer than NAME.png
+        check_name_length(p, "output")  # NAME-0.png is longer than NAME.png
         if p.is_dir():
             raise UserInputError(f"output {p} is a directory")
     existing = [p for p in paths if os.path.lexists(p)]

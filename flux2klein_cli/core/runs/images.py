@@ -191,17 +191,3 @@ def postprocess(images: np.ndarray) -> np.ndarray:
     np.rint(y, out=y)  # round half to even, as torch's round
     return y.astype(np.uint8)
 
-
-def validate_size(height: int | None, width: int | None, *, multiple_of: int) -> None:
-    """An explicit output size: positive and a multiple of the model's pixels per token
-    (`multiple_of`, LatentGeometry; 16 for the published models). None means "not given"."""
-    for label, value in (("height", height), ("width", width)):
-        if value is None:
-            continue
-        if value < multiple_of:
-            raise UserInputError(f"{label} must be at least {multiple_of} px, got {value}")
-        if value % multiple_of:
-            lower = value - value % multiple_of
-            raise UserInputError(
-                f"{label} {value} is not a multiple of {multiple_of}; use {lower} or {lower + multiple_of}"
-            )

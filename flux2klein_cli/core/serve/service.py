@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from flux2klein_cli.core.engine.cost import Admission
 from flux2klein_cli.core.engine.engine import Engine, ImageRun
 from flux2klein_cli.core.engine.plan import ReferenceSource, RunFields, RunPlan
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
@@ -125,10 +126,12 @@ class Service:
     """The engine, the batcher in front of it, the jobs and the metrics; HTTP-free."""
 
     def __init__(self, engine: Engine, options: ServeOptions, metrics: Any = None,
-                 run_batch: Callable[[Sequence[RunPlan]], Sequence[ImageRun]] | None = None):
+                 run_batch: Callable[[Sequence[RunPlan]], Sequence[ImageRun]] | None = None,
+                 admission: Admission | None = None):
         """`run_batch`: how a batch runs (default: the engine's; on several processes, the
-        lockstep one of core/serve/multihost.py, which first sends the batch to the others)."""
-        self.engine, self.options, self.metrics = engine, options, metrics
+        lockstep one of core/serve/multihost.py, which first sends the batch to the others);
+        `admission`: what the host holds (core/engine/opening.py), asked of every request."""
+        self.engine, self.options, self.metrics, self.admission = engine, options, metrics, admission
         self.run_batch = run_batch or engine.run_batch
         self.batcher = Batcher(self.run_batch, max_batch=options.max_batch,
                                wait_s=options.batch_wait_ms / 1000, queue_size=options.queue,
@@ -154,7 +157,10 @@ class Service:
              init_image: ReferenceSource | None = None, mask: ReferenceSource | None = None) -> RunPlan:
         """A request checked against the model (FieldError / UserInputError: 400). No device work."""
         self.check_model(body.get("model"))
-        return self.engine.plan(run_fields(body, references, self.options.max_sequence_length, init_image, mask))
+        plan = self.engine.plan(run_fields(body, references, self.options.max_sequence_length, init_image, mask))
+        if self.admission is not None:
+            self.admission.check(plan)
+        return plan
 
     def submit(self, plan: RunPlan) -> Ticket:
         try:

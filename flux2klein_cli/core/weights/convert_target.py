@@ -33,7 +33,7 @@ def target_dir(source: Path, out: str | Path, *, force: bool) -> Path:
     """The directory to write for `--out out`: symlinks resolved (a linked --out is written where
     it points, the link kept). UserInputError when it overlaps an input, or exists and `force`
     is not given, or exists and is not something `convert` wrote."""
-    check_name_length(out, "--out")
+    check_name_length(out, "out")
     given = Path(out).expanduser().absolute()
     try:
         target = given.resolve()

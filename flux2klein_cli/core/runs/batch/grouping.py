@@ -16,11 +16,12 @@ import os
 import re
 import string
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from flux2klein_cli.core import limits
+from flux2klein_cli.core.engine.cost import Demand
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan
 from flux2klein_cli.core.errors import FieldError, UserInputError
 from flux2klein_cli.core.runs.batch.manifest import Entry
@@ -39,6 +40,8 @@ class Item:
     seeds: tuple[int, ...]
     outputs: tuple[str, ...]  # relative to the output directory, one per image
     digest: str  # the request's hash: a changed line (or a changed default) is a new request
+    # What its run asks of the host (core/engine/cost.py), checked before loading.
+    demand: Demand = field(compare=False, repr=False)
 
     @property
     def index(self) -> int:
@@ -177,7 +180,8 @@ def plan_items(entries: Sequence[Entry], facts: ModelFacts, engine: dict[str, An
             continue
         for name in outputs:
             taken[name.lower()] = entry.line
-        items.append(Item(entry, plan.batch_key(), seeds, outputs, digest(entry, seeds, outputs, engine)))
+        items.append(Item(entry, plan.batch_key(), seeds, outputs, digest(entry, seeds, outputs, engine),
+                          Demand(plan, batch=len(plans))))
     return items, bad
 
 

@@ -173,14 +173,15 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
 def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | None,
               busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
+    from flux2klein_cli.core.compile.specs import configs_from_snapshot
     from flux2klein_cli.core.devices.distributed import DeviceOptions, run_mesh
+    from flux2klein_cli.core.engine.cost import check_mesh
     from flux2klein_cli.core.hub.components import resolve_composed
     from flux2klein_cli.core.runs.bench.pipeline import bench_pipeline
-    from flux2klein_cli.core.runs.run_cost import check_run_fits
 
     run_on = run_mesh(DeviceOptions(mesh=opts.mesh, tpu=opts.tpu))
     path = resolve_composed(opts.model, opts.transformer, opts.vae)
-    check_run_fits(run_on, path, opts.batch)
+    check_mesh(run_on, configs_from_snapshot(path).transformer)
     if opts.kv:
         from flux2klein_cli.core.hub.checkpoint import Snapshot
         from flux2klein_cli.core.runs.generate import check_kv_model
