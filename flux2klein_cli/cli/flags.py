@@ -12,6 +12,7 @@ _FLAGS = {
     "references": "--image",
     "reference": "--image",
     "latents": "--latents",
+    "size": "--height/--width",
 }
 
 # `compile` and `bench` take a run's shape: its images are --bs (the batch), not --num-images, and
