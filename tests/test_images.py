@@ -12,10 +12,10 @@ import pytest
 from PIL import Image
 
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.pipeline.pixels import postprocess
 from flux2klein_cli.core.runs.images import (
     check_reference,
     load_reference,
-    postprocess,
     preprocess_reference,
     reference_size,
 )

@@ -150,17 +150,6 @@ class RunPlan:
                 self.latents is None, self.init_image_name, self.mask_name, self.strength, self.reference_max_area,
                 self.padding_mask_crop)
 
-    def request(self) -> Any:
-        """The pipeline's view of the plan."""
-        from flux2klein_cli.core.pipeline.pipeline import Request
-
-        return Request(prompts=list(self.prompts), steps=self.steps, guidance=self.guidance, height=self.height,
-                       width=self.width, num_images=self.num_images, negative_prompt=self.negative_prompt,
-                       seed=self.seeds[0], seeds=list(self.seeds), latents=self.latents,
-                       references=list(self.references), max_sequence_length=self.max_sequence_length, kv=self.kv,
-                       init_image=self.init_image, mask=self.mask,
-                       strength=1.0 if self.strength is None else self.strength)
-
 
 def merge_plans(plans: Sequence[RunPlan]) -> RunPlan:
     """Plans of one batch key as one plan: their prompts and seeds in order."""

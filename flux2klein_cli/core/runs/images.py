@@ -1,4 +1,4 @@
-"""Reference images in, generated pixels out: the exact pre/post-processing of diffusers' Flux2KleinPipeline.
+"""Reference images in: the exact preprocessing of diffusers' Flux2KleinPipeline.
 
 Preprocessing of one reference (diffusers 0.42 `Flux2KleinPipeline.__call__` + `Flux2ImageProcessor`):
 
@@ -20,7 +20,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -166,28 +165,3 @@ def preprocess_reference(
         raise UserInputError(f"{name} has pixel mode {image.mode} that cannot be converted to RGB: {e}") from None
     pixels = np.asarray(rgb).astype(np.float32) / 255.0
     return 2.0 * pixels - 1.0
-
-
-def postprocess(images: np.ndarray) -> np.ndarray:
-    """Decoded images (B, H, W, 3) in about [-1, 1] -> uint8, as diffusers' postprocess(output_type="pil").
-
-    Denormalise and clamp in the input's own dtype (diffusers does it on the VAE output tensor, bf16 included),
-    then float32, * 255, round half to even, uint8.
-    """
-    x = np.asarray(images)
-    if x.ndim == 3:
-        x = x[None]
-    if x.ndim != 4 or x.shape[-1] != 3:
-        raise ValueError(f"expected images of shape (B, H, W, 3), got {x.shape}")
-    if not np.issubdtype(x.dtype, np.floating) and x.dtype != ml_dtypes.bfloat16:
-        x = x.astype(np.float32)
-    # A typed 0.5: bf16 * a Python float would promote to float32 and round differently from diffusers.
-    half = np.asarray(0.5, dtype=x.dtype)
-    y = x * half  # a new array: the passes below work in place (a 512x512 image is on serve's path)
-    y += half
-    y = y.astype(np.float32, copy=False)
-    np.clip(y, 0.0, 1.0, out=y)  # clamping to 0/1 is exact in any dtype
-    y *= 255
-    np.rint(y, out=y)  # round half to even, as torch's round
-    return y.astype(np.uint8)
-

@@ -153,7 +153,7 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
         with busy(f"timing the denoising loop of {opts.model}"):
             result = bench_steps(path, height=opts.height, width=opts.width, steps=opts.steps or STEPS_PHASE_STEPS,
-                                 reps=opts.reps, dtype=target, per_call=(1, 2), compile_cache=opts.compile_cache)
+                                 reps=opts.reps, dtype=opts.dtype, per_call=(1, 2), compile_cache=opts.compile_cache)
     elif opts.phase == "decode":
         from flux2klein_cli.core.runs.bench.decode import bench_decode
 
@@ -189,7 +189,7 @@ def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | Non
         check_kv_model(Snapshot.open(path), opts.model)
     with busy(f"benchmarking {opts.model}"):
         result = bench_pipeline(path, height=opts.height, width=opts.width, batch=opts.batch, steps=opts.steps,
-                                reps=opts.reps, dtype=target, references=opts.reference_sizes(), kv=opts.kv,
+                                reps=opts.reps, dtype=opts.dtype, references=opts.reference_sizes(), kv=opts.kv,
                                 mesh=run_on, store=opts.store, compile_cache=opts.compile_cache, save=opts.save,
                                 effort=opts.effort, warn=warn, lora=list(opts.lora))
     return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
