@@ -43,7 +43,7 @@ def read_prompts(prompt: str | None, prompt_file: Path | None) -> list[str]:
         text = limits.read_bounded_text(prompt_file, limits.LIMITS.prompt_file_bytes, "prompt file")
         prompts += [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
-        raise UserInputError("no prompt given: pass PROMPT or --prompt-file")
+        raise FieldError("prompt", "is missing: pass it or {field:prompt_file}")
     return prompts
 
 
@@ -52,7 +52,8 @@ def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> F
     error names them, in its message and as `.written` for `--json`."""
     if written:
         names = ", ".join(str(p) for p in written)
-        error = type(error)(f"{error}; {len(written)} of {total} images were written: {names}")
+        kind = UserInputError if isinstance(error, FieldError) else type(error)
+        error = kind(f"{error.args[0]}; {len(written)} of {total} images were written: {names}")
     error.written = [str(p) for p in written]  # type: ignore[attr-defined]
     return error
 
@@ -60,9 +61,9 @@ def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> F
 def check_kv_model(snapshot: Snapshot, model: str) -> None:
     """--kv needs a KV-trained transformer: other checkpoints were never taught cached references."""
     if not snapshot.kv:
-        raise UserInputError(
-            f"--kv needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model} is {snapshot.pipeline_class}: "
-            "use --model 9b-kv, or drop --kv"
+        raise FieldError(
+            "kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model} is {snapshot.pipeline_class}: "
+            "use {field:model} 9b-kv, or drop {field:kv}"
         )
 
 

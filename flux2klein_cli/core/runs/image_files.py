@@ -92,12 +92,12 @@ def _commit(tmp: Path, path: Path, force: bool) -> None:
         # A hard link fails if the name exists: no window in which another writer could be clobbered.
         os.link(tmp, path)
     except FileExistsError:
-        raise UserInputError(f"{path} exists; pass --force to overwrite") from None
+        raise UserInputError(f"{path} exists; pass {{field:force}} to overwrite") from None
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
             raise
         if os.path.lexists(path):  # a filesystem without hard links: check, then rename
-            raise UserInputError(f"{path} exists; pass --force to overwrite") from None
+            raise UserInputError(f"{path} exists; pass {{field:force}} to overwrite") from None
         os.replace(tmp, path)
         return
     os.unlink(tmp)
@@ -129,7 +129,7 @@ def write_png(
     if path.is_dir():
         raise UserInputError(f"output {path} is a directory")
     if not force and os.path.lexists(path):
-        raise UserInputError(f"{path} exists; pass --force to overwrite")
+        raise UserInputError(f"{path} exists; pass {{field:force}} to overwrite")
     info = _pnginfo(metadata)  # bad keys fail before any file exists
     picture = Image.fromarray(pixels, "RGB")
 
@@ -272,7 +272,7 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
         shown = ", ".join(str(p) for p in existing[:3])
         more = f" and {len(existing) - 3} more" if len(existing) > 3 else ""
         verb = "exists" if len(existing) == 1 else "exist"
-        raise UserInputError(f"{shown}{more} {verb}; pass --force to overwrite")
+        raise UserInputError(f"{shown}{more} {verb}; pass {{field:force}} to overwrite")
     return paths
 
 

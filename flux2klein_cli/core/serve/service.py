@@ -17,15 +17,13 @@ from flux2klein_cli.core.engine.cost import Admission
 from flux2klein_cli.core.engine.engine import Engine, ImageRun
 from flux2klein_cli.core.engine.plan import ReferenceSource, RunFields, RunPlan
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.fields import api_param
 from flux2klein_cli.core.serve.batcher import Batcher, BatchReport, Cancelled, Draining, QueueFull, Ticket
 from flux2klein_cli.core.serve.jobs import JobStore
 from flux2klein_cli.core.serve.options import ServeOptions, parse_size
 
 log = logging.getLogger("flux2klein.serve")
 
-# Core's field names as the Images API spells them.
-PARAMS = {"num_images": "n", "height": "size", "width": "size", "references": "image", "reference": "image",
-          "init_image": "image"}
 RESPONSE_FORMATS = ("b64_json",)
 
 
@@ -53,8 +51,7 @@ def api_error(error: BaseException) -> ApiError:
     if isinstance(error, ApiError):
         return error
     if isinstance(error, FieldError):
-        param = PARAMS.get(error.field, error.field)
-        return ApiError(400, error.named(lambda name: PARAMS.get(name, name)), param=param)
+        return ApiError(400, error.named(api_param), param=api_param(error.field))
     if isinstance(error, QueueFull):
         return ApiError(429, str(error), type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(error.retry_after)})
@@ -63,10 +60,10 @@ def api_error(error: BaseException) -> ApiError:
     if isinstance(error, Cancelled):
         return ApiError(409, str(error), code="cancelled")
     if isinstance(error, UserInputError):
-        text = str(error)
+        text = error.named(api_param)
         return ApiError(400, text, param="image" if text.startswith("reference image") else None)
     if isinstance(error, Flux2KleinError):  # the run failed (out of memory, a non-finite image)
-        return ApiError(500, str(error), type="server_error", code="run_failed")
+        return ApiError(500, error.named(api_param), type="server_error", code="run_failed")
     log.exception("request failed", exc_info=error)
     return ApiError(500, f"internal error ({type(error).__name__}); the server log has the details",
                     type="server_error", code="internal_error")

@@ -23,12 +23,11 @@ from typing import Any
 from flux2klein_cli.core import limits
 from flux2klein_cli.core.engine.cost import Demand
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan
-from flux2klein_cli.core.errors import FieldError, UserInputError
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.fields import manifest_key
 from flux2klein_cli.core.runs.batch.manifest import Entry
 
 TEMPLATE_FIELDS = ("index", "seed", "slug")
-# Field names of the plan as a manifest line spells them.
-_LINE_NAMES = {"references": "images", "reference": "images", "prompts": "prompt"}
 
 
 @dataclass(frozen=True)
@@ -61,11 +60,9 @@ class Batch:
         return sum(item.images for item in self.items)
 
 
-def field_message(error: UserInputError) -> str:
-    """A plan's error in the manifest's words (`images`, not `references`)."""
-    if isinstance(error, FieldError):
-        return error.named(lambda name: _LINE_NAMES.get(name, name))
-    return str(error)
+def field_message(error: Flux2KleinError) -> str:
+    """An error in the manifest's words (`images`, not `references`)."""
+    return error.named(manifest_key)
 
 
 def plan_entry(entry: Entry, facts: ModelFacts) -> list[RunPlan]:

@@ -104,7 +104,7 @@ def check_outputs(opts: BatchOptions, items: Sequence[Item]) -> None:
             path = opts.out_dir / name
             if os.path.lexists(path):
                 raise UserInputError(f"{path} exists and no results file in {opts.out_dir} records it; "
-                                     "pass --force to overwrite")
+                                     "pass {field:force} to overwrite")
 
 
 @dataclass
@@ -341,7 +341,8 @@ def _run_one(engine: Engine, batch: Batch, opts: BatchOptions, writer: bool,
         runs = engine.run_batch([plan for _, plans in planned for plan in plans], on_step=on_step)
     except Flux2KleinError as e:
         seconds = time.perf_counter() - start
-        return sorted(records + [results.error_record(item, str(e), seconds) for item, _ in planned],
+        return sorted(records + [results.error_record(item, grouping.field_message(e), seconds)
+                                 for item, _ in planned],
                       key=lambda r: r.index)
     written: list[tuple[Item, str | None]] = []
     lora = engine.lora_records
@@ -355,7 +356,7 @@ def _run_one(engine: Engine, batch: Batch, opts: BatchOptions, writer: bool,
                     path.parent.mkdir(parents=True, exist_ok=True)
                     write_png(path, run.images[0], png_metadata(plan, run, 0, engine.options, lora), force=True)
             except (Flux2KleinError, OSError) as e:
-                error = str(e)
+                error = grouping.field_message(e) if isinstance(e, Flux2KleinError) else str(e)
         first += len(plans)
         written.append((item, error))
     seconds = time.perf_counter() - start
