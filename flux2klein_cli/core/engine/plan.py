@@ -8,6 +8,7 @@ the executable keys) trusts the plan. Errors are `FieldError`s naming the field,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +18,8 @@ import numpy as np
 
 from flux2klein_cli.core import limits
 from flux2klein_cli.core.errors import FieldError
+from flux2klein_cli.core.inputs.images import ReferenceSource, read_reference
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
-
-# A reference as the caller names it: a file, or (label, bytes) of an upload (`serve`: a request never
-# names a server-side path).
-ReferenceSource = Path | tuple[str, bytes]
 
 
 @dataclass(frozen=True)
@@ -172,36 +170,33 @@ def check_prompts(prompts: Sequence[str], negative_prompt: str) -> tuple[str, ..
     return tuple(prompts)
 
 
+def max_side(transformer_config: dict[str, Any], pixels_per_token: int) -> int:
+    """The largest side in pixels, a multiple of `pixels_per_token`, whose positions one RoPE axis
+    tells apart: the wavelength of its slowest frequency, 2*pi*theta^((d-2)/d). Further apart than
+    that, two tokens get the same rotation."""
+    axes = [int(d) for d in transformer_config.get("axes_dims_rope", (32, 32, 32, 32))]
+    dim = min(axes[1:3]) if len(axes) >= 3 else min(axes)
+    theta = float(transformer_config.get("rope_theta", 2000))
+    return int(2 * math.pi * theta ** ((dim - 2) / dim)) * pixels_per_token
+
+
 def check_size(height: int, width: int, model: ModelFacts) -> None:
     """The one size rule of a run (output and references): the limits' sides and pixels at the
     model's multiple, and what its position embedding reaches."""
-    from flux2klein_cli.core.runs.run_cost import check_size_limit
-
+    multiple = model.geometry.pixels_per_token
+    limit = max_side(model.transformer_config, multiple)
     for name, value in (("height", height), ("width", width)):
-        limits.check_int(name, value, model.geometry.pixels_per_token, 2**31, "px")
-    check_size_limit(height, width, model.transformer_config, model.geometry.pixels_per_token)
-    limits.check_size(height, width, model.geometry.pixels_per_token)
-
-
-def read_reference(source: ReferenceSource, *, keep_alpha: bool = False) -> tuple[str, Any]:
-    """(name, PIL image) of a reference. An upload's name carries a digest of its bytes: names are
-    part of the batch key, so two uploads called image.png must not pass for one reference.
-    `keep_alpha`: RGBA when the image has transparency (images.load_reference)."""
-    from flux2klein_cli.core.runs.images import load_reference
-
-    if isinstance(source, tuple):
-        import hashlib
-
-        label, data = source
-        return (f"{label}@sha256:{hashlib.sha256(data).hexdigest()[:16]}",
-                load_reference(label, data, keep_alpha=keep_alpha))
-    return str(source), load_reference(source, keep_alpha=keep_alpha)
+        limits.check_int(name, value, multiple, 2**31, "px")
+        if value > limit:
+            raise FieldError(name, f"{value} is above this model's limit of {limit} px (its position encoding "
+                             f"tells {limit // multiple} tokens apart per side)")
+    limits.check_size(height, width, multiple)
 
 
 def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
     """Every check of a request, once, in the order that costs least; defaults applied."""
     from flux2klein_cli.core.hub.registry import sampling
-    from flux2klein_cli.core.runs.images import preprocess_reference
+    from flux2klein_cli.core.inputs.images import preprocess_reference
 
     prompts = check_prompts(fields.prompts, fields.negative_prompt)
     if isinstance(fields.num_images, bool) or not isinstance(fields.num_images, int) or fields.num_images < 1:
@@ -246,7 +241,7 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         check_size(height, width, model)
     latents = None
     if fields.latents is not None:
-        from flux2klein_cli.core.runs.image_files import load_latents
+        from flux2klein_cli.core.inputs.latents import load_latents
 
         latents = load_latents(fields.latents, model.geometry.latents_shape(batch, height, width))
     return RunPlan(
@@ -290,7 +285,7 @@ def check_conditioning(fields: RunFields) -> float | None:
 
 def check_max_area(area: int | None, model: ModelFacts) -> int:
     """References above this many pixels are scaled down to it (diffusers' max-area rule)."""
-    from flux2klein_cli.core.runs.images import MAX_AREA, MIN_SIDE
+    from flux2klein_cli.core.inputs.images import MAX_AREA, MIN_SIDE
 
     if area is None:
         return MAX_AREA
@@ -305,7 +300,7 @@ def read_init_image(fields: RunFields, model: ModelFacts) -> tuple[str, np.ndarr
                                                                     MaskCrop | None]:
     """(name, pixels at the output size, mask name, mask on the token grid, padding mask crop) of an
     init image and its mask."""
-    from flux2klein_cli.core.runs import conditioning
+    from flux2klein_cli.core.inputs import conditioning
 
     multiple = model.geometry.pixels_per_token
     name, image = read_reference(fields.init_image)  # type: ignore[arg-type]

@@ -1,5 +1,5 @@
-"""What a run will cost, known before any work: the largest size the model's positions can
-address, a peak-memory estimate from the shapes, and the work in token-steps.
+"""What a run will cost, known before any work: a peak-memory estimate from the shapes, and the
+work in token-steps. (The largest size the model's positions address is the plan's size rule.)
 
 The estimate is deliberately simple and on the safe side: every parameter, plus the largest
 live activations of one transformer block for the whole batch (the denoise loop scans the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flux2klein_cli.core.errors import FieldError, UserInputError
+from flux2klein_cli.core.errors import UserInputError
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -24,28 +24,6 @@ if TYPE_CHECKING:
 # 4 steps of one 1024x1024 image is 16384; this is ~64 such images, minutes on a GPU, hours on a CPU.
 LONG_RUN_TOKEN_STEPS = 1 << 20
 GIB = 2**30
-
-
-def max_positions(axes_dims_rope: tuple[int, ...], rope_theta: float) -> int:
-    """How many positions one RoPE axis tells apart: the wavelength of its slowest frequency,
-    2*pi*theta^((d-2)/d). Further apart than that, two tokens get the same rotation."""
-    dim = min(axes_dims_rope[1:3]) if len(axes_dims_rope) >= 3 else min(axes_dims_rope)
-    return int(2 * math.pi * rope_theta ** ((dim - 2) / dim))
-
-
-def max_side(transformer_config: dict[str, Any], pixels_per_token: int) -> int:
-    """The largest --height / --width in pixels, a multiple of `pixels_per_token`."""
-    axes = tuple(int(d) for d in transformer_config.get("axes_dims_rope", (32, 32, 32, 32)))
-    theta = float(transformer_config.get("rope_theta", 2000))
-    return max_positions(axes, theta) * pixels_per_token
-
-
-def check_size_limit(height: int, width: int, transformer_config: dict[str, Any], pixels_per_token: int) -> None:
-    limit = max_side(transformer_config, pixels_per_token)
-    for label, value in (("height", height), ("width", width)):
-        if value > limit:
-            raise FieldError(label, f"{value} is above this model's limit of {limit} px (its position encoding "
-                             f"tells {limit // pixels_per_token} tokens apart per side)")
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.limits import LIMITS, check_file_size, check_reference_pixels
 from flux2klein_cli.core.paths import check_input_file
 
+# A reference as the caller names it: a file, or (label, bytes) of an upload (`serve`: a request never
+# names a server-side path).
+ReferenceSource = Path | tuple[str, bytes]
+
 MIN_SIDE = 64
 MAX_ASPECT = 8
 MAX_AREA = 1024 * 1024
@@ -117,6 +121,19 @@ def load_reference(path: str | os.PathLike[str], data: bytes | None = None, *, k
     return rgb
 
 
+def read_reference(source: ReferenceSource, *, keep_alpha: bool = False) -> tuple[str, Image.Image]:
+    """(name, image) of a reference, read by `load_reference`. An upload's name carries a digest of
+    its bytes: names are part of a plan's batch key, so two uploads called image.png must not pass
+    for one reference. `keep_alpha`: RGBA when the image has transparency."""
+    if isinstance(source, tuple):
+        import hashlib
+
+        label, data = source
+        return (f"{label}@sha256:{hashlib.sha256(data).hexdigest()[:16]}",
+                load_reference(label, data, keep_alpha=keep_alpha))
+    return str(source), load_reference(source, keep_alpha=keep_alpha)
+
+
 def check_reference(image: Image.Image, name: str = "reference image") -> None:
     """The size and aspect checks diffusers runs on every reference before processing any."""
     width, height = image.size
@@ -165,18 +182,3 @@ def preprocess_reference(
         raise UserInputError(f"{name} has pixel mode {image.mode} that cannot be converted to RGB: {e}") from None
     pixels = np.asarray(rgb).astype(np.float32) / 255.0
     return 2.0 * pixels - 1.0
-
-
-def validate_size(height: int | None, width: int | None, *, multiple_of: int) -> None:
-    """An explicit output size: positive and a multiple of the model's pixels per token
-    (`multiple_of`, LatentGeometry; 16 for the published models). None means "not given"."""
-    for label, value in (("height", height), ("width", width)):
-        if value is None:
-            continue
-        if value < multiple_of:
-            raise UserInputError(f"{label} must be at least {multiple_of} px, got {value}")
-        if value % multiple_of:
-            lower = value - value % multiple_of
-            raise UserInputError(
-                f"{label} {value} is not a multiple of {multiple_of}; use {lower} or {lower + multiple_of}"
-            )
