@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.limits import LIMITS, check_file_size, check_reference_pixels
 from flux2klein_cli.core.paths import check_input_file
@@ -33,7 +34,7 @@ ReferenceSource = Path | tuple[str, bytes]
 
 MIN_SIDE = 64
 MAX_ASPECT = 8
-MAX_AREA = 1024 * 1024
+MAX_AREA = DEFAULTS.reference_max_area
 # The largest reference read, from the limits table (core/limits.py): one bound of our own instead of
 # Pillow's decompression-bomb warning (89 MP) and error (179 MP).
 MAX_REFERENCE_SIDE = LIMITS.reference_side
