@@ -12,13 +12,13 @@ import pytest
 from PIL import Image
 
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.pipeline.pixels import postprocess
-from flux2klein_cli.core.runs.images import (
+from flux2klein_cli.core.inputs.images import (
     check_reference,
     load_reference,
     preprocess_reference,
     reference_size,
 )
+from flux2klein_cli.core.pipeline.pixels import postprocess
 from tests.fixtures.reference import lazy
 
 # torch and diffusers on first use: the module collects on a base install (no torch).

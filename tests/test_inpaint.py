@@ -13,9 +13,9 @@ from PIL import Image
 
 from flux2klein_cli.core.engine.engine import Engine
 from flux2klein_cli.core.engine.plan import RunFields
+from flux2klein_cli.core.inputs import conditioning
 from flux2klein_cli.core.pipeline.pixels import postprocess
 from flux2klein_cli.core.pipeline.schedule import start_step
-from flux2klein_cli.core.runs import conditioning
 from tests.fixtures.engine import engine_on, upload
 from tests.test_pipeline_parity import check, synthetic_image
 

@@ -15,8 +15,8 @@ from PIL import Image
 
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, build_plan
 from flux2klein_cli.core.errors import FieldError
+from flux2klein_cli.core.inputs import conditioning
 from flux2klein_cli.core.pipeline.pixels import paste_back
-from flux2klein_cli.core.runs import conditioning
 from tests.fixtures.engine import engine_on, upload
 from tests.test_bad_input import cache, env  # noqa: F401 (fixtures)
 from tests.test_inpaint import box_mask

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 SERVE_ONLY = ""  # a field no command-line option sets (the CLI then prints the field's name)
 
 

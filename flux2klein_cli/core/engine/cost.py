@@ -26,20 +26,6 @@ LONG_RUN_TOKEN_STEPS = 1 << 20
 GIB = 2**30
 
 
-def max_positions(axes_dims_rope: tuple[int, ...], rope_theta: float) -> int:
-    """How many positions one RoPE axis tells apart: the wavelength of its slowest frequency,
-    2*pi*theta^((d-2)/d). Further apart than that, two tokens get the same rotation."""
-    dim = min(axes_dims_rope[1:3]) if len(axes_dims_rope) >= 3 else min(axes_dims_rope)
-    return int(2 * math.pi * rope_theta ** ((dim - 2) / dim))
-
-
-def max_side(transformer_config: dict[str, Any], pixels_per_token: int) -> int:
-    """The largest height / width in pixels the model's positions tell apart, a multiple of `pixels_per_token`."""
-    axes = tuple(int(d) for d in transformer_config.get("axes_dims_rope", (32, 32, 32, 32)))
-    theta = float(transformer_config.get("rope_theta", 2000))
-    return max_positions(axes, theta) * pixels_per_token
-
-
 @dataclass(frozen=True)
 class RunCost:
     parameter_bytes: int

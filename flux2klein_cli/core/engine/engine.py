@@ -20,15 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.devices.distributed import DeviceOptions
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan, merge_plans
 from flux2klein_cli.core.errors import Flux2KleinError
 
 Warn = Callable[[str], None]
 StepCallback = Callable[[int, int], None]
-# With a step callback the loop runs in about this many calls (fewer when the steps have no
-# divisor near steps / calls); docs/benchmarks.md has what it costs against one call.
-PROGRESS_CALLS = 50
 
 
 @dataclass(frozen=True)
@@ -45,8 +43,8 @@ class EngineOptions:
     vae: str | None = None
     lora: tuple[str, ...] = ()  # PATH_OR_REPO[:SCALE], merged at load
     kv_cache_dir: Path | None = None  # reference KV caches kept here across runs
-    executable_shapes: int = 8  # run shapes whose executables stay loaded
-    kv_memory: int = 1  # reference KV caches kept in memory
+    executable_shapes: int = DEFAULTS.executable_shapes  # run shapes whose executables stay loaded
+    kv_memory: int = DEFAULTS.kv_memory  # reference KV caches kept in memory
     store: bool = True  # False: no executable store at all, every program jitted on first use (bench --no-store)
 
     @property
@@ -154,7 +152,9 @@ class Engine:
         `on_phase` hears `loading or compiling programs` while the shape's executables load, and
         `generating N image(s), S steps` when the run itself starts. The loop runs in one call,
         or `steps_per_call` steps a call (a divisor of the loop's steps); with `on_step` and no
-        `steps_per_call`, in about PROGRESS_CALLS calls, `on_step(done, steps)` after each.
+        `steps_per_call`, in about DEFAULTS.progress_calls calls (fewer when the steps have no
+        divisor near steps / calls; docs/benchmarks.md has what it costs), `on_step(done, steps)`
+        after each.
         Each result's `seconds` has every phase the run went through (`executables`, `text`,
         `references`, `reference_kv`, `denoise`, `decode`) and `total`."""
         from flux2klein_cli.core.pipeline.denoise import steps_per_call as progress_steps
@@ -163,7 +163,7 @@ class Engine:
         merged = merge_plans(plans)
         per_call = steps_per_call
         if per_call is None and on_step is not None:
-            per_call = progress_steps(merged.loop_steps, PROGRESS_CALLS)
+            per_call = progress_steps(merged.loop_steps, DEFAULTS.progress_calls)
         generating = f"generating {merged.batch} image(s), {merged.steps} steps"
         store = self.executables.store
         announce: Any = contextlib.nullcontext()

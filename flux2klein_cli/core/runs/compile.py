@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 
 
@@ -28,7 +29,7 @@ class CompileOptions:
     compile_cache: Path | None = None  # the executable store [default: cache_paths.executables_dir()]
     sequential: bool = False
     dtype: str = "bf16"
-    max_sequence_length: int = 512
+    max_sequence_length: int = DEFAULTS.max_sequence_length
     save: bool = True
     effort: str = "default"  # XLA optimisation effort, a key of target.EFFORTS
     transformer: str | None = None  # --transformer / --vae (core/hub/components.py)

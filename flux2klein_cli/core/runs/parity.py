@@ -125,7 +125,7 @@ class InitImages:
 def read_sources(fields: RunFields) -> tuple[list[Any], InitImages | None]:
     """The request's references, init image and mask as read (PIL, before any preprocessing),
     as diffusers takes them: it preprocesses them itself."""
-    from flux2klein_cli.core.engine.plan import read_reference
+    from flux2klein_cli.core.inputs.images import read_reference
 
     references = [read_reference(source)[1] for source in fields.references]
     if fields.init_image is None:

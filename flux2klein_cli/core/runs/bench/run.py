@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.choices import check_phase
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import FieldError, UserInputError, field
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
@@ -30,8 +31,8 @@ STEPS_PHASE_STEPS = 8  # `--phase steps` without --steps: enough steps for a bar
 class BenchOptions:
     model: str = DEFAULT_MODEL
     phase: str = "pipeline"
-    height: int = 1024
-    width: int = 1024
+    height: int = DEFAULTS.side
+    width: int = DEFAULTS.side
     batch: int = 1
     steps: int | None = None
     reps: int = 3

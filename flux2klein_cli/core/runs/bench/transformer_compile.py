@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
 from flux2klein_cli.core.runs.bench.stats import summarize
 
@@ -45,7 +46,7 @@ def transformer_compile_seconds(
     batch: int = 1,
     height: int = 1024,
     width: int = 1024,
-    text_tokens: int = 512,
+    text_tokens: int = DEFAULTS.max_sequence_length,
     dtype: Any = jnp.bfloat16,
     pixels_per_token: int,
 ) -> dict[str, float]:

@@ -23,13 +23,18 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.limits import LIMITS, check_file_size, check_reference_pixels
 from flux2klein_cli.core.paths import check_input_file
 
+# A reference as the caller names it: a file, or (label, bytes) of an upload (`serve`: a request never
+# names a server-side path).
+ReferenceSource = Path | tuple[str, bytes]
+
 MIN_SIDE = 64
 MAX_ASPECT = 8
-MAX_AREA = 1024 * 1024
+MAX_AREA = DEFAULTS.reference_max_area
 # The largest reference read, from the limits table (core/limits.py): one bound of our own instead of
 # Pillow's decompression-bomb warning (89 MP) and error (179 MP).
 MAX_REFERENCE_SIDE = LIMITS.reference_side
@@ -115,6 +120,19 @@ def load_reference(path: str | os.PathLike[str], data: bytes | None = None, *, k
         raise UserInputError(f"cannot read reference image {p}: {_one_line(e)}") from None
     check_reference(rgb, name)
     return rgb
+
+
+def read_reference(source: ReferenceSource, *, keep_alpha: bool = False) -> tuple[str, Image.Image]:
+    """(name, image) of a reference, read by `load_reference`. An upload's name carries a digest of
+    its bytes: names are part of a plan's batch key, so two uploads called image.png must not pass
+    for one reference. `keep_alpha`: RGBA when the image has transparency."""
+    if isinstance(source, tuple):
+        import hashlib
+
+        label, data = source
+        return (f"{label}@sha256:{hashlib.sha256(data).hexdigest()[:16]}",
+                load_reference(label, data, keep_alpha=keep_alpha))
+    return str(source), load_reference(source, keep_alpha=keep_alpha)
 
 
 def check_reference(image: Image.Image, name: str = "reference image") -> None:
