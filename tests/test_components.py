@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
@@ -217,3 +218,8 @@ def test_parity_with_a_bfl_transformer_file_reads_it_through_from_single_file(ti
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["ssim"] >= 0.999 and report["max_diff"] <= 2, report
+    # Its PNGs carry generate's record: `--from` reruns ours, the transformer file included.
+    again = cli("generate", "--from", tmp_path / "out" / "ours.png", "-o", tmp_path / "again.png")
+    assert again.exit_code == 0, again.stderr
+    ours, rerun = (np.asarray(Image.open(p)) for p in (tmp_path / "out" / "ours.png", tmp_path / "again.png"))
+    assert np.array_equal(ours, rerun)

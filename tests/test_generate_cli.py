@@ -67,7 +67,8 @@ def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_
         assert image.size == (64, 48) and image.mode == "RGB"
         meta = read_png_metadata(path)
         assert meta["prompt"] == "a red fox in snow" and meta["seed"] == seed and meta["steps"] == 2
-        assert meta["size"] == "64x48" and meta["model"] == str(tiny_checkpoint) and "version" in meta
+        assert (meta["width"], meta["height"]) == (64, 48) and meta["model"] == str(tiny_checkpoint)
+        assert meta["record"] == 3 and "version" in meta
     first, second = (np.asarray(Image.open(p)) for p in report["outputs"])
     assert not np.array_equal(first, second)  # different seeds, different noise
 

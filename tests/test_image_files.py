@@ -14,7 +14,8 @@ from flux2klein_cli.cli.flags import message
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.inputs.latents import load_latents
 from flux2klein_cli.core.runs import image_files as out
-from flux2klein_cli.core.runs.image_files import plan_outputs, read_png_metadata, write_png
+from flux2klein_cli.core.runs.image_files import read_png_metadata, write_png
+from flux2klein_cli.core.runs.outputs import plan_outputs
 
 PIXELS = np.random.default_rng(0).integers(0, 256, (32, 48, 3), dtype=np.uint8)
 META = {

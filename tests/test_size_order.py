@@ -33,7 +33,7 @@ def test_generate_summary_png_and_compile_agree(tiny_checkpoint: Path, tmp_path:
                                "--compile-cache", str(tmp_path / "store")])
     assert done.exit_code == 0, done.stderr[-2000:]
     assert "1 image(s) 48x32, 1 steps" in done.stderr
-    assert read_png_metadata(out)["size"] == "48x32"
+    assert (read_png_metadata(out)["width"], read_png_metadata(out)["height"]) == (48, 32)
 
     compiled = runner.invoke(app, ["compile", "--model", str(tiny_checkpoint), "--height", "32", "--width", "48",
                                    "--refs", "16x64", "--steps", "1", "--dtype", "fp32",
