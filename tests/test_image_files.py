@@ -116,11 +116,23 @@ def test_failure_midway_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytes
     if existing:
         path.write_bytes(b"old")
 
-    def half_written(self, fp, *args, **kwargs):
-        fp.write(b"\x89PNG\r\n\x1a\n partial")
-        raise OSError(errno.ENOSPC, "No space left on device")
+    real_fdopen = os.fdopen
 
-    monkeypatch.setattr(Image.Image, "save", half_written)
+    class HalfWritten:  # the disk fills up after the first bytes
+        def __init__(self, fd: int, mode: str) -> None:
+            self.file = real_fdopen(fd, mode)
+
+        def __enter__(self) -> HalfWritten:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self.file.close()
+
+        def write(self, data: bytes) -> int:
+            self.file.write(data[:16])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", HalfWritten)
     with pytest.raises(Flux2KleinError, match="No space left on device") as err:
         write_png(path, PIXELS, META, force=True)
     assert err.value.exit_code == 1  # a runtime failure, not bad input
