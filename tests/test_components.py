@@ -123,7 +123,7 @@ def test_generate_with_overrides_names_them_and_draws_the_folder_image(tiny: Pat
                                                                          tmp_path: Path) -> None:
     from PIL import Image
 
-    from flux2klein_cli.core.runs.image_files import read_png_metadata
+    from flux2klein_cli.core.runs.image_files import read_run_metadata
 
     small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))
     common = ("--height", 32, "--width", 32, "--steps", 2, "--dtype", "fp32", "--no-save")
@@ -133,11 +133,11 @@ def test_generate_with_overrides_names_them_and_draws_the_folder_image(tiny: Pat
               "--json")
     assert bfl.exit_code == 0, bfl.stderr
     assert json.loads(bfl.stdout)["transformer"] == str(bfl_file)
-    assert read_png_metadata(tmp_path / "bfl.png")["transformer"] == str(bfl_file)
+    assert read_run_metadata(tmp_path / "bfl.png")["transformer"] == str(bfl_file)
     assert np.array_equal(np.asarray(Image.open(tmp_path / "bfl.png")), np.asarray(Image.open(tmp_path / "plain.png")))
     vae = cli("generate", "a fox", "--model", tiny, "--vae", small / "vae", "-o", tmp_path / "vae.png", *common)
     assert vae.exit_code == 0, vae.stderr
-    assert read_png_metadata(tmp_path / "vae.png")["vae"] == str(small / "vae")
+    assert read_run_metadata(tmp_path / "vae.png")["vae"] == str(small / "vae")
 
 
 def test_inspect_and_convert_the_overridden_model(tiny: Path, bfl_file: Path, tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.runs import from_png
-from flux2klein_cli.core.runs.image_files import read_png_metadata, write_png
+from flux2klein_cli.core.runs.image_files import read_run_metadata, write_png
 
 runner = CliRunner()
 TINY = ("--model", "tiny", "--height", "32", "--width", "48", "--steps", "1", "--max-sequence-length", "16")
@@ -87,7 +87,7 @@ def test_the_record_round_trips_a_plan(tmp_path: Path) -> None:
     lora = [{"path": "style.safetensors", "scale": 0.5}]
     for index in range(plan.batch):
         png = write_png(tmp_path / f"{index}.png", PIXELS, run_record.encode(plan, index, options, lora), force=False)
-        got = run_record.decode(read_png_metadata(png), png)
+        got = run_record.decode(read_run_metadata(png), png)
         again = build_plan(RunFields(
             prompts=(got["prompt"],), references=tuple(got["references"]), height=got["height"], width=got["width"],
             steps=got["steps"], guidance=got["guidance"], negative_prompt=got["negative_prompt"], seed=got["seed"],
@@ -179,16 +179,16 @@ def test_generate_from_reruns_bit_for_bit_and_overrides(tmp_path: Path) -> None:
     again = run("generate", "--from", first, "-o", tmp_path / "b.png")
     assert again.exit_code == 0, again.stderr
     assert np.array_equal(pixels(first), pixels(tmp_path / "b.png"))
-    assert read_png_metadata(tmp_path / "b.png") == read_png_metadata(first)
+    assert read_run_metadata(tmp_path / "b.png") == read_run_metadata(first)
 
     other = run("generate", "--from", first, "--seed", 5, "-o", tmp_path / "c.png")
     assert other.exit_code == 0, other.stderr
     assert not np.array_equal(pixels(first), pixels(tmp_path / "c.png"))
-    assert read_png_metadata(tmp_path / "c.png") == {**read_png_metadata(first), "seed": 5}
+    assert read_run_metadata(tmp_path / "c.png") == {**read_run_metadata(first), "seed": 5}
 
     shown = run("inspect", first, "--json")
     assert shown.exit_code == 0, shown.stderr
-    assert json.loads(shown.stdout) == read_png_metadata(first)
+    assert json.loads(shown.stdout) == read_run_metadata(first)
     table = run("inspect", first)
     assert table.exit_code == 0 and "a fox in snow" in table.stdout + table.stderr
 
@@ -197,7 +197,7 @@ def test_generate_from_reruns_bit_for_bit_and_overrides(tmp_path: Path) -> None:
     np.save(noise, np.random.default_rng(1).standard_normal((1, 128, 2, 3)).astype(np.float32))
     from_noise = run("generate", "a fox in snow", *TINY, "--latents", noise, "-o", tmp_path / "l.png")
     assert from_noise.exit_code == 0, from_noise.stderr
-    assert read_png_metadata(tmp_path / "l.png")["latents"] == str(noise)
+    assert read_run_metadata(tmp_path / "l.png")["latents"] == str(noise)
     rerun = run("generate", "--from", tmp_path / "l.png", "-o", tmp_path / "l2.png")
     assert rerun.exit_code == 0, rerun.stderr
     assert np.array_equal(pixels(tmp_path / "l.png"), pixels(tmp_path / "l2.png"))
@@ -214,4 +214,4 @@ def test_edit_from_reruns_bit_for_bit(tmp_path: Path) -> None:
     again = run("edit", "--from", first, "-o", tmp_path / "e2.png")
     assert again.exit_code == 0, again.stderr
     assert np.array_equal(pixels(first), pixels(tmp_path / "e2.png"))
-    assert read_png_metadata(tmp_path / "e2.png") == read_png_metadata(first)
+    assert read_run_metadata(tmp_path / "e2.png") == read_run_metadata(first)

@@ -202,16 +202,6 @@ def _decode(text: dict[str, str]) -> tuple[int | None, dict[str, Any] | None]:
         return 0, None
 
 
-def read_png_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The metadata `write_png` stored, with its original types; for other PNGs, their text chunks as strings."""
-    text = _png_text(Path(path))
-    _, metadata = _decode(text)
-    if metadata is not None:
-        return metadata
-    text.pop(JSON_KEY, None)
-    return text
-
-
 def read_run_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The parameters a PNG written by flux2klein carries (`generate --from`, `inspect IMAGE.png`); a PNG
     without them, or written in a metadata format newer than this version reads, is a UserInputError."""
