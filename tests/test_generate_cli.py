@@ -121,7 +121,7 @@ BAD = {
     "height not multiple of 16": (["generate", "x", "--height", "100", "--width", "64"], "multiple of 16"),
     "width not multiple of 16": (["generate", "x", "--height", "64", "--width", "70"], "multiple of 16"),
     "empty prompt": (["generate", "  "], "PROMPT is empty"),
-    "no prompt": (["generate"], "no prompt"),
+    "no prompt": (["generate"], "PROMPT is missing: pass it or --prompt-file"),
     "steps under 1": (["generate", "x", "--steps", "0"], "--steps"),
     "latents of the wrong shape": (["generate", "x", "--height", "64", "--width", "64", "--latents",
                                     "{tmp}/noise.npy"], "shape"),
