@@ -4,6 +4,7 @@ runs; the engine owns these with the lock that makes its runs one at a time."""
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -77,9 +78,12 @@ class ReferenceKVCache:
         self._memory: OrderedDict[str, Any] = OrderedDict()
 
     def get(self, references: Sequence[np.ndarray], seconds: dict[str, float],
-            compiled: Programs | None = None) -> tuple[Any, str]:
-        """The cache of `references` (batch 1) and where it came from: memory, disk or computed."""
+            compiled: Programs | None = None, salt: str = "") -> tuple[Any, str]:
+        """The cache of `references` (batch 1) and where it came from: memory, disk or computed.
+        `salt` names the weights when they are not the engine's own (a LoRA set)."""
         digest = references_digest(list(references))
+        if salt:
+            digest = hashlib.sha256(f"{digest}+{salt}".encode()).hexdigest()
         if digest in self._memory:
             self._memory.move_to_end(digest)
             return self._memory[digest], "memory"

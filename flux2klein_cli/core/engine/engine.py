@@ -23,10 +23,11 @@ import numpy as np
 from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.devices.distributed import DeviceOptions
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan, merge_plans
-from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError
 
 Warn = Callable[[str], None]
 StepCallback = Callable[[int, int], None]
+ChunkCallback = Callable[[Any], None]  # hears core/pipeline/pipeline.Chunk
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class EngineOptions:
     transformer: str | None = None  # the transformer from elsewhere (core/hub/components.py)
     vae: str | None = None
     lora: tuple[str, ...] = ()  # PATH_OR_REPO[:SCALE], merged at load
+    # Named LoRA sets a plan may pick (RunPlan.lora_set): (name, its PATH_OR_REPO[:SCALE]s), each
+    # merged on top of `lora` into weights of its own at load; every set runs the same executables.
+    lora_sets: tuple[tuple[str, tuple[str, ...]], ...] = ()
     kv_cache_dir: Path | None = None  # reference KV caches kept here across runs
     executable_shapes: int = DEFAULTS.executable_shapes  # run shapes whose executables stay loaded
     kv_memory: int = DEFAULTS.kv_memory  # reference KV caches kept in memory
@@ -94,6 +98,21 @@ class Engine:
         self.reference_kv = ReferenceKVCache(pipeline, kv_store, options.kv_memory)
         self.stats = EngineStats()
         self._device = threading.Lock()  # one run on the device at a time
+        self.weight_sets: dict[str | None, Any] = {None: pipeline.weights}  # LoRA set -> its weights
+        self.lora_set_records: dict[str, list[dict[str, Any]]] = {}
+        self._lora_set_ids: dict[str | None, str] = {None: ""}  # what a set's weights are (content hashes)
+
+    def add_lora_set(self, name: str, specs: Sequence[str]) -> None:
+        """Load LoRA set `name` (its LoRAs on top of the engine's own) into weights of its own."""
+        from flux2klein_cli.core.lora.files import LoraSpec
+        from flux2klein_cli.core.lora.merge import LoraDeltas
+
+        lora = LoraDeltas.read([LoraSpec.parse(text) for text in (*self.options.lora, *specs)])
+        assert lora is not None
+        with self._device:
+            self.weight_sets[name] = self.pipeline.load_weights(lora)
+            self.lora_set_records[name] = lora.records()
+            self._lora_set_ids[name] = lora.identity()
 
     @classmethod
     def load(cls, options: EngineOptions, model_dir: Path, *, mesh: Any = None, warn: Warn) -> Engine:
@@ -128,8 +147,11 @@ class Engine:
             kv_store = ReferenceKVStore(options.kv_cache_dir, identity, dtype, warn)
         pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=lora, warn=warn)
         facts = ModelFacts.of(options.model, configs_from_snapshot(model_dir))
-        return cls(pipeline, facts, options, model_dir, warn=warn, mesh=mesh, executables=executables,
-                   kv_store=kv_store)
+        engine = cls(pipeline, facts, options, model_dir, warn=warn, mesh=mesh, executables=executables,
+                     kv_store=kv_store)
+        for name, specs in options.lora_sets:
+            engine.add_lora_set(name, specs)
+        return engine
 
     @property
     def lora_records(self) -> list[dict[str, Any]]:
@@ -138,6 +160,10 @@ class Engine:
 
     def plan(self, fields: RunFields) -> RunPlan:
         """A request against this engine's model, checked (FieldError naming the field)."""
+        if fields.lora_set not in self.weight_sets:
+            sets = ", ".join(name for name in self.weight_sets if name) or "none"
+            raise FieldError("lora_set", f"is {fields.lora_set!r}, which this engine does not have (its LoRA sets: "
+                             f"{sets})")
         return build_plan(fields, self.facts)
 
     def run(self, plan: RunPlan, on_step: StepCallback | None = None,
@@ -146,7 +172,7 @@ class Engine:
 
     def run_batch(self, plans: Sequence[RunPlan], on_step: StepCallback | None = None,
                   on_phase: Callable[[str], None] | None = None, *,
-                  steps_per_call: int | None = None) -> list[ImageRun]:
+                  steps_per_call: int | None = None, on_chunk: ChunkCallback | None = None) -> list[ImageRun]:
         """Plans of one batch key (RunPlan.batch_key) as one batch; one result per plan, each
         image the same as its plan run alone would give in float32 (the noise is per image).
         `on_phase` hears `loading or compiling programs` while the shape's executables load, and
@@ -154,7 +180,8 @@ class Engine:
         or `steps_per_call` steps a call (a divisor of the loop's steps); with `on_step` and no
         `steps_per_call`, in about DEFAULTS.progress_calls calls (fewer when the steps have no
         divisor near steps / calls; docs/benchmarks.md has what it costs), `on_step(done, steps)`
-        after each.
+        after each, and `on_chunk(chunk)` with the batch's latents so far (pipeline.Chunk: they
+        decode on request; raising from a callback stops the run).
         Each result's `seconds` has every phase the run went through (`executables`, `text`,
         `references`, `reference_kv`, `denoise`, `decode`) and `total`."""
         from flux2klein_cli.core.pipeline.denoise import steps_per_call as progress_steps
@@ -183,12 +210,14 @@ class Engine:
             shape = merged.shape(self.pipeline.dtype, per_call)
             compiled, report = (timed(seconds, "executables", lambda: self.executables.get(shape))
                                 if store is not None else ({}, []))
+            self.pipeline.use(self.weight_sets[merged.lora_set])  # a pointer swap: nothing compiles
             try:
                 kv, kv_source = None, None
-                if merged.kv:
-                    kv, kv_source = self.reference_kv.get(merged.references, seconds, compiled)
+                if merged.kv:  # a set's weights give the references other K / V
+                    kv, kv_source = self.reference_kv.get(merged.references, seconds, compiled,
+                                                          salt=self._lora_set_ids[merged.lora_set])
                 result = self.pipeline(merged, compiled=compiled, reference_kv=kv, per_call=per_call,
-                                       on_step=on_step)
+                                       on_step=on_step, on_chunk=on_chunk)
             except Exception as e:  # a device that still runs out: one line, exit 1
                 if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                     raise

@@ -39,6 +39,16 @@ def check_engine_options(options: EngineOptions) -> None:
     options.devices.check()
     for text in options.lora:
         resolve_lora(LoraSpec.parse(text))
+    names = [name for name, _ in options.lora_sets]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise FieldError("lora_set", f"names a set twice: {', '.join(twice)}")
+    for name, specs in options.lora_sets:
+        for text in specs:
+            try:
+                resolve_lora(LoraSpec.parse(text))
+            except FieldError as e:
+                raise FieldError("lora_set", f"{name}: {e.detail}") from None
 
 
 def check_kv_store(options: EngineOptions, facts: ModelFacts) -> None:

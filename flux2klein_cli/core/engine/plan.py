@@ -48,6 +48,7 @@ class RunFields:
     # resized to the output size, then pasted back into the init image (diffusers' padding_mask_crop).
     padding_mask_crop: int | None = None
     mask_alpha: bool = False  # a mask with transparency says it in alpha: transparent is repainted (serve)
+    lora_set: str | None = None  # one of the engine's LoRA sets (EngineOptions.lora_sets); None: its base weights
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class RunPlan:
     crop_box: tuple[int, int, int, int] | None = None
     paste_image: np.ndarray | None = field(default=None, compare=False, repr=False)
     paste_mask: np.ndarray | None = field(default=None, compare=False, repr=False)
+    lora_set: str | None = None  # the weights it runs with (Engine: the same executables for every set)
 
     @property
     def loop_steps(self) -> int:
@@ -139,11 +141,11 @@ class RunPlan:
 
     def batch_key(self) -> tuple[Any, ...]:
         """Plans with equal keys run together as one batch (Engine.run_batch): the same programs
-        per image, and what the batch shares (negative prompt, guidance, references)."""
+        per image, and what the batch shares (negative prompt, guidance, references, weights)."""
         return (self.height, self.width, self.steps, self.guidance, self.cfg, self.max_sequence_length, self.kv,
                 self.num_images, self.negative_prompt if self.cfg else "", self.reference_names,
                 self.latents is None, self.init_image_name, self.mask_name, self.strength, self.reference_max_area,
-                self.padding_mask_crop)
+                self.padding_mask_crop, self.lora_set)
 
 
 def merge_plans(plans: Sequence[RunPlan]) -> RunPlan:
@@ -252,7 +254,7 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         latents_name=None if fields.latents is None else str(fields.latents),
         init_image=None if init is None else init[1], init_image_name=None if init is None else init[0],
         mask=None if init is None else init[3], mask_name=None if init is None else init[2],
-        strength=conditioning, reference_max_area=max_area,
+        strength=conditioning, reference_max_area=max_area, lora_set=fields.lora_set,
         **({} if crop is None else dict(zip(("padding_mask_crop", "crop_box", "paste_image", "paste_mask"), crop,
                                             strict=True))),
     )

@@ -67,6 +67,24 @@ def sampling(distilled: bool, steps: int | None = None, guidance: float | None =
     return Sampling(steps or default.steps, chosen, not distilled and chosen > 1.0)
 
 
+# The Images API's `quality` as a share of a base model's default steps (high: all of them). A
+# distilled model has one quality, its few steps: the setting leaves it as it is.
+QUALITIES = {"low": 4, "medium": 2, "high": 1}  # the default steps divided by this, rounded up
+
+
+def quality_steps(distilled: bool, quality: str) -> int | None:
+    """The steps `quality` (low, medium, high, auto) runs; None: the model's default."""
+    if distilled or quality not in QUALITIES:
+        return None
+    return -(-sampling(distilled).steps // QUALITIES[quality])
+
+
+def quality_of(distilled: bool, steps: int) -> str:
+    """The quality tier a run of `steps` is at: the highest whose steps it reaches."""
+    default = sampling(distilled).steps
+    return next((name for name in ("high", "medium") if steps >= -(-default // QUALITIES[name])), "low")
+
+
 MODELS: dict[str, ModelSpec] = {
     spec.alias: spec
     for spec in (

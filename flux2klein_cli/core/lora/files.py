@@ -50,6 +50,25 @@ class LoraSpec:
         return cls(text)
 
 
+_SET_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+def parse_lora_set(text: str) -> tuple[str, tuple[str, ...]]:
+    """`NAME=PATH_OR_REPO[:SCALE],...` (serve's `--lora-set`): the set's name and its LoRAs, each
+    checked as `--lora` checks one (the files are resolved later, with the engine's options)."""
+    name, equals, specs = text.partition("=")
+    name = name.strip()
+    if not equals or not _SET_NAME.match(name):
+        raise FieldError("lora_set", f"{text!r}: give NAME=PATH_OR_REPO[:SCALE],... with a NAME of letters, "
+                         "digits, '.', '_' or '-' (e.g. style=style.safetensors:0.8)")
+    parts = tuple(part.strip() for part in specs.split(","))
+    if not all(parts):
+        raise FieldError("lora_set", f"{text!r}: a LoRA of set {name} is empty")
+    for part in parts:
+        LoraSpec.parse(part)
+    return name, parts
+
+
 @dataclass(frozen=True)
 class LoraFile:
     """A LoRA read and converted: where it came from, its content hash, its scale, its factors."""

@@ -52,6 +52,30 @@ StepCallback = Callable[[int, int], None]  # (steps done, steps in all)
 Programs = Mapping[str, Any]  # program name -> its compiled executable, for one run shape
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """The loop between two of its calls (a run of `per_call` steps a call): what a caller sees
+    of a run in progress. `images()` decodes the latents as they are (noisier the fewer steps
+    done) with the run's own decode program, as uint8 images the run's size."""
+
+    done: int
+    steps: int
+    latents: Any  # (B, h, w, C) float32 after `done` steps
+    images: Callable[[], np.ndarray]
+
+
+ChunkCallback = Callable[[Chunk], None]  # may raise to stop the run (a cancelled request)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What the programs take as weights (executables take them as arguments: any weights of the
+    same shapes, dtypes and shardings run with the same executables)."""
+
+    transformer: nnx.State
+    text_encoder: nnx.State
+
+
 @dataclass
 class Decoded:
     """A plan's images and the seconds of each phase the pipeline ran."""
@@ -165,6 +189,30 @@ class KleinPipeline:
     def dtype(self) -> Any:
         return self.models.transformer.dtype
 
+    @property
+    def weights(self) -> Weights:
+        return Weights(self.transformer_state, self.text_state)
+
+    def use(self, weights: Weights) -> None:
+        """Run with other weights of the same shapes from now on (a LoRA set's)."""
+        self.transformer_state, self.text_state = weights.transformer, weights.text_encoder
+
+    def load_weights(self, lora: LoraDeltas) -> Weights:
+        """The weights with `lora` merged (the loader's merge, as at load): parameters it leaves
+        alone are shared with the current weights, so each set holds only what it changes."""
+        from flux2klein_cli.core.models.qwen3 import load_qwen3, qwen3_key_plan
+        from flux2klein_cli.core.models.transformer import load_transformer, transformer_key_plan
+
+        dtype, mesh = self.dtype, self.mesh
+        transformer = load_transformer(self.snapshot.component("transformer"), dtype=dtype, mesh=mesh, deltas=lora)
+        weights = Weights(_shared(transformer, transformer_key_plan(transformer), lora, self.transformer_state),
+                          self.text_state)
+        text_lora = lora.for_component("text_encoder")
+        if text_lora is not None:
+            text = load_qwen3(self.snapshot.component("text_encoder"), dtype=dtype, mesh=mesh, deltas=text_lora)
+            weights = Weights(weights.transformer, _shared(text, qwen3_key_plan(text), text_lora, self.text_state))
+        return weights
+
     def encode_text(self, prompts: Sequence[str], max_length: int, name: str = programs.TEXT_ENCODER,
                     compiled: Programs | None = None) -> jax.Array:
         ids, mask = self.tokenizer(list(prompts), max_length)
@@ -217,11 +265,12 @@ class KleinPipeline:
         return np.ascontiguousarray(host.transpose(0, 3, 1, 2))
 
     def denoise(self, inputs: DenoiseInputs, steps: int, per_call: int | None = None,
-                on_step: StepCallback | None = None, compiled: Programs | None = None) -> jax.Array:
+                on_step: StepCallback | None = None, compiled: Programs | None = None,
+                on_latents: Callable[[int, Any], None] | None = None) -> jax.Array:
         """The loop in one call, or `per_call` steps a call with `on_step(done, steps)` after
-        each. Call i + 1 is queued before call i is waited for, so the device never idles
-        between calls; each call's latents are the next one's input, so the images are the
-        same either way."""
+        each (and `on_latents(done, latents)` before it). Call i + 1 is queued before call i is
+        waited for, so the device never idles between calls; each call's latents are the next
+        one's input, so the images are the same either way."""
         count = programs.denoise_count(steps, per_call)
         name = programs.denoise_name(count)
         if count not in self._denoise:
@@ -242,15 +291,19 @@ class KleinPipeline:
             while len(queued) > 1 or (last and queued):  # all but the newest call, then the rest
                 done, ready = queued.pop(0)
                 jax.block_until_ready(ready)
+                if on_latents is not None:
+                    on_latents(done, ready)
                 if on_step is not None:
                     on_step(done, steps)
         return latents
 
     def __call__(self, plan: RunPlan, *, compiled: Programs | None = None, reference_kv: ReferenceKV | None = None,
-                 per_call: int | None = None, on_step: StepCallback | None = None) -> Decoded:
+                 per_call: int | None = None, on_step: StepCallback | None = None,
+                 on_chunk: ChunkCallback | None = None) -> Decoded:
         """One plan (checked once, by core/engine/plan.py) -> its uint8 images. `compiled`: the
         plan's executables (None: every program jitted); `reference_kv`: a KV edit's cache
-        (the engine keeps them); `per_call`: denoising steps a call (None: the loop in one)."""
+        (the engine keeps them); `per_call`: denoising steps a call (None: the loop in one),
+        with `on_chunk` hearing each call's latents as they come."""
         seconds: dict[str, float] = {}
         grid = self.geometry.grid(plan.height, plan.width)
         conditioning = ([] if plan.init_image is None else [plan.init_image]) + list(plan.references)
@@ -276,11 +329,15 @@ class KleinPipeline:
             self.models.transformer.rope, grid, latents=noise, text=text, negative_text=negative, references=refs,
             reference_grids=grids, reference_kv=reference_kv, schedule=schedule, guidance=plan.guidance,
             init=plan.init_image is not None, noise=None if plan.mask is None else noise, mask=plan.mask)
+        on_latents = None
+        if on_chunk is not None:
+            def on_latents(done: int, chunk: Any) -> None:
+                on_chunk(Chunk(done, plan.loop_steps, chunk, lambda: self._finish(
+                    plan, np.nan_to_num(self._decoded(chunk, compiled)))))
+
         latents = timed(seconds, "denoise", lambda: self.denoise(inputs, plan.loop_steps, per_call, on_step,
-                                                                 compiled))
-        images = timed(seconds, "decode",
-                       lambda: self._call(compiled, programs.VAE_DECODE, self._decode, self.vae_state, latents))
-        pixels = self._to_host(images).astype(np.float32)
+                                                                 compiled, on_latents))
+        pixels = timed(seconds, "decode", lambda: self._decoded(latents, compiled))
         if not np.isfinite(pixels).all():
             stages = [("the text encoder", text), ("the text encoder (negative prompt)", negative),
                       ("the reference encoding", refs), ("the reference KV pass", reference_kv),
@@ -288,7 +345,30 @@ class KleinPipeline:
             raise NonFiniteError(f"{first_non_finite(stages, self._to_host) or 'the VAE decode'} produced "
                                  f"non-finite values (NaN or inf); no image was written. Check the weights "
                                  f"(flux2klein inspect MODEL) and --guidance")
+        return Decoded(self._finish(plan, pixels), seconds)
+
+    def _decoded(self, latents: Any, compiled: Programs | None) -> np.ndarray:
+        """(B, h, w, C) latents through the VAE decode program: (B, H, W, 3) float32 on the host."""
+        images = self._call(compiled, programs.VAE_DECODE, self._decode, self.vae_state, latents)
+        return self._to_host(images).astype(np.float32)
+
+    def _finish(self, plan: RunPlan, pixels: np.ndarray) -> np.ndarray:
         out = postprocess(pixels)
         if plan.crop_box is not None:  # a padding mask crop: the crop's images back into the init image
             out = paste_back(out, plan.paste_image, plan.paste_mask, plan.crop_box)
-        return Decoded(out, seconds)
+        return out
+
+
+def _shared(module: nnx.Module, plan: Any, lora: LoraDeltas, base: nnx.State) -> nnx.State:
+    """`module`'s weights as the programs take them, each parameter `lora` leaves alone (none of
+    its checkpoint keys changed) taken from `base` instead, so a LoRA set holds only what it changes."""
+    bases = dict(nnx.to_flat_state(base))
+    state = as_words(nnx.state(module))
+
+    def pick(path: tuple[Any, ...], var: Any) -> tuple[tuple[Any, ...], Any]:
+        source = plan.sources.get(path)
+        if source is not None and not any(lora.changes(key) for key in source.keys):
+            return path, bases[path]
+        return path, var
+
+    return nnx.from_flat_state([pick(tuple(path), var) for path, var in nnx.to_flat_state(state)])

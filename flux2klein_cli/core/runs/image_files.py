@@ -1,5 +1,5 @@
-"""PNG files: the one encoder (pixels and their parameters as text chunks), atomic writes, and reading
-the parameters back.
+"""Image files: the one image encoder (PNG with the run's parameters as text chunks, or JPEG / WebP
+for serve's `output_format`), atomic PNG writes, and reading the parameters back.
 
 Writes are atomic: a hidden temporary file in the target directory (core/temporaries.py), fsync, then a
 rename, so a crash, an interrupt or a full disk never leaves a half-written PNG under the final name.
@@ -113,15 +113,29 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def png_bytes(image: np.ndarray, metadata: Mapping[str, MetadataValue] | None = None) -> bytes:
-    """The one PNG encoder: an (H, W, 3) uint8 image, with `metadata` as text chunks (write_png) or
-    none (serve's b64_json)."""
+IMAGE_FORMATS = ("png", "jpeg", "webp")  # what the encoder writes (serve's `output_format`)
+_PIL_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
+
+
+def encode_image(image: np.ndarray, image_format: str = "png", *, quality: int | None = None,
+                 metadata: Mapping[str, MetadataValue] | None = None) -> bytes:
+    """The one image encoder: an (H, W, 3) uint8 image as PNG (lossless, zlib level
+    PNG_COMPRESS_LEVEL, with `metadata` as text chunks: write_png) or as JPEG / WebP at `quality`
+    0-100 (Pillow's scale; None: 100, as the Images API's `output_compression` defaults)."""
     pixels = np.asarray(image)
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
         raise ValueError(f"expected an (H, W, 3) uint8 image, got {pixels.shape} {pixels.dtype}")
-    info = None if metadata is None else _pnginfo(metadata)
+    if image_format not in _PIL_FORMATS:
+        raise ValueError(f"unknown image format {image_format!r} (one of {', '.join(IMAGE_FORMATS)})")
+    if metadata is not None and image_format != "png":
+        raise ValueError("only PNG carries a run's parameters")
     out = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(out, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL)
+    picture = Image.fromarray(pixels, "RGB")
+    if image_format == "png":
+        info = None if metadata is None else _pnginfo(metadata)
+        picture.save(out, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL)
+    else:
+        picture.save(out, format=_PIL_FORMATS[image_format], quality=100 if quality is None else quality)
     return out.getvalue()
 
 
@@ -138,7 +152,7 @@ def write_png(
         raise FieldError("output", f"{path} is a directory")
     if not force:
         refuse_existing([path])
-    data = png_bytes(image, metadata)  # bad keys fail before any file exists
+    data = encode_image(image, metadata=metadata)  # bad keys fail before any file exists
 
     try:
         with temporary_file(path.parent, path.name) as (fd, tmp):
