@@ -24,7 +24,7 @@ def test_the_batcher_gathers_same_key_plans_and_a_failing_batch_fails_only_its_o
 
     runs: list[list[str]] = []
 
-    def run_batch(plans: list[FakePlan]) -> list[str]:
+    def run_batch(plans: list[FakePlan], tickets: object) -> list[str]:
         runs.append([p.key for p in plans])
         if plans[0].key == "bad":
             raise RuntimeError("out of memory")
@@ -50,7 +50,7 @@ def test_the_batcher_gathers_same_key_plans_and_a_failing_batch_fails_only_its_o
 def test_the_batcher_cancels_queued_tickets_and_bounds_its_queue() -> None:
     from flux2klein_cli.core.serve.batcher import Batcher, Cancelled, Draining, QueueFull
 
-    batcher = Batcher(lambda plans: list(plans), max_batch=2, wait_s=0.0, queue_size=2)  # not started
+    batcher = Batcher(lambda plans, tickets: list(plans), max_batch=2, wait_s=0.0, queue_size=2)  # not started
     first, second = batcher.submit(FakePlan("a")), batcher.submit(FakePlan("b"))  # type: ignore[arg-type]
     with pytest.raises(QueueFull) as full:
         batcher.submit(FakePlan("c"))  # type: ignore[arg-type]
@@ -73,7 +73,7 @@ def test_the_window_is_waited_only_while_requests_come_together() -> None:
     runs: list[list[str]] = []
     reports: list[BatchReport] = []
 
-    def run_batch(plans: list[FakePlan]) -> list[str]:
+    def run_batch(plans: list[FakePlan], tickets: object) -> list[str]:
         runs.append([p.key for p in plans])
         running.set()
         if plans[0].key == "held":

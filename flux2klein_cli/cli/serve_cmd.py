@@ -49,23 +49,36 @@ def serve(
     no_save: o.NoSaveOpt = False,
     effort: o.EffortOpt = o.Effort.default,
     lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
+    lora_set: Annotated[list[str], typer.Option(
+        "--lora-set", metavar="NAME=PATH_OR_REPO[:SCALE],...",
+        help="A named set of LoRAs a request picks with model MODEL+NAME or lora_set NAME (repeatable); each "
+        "set's weights load once, on top of --lora, and switching sets compiles nothing.")] = [],  # noqa: B006
+    encode_threads: Annotated[int | None, typer.Option(
+        "--encode-threads", help="Threads that encode images while the device runs the next batch; 0: the "
+        "device thread encodes \\[default: half the cores, at most 4]", show_default=False)] = None,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
 ) -> None:
     """Serve images over HTTP: OpenAI's Images API with dynamic batching, jobs and metrics.
 
-    Needs the \\[serve] extra. Endpoints: POST /v1/images/generations, POST /v1/images/edits,
-    POST /v1/jobs, GET and DELETE /v1/jobs/ID, GET /healthz, /readyz, /metrics. SIGTERM drains.
+    Needs the \\[serve] extra. Endpoints: POST /v1/images/generations, POST /v1/images/edits
+    (also without /v1; stream: true sends server-sent events with partial images), POST /v1/jobs,
+    GET and DELETE /v1/jobs/ID, POST /v1/jobs/ID/cancel, GET /v1/models, /healthz, /readyz,
+    /metrics. SIGTERM drains.
 
     On a multi-host TPU slice (or CPU processes given --coordinator, --num-processes and
     --process-id) every process runs this command: process 0 serves HTTP and sends each batch
     to the others, which run it with it.
 
     Example: flux2klein serve --model 4b --port 8000 --warm 1024x1024 --max-batch 8
+
+    Example: flux2klein serve --model 4b --lora-set ink=ink.safetensors:0.8 --lora-set clay=clay.safetensors
+    (a request with model "4b+ink" runs with ink.safetensors at 0.8)
     """
     from flux2klein_cli.core.devices.distributed import DeviceOptions
     from flux2klein_cli.core.engine.engine import EngineOptions
     from flux2klein_cli.core.extras import require_serve
+    from flux2klein_cli.core.lora.files import parse_lora_set
     from flux2klein_cli.core.serve import options as s
 
     with user_errors():
@@ -79,12 +92,13 @@ def serve(
                                    process_id=process_id),
                                compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,
                                transformer=transformer, vae=vae, lora=tuple(lora), kv_cache_dir=kv_cache_dir,
-                               kv_memory=kv_memory)
+                               kv_memory=kv_memory, lora_sets=tuple(parse_lora_set(text) for text in lora_set))
         options = s.ServeOptions(
             engine=engine, host=host, port=port, api_key=s.api_key(api_key), max_batch=max_batch,
             batch_wait_ms=batch_wait_ms, queue=queue, drain_timeout=drain_timeout,
             max_body_bytes=int(max_body_mb * s.MIB), warm=s.parse_sizes(warm) if warm else (),
-            max_sequence_length=max_sequence_length)
+            max_sequence_length=max_sequence_length,
+            **({} if encode_threads is None else {"encode_threads": encode_threads}))
         s.check_serve_options(options)  # before jax is configured or anything loads
         configure_jax(warn)
         run_server(options, resolve_model, warn=warn, note=note)

@@ -60,6 +60,13 @@ FIELDS: dict[str, Field] = {
     "max_body_bytes": Field(flag="--max-body-mb"),
     "response_format": Field(flag=SERVE_ONLY),
     "jobs_kept": Field(flag=SERVE_ONLY),
+    # The Images API's own (serve): what a request asks of its answer.
+    "quality": Field(flag=SERVE_ONLY),
+    "background": Field(flag=SERVE_ONLY),
+    "output_format": Field(flag=SERVE_ONLY),
+    "output_compression": Field(flag=SERVE_ONLY),
+    "partial_images": Field(flag=SERVE_ONLY),
+    "input_fidelity": Field(flag=SERVE_ONLY),
 }
 
 

@@ -1,8 +1,12 @@
-"""The FastAPI app: OpenAI's Images API (generations, edits), jobs, health, readiness, metrics.
+"""The FastAPI app: OpenAI's Images API (generations, edits; answered whole, or streamed as
+server-sent events with partial images), jobs, health, readiness, metrics.
 
-fastapi and pydantic (the [serve] extra) are imported inside `create_app`, so this module imports
-on a base install. Requests are bounded before any route reads them (`Guard`: body size, API key,
-draining); every error is OpenAI's shape (service.ApiError). Logs carry no prompt or image bytes.
+The image routes answer under /v1 and without it (clients whose base URL lacks the /v1). A client
+that goes away cancels its request (a queued one leaves the queue; a running one stops at its next
+chunk of steps when nobody else waits for its batch). fastapi and pydantic (the [serve] extra) are
+imported inside `create_app`, so this module imports on a base install. Requests are bounded before
+any route reads them (`Guard`: body size, API key, draining); every error is OpenAI's shape
+(service.ApiError). Logs carry no prompt or image bytes.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the routes' annotations (Request), which
@@ -15,14 +19,24 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from flux2klein_cli.core.limits import LIMITS
-from flux2klein_cli.core.serve.batcher import Draining
+from flux2klein_cli.core.serve.batcher import Draining, Ticket
 from flux2klein_cli.core.serve.jobs import job_view
-from flux2klein_cli.core.serve.service import ApiError, Service, api_error
+from flux2klein_cli.core.serve.service import (
+    ApiError,
+    ServeRequest,
+    Service,
+    api_error,
+    completed_events,
+    encode,
+    partial_events,
+    response_body,
+)
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 OPEN_PATHS = ("/healthz", "/readyz")  # probes need no key
+API_PATHS = ("/v1/", "/images/")  # refused while draining
 
 
 class BodyTooLarge(Exception):
@@ -53,7 +67,7 @@ class Guard:
         if path not in OPEN_PATHS and self.api_key is not None and not self._authorized(headers):
             refusal = ApiError(401, "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-        elif self.service.draining and path.startswith("/v1/"):
+        elif self.service.draining and path.startswith(API_PATHS):
             refusal = api_error(Draining())
         else:
             length = headers.get(b"content-length")
@@ -99,25 +113,34 @@ def _request_models() -> tuple[type, type]:
     from pydantic import BaseModel, ConfigDict
 
     class ImageRequest(BaseModel):
-        """`POST /v1/images/generations` and `/v1/jobs`: OpenAI's fields, then the extensions."""
+        """`POST /v1/images/generations` and `/v1/jobs`: OpenAI's fields (service.py says what each
+        does here), then the extensions."""
 
         model_config = ConfigDict(extra="forbid")
         prompt: str
         model: str | None = None
         n: int = 1
         size: str | None = None
-        response_format: str | None = None
-        user: str | None = None  # accepted, not used (OpenAI's)
         quality: str | None = None
-        style: str | None = None
+        background: str | None = None
+        output_format: str | None = None
+        output_compression: int | None = None
+        response_format: str | None = None
+        stream: bool = False
+        partial_images: int | None = None
+        moderation: str | None = None  # read, not used
+        user: str | None = None  # read, not used
+        safety_identifier: str | None = None  # read, not used
         seed: int = 0
         steps: int | None = None
         guidance: float | None = None
         negative_prompt: str = ""
+        lora_set: str | None = None  # or model: MODEL+SET
 
     class EditRequest(ImageRequest):
         """`POST /v1/images/edits`: the form fields beside the image files."""
 
+        input_fidelity: str | None = None  # read, not used: references condition in full
         kv: bool = False
         strength: float | None = None  # image-to-image / inpainting: the first image is the init image
         padding_mask_crop: int | None = None
@@ -138,9 +161,14 @@ def _validation_error(error: Any) -> ApiError:
     return ApiError(400, f"{param} {message[:1].lower()}{message[1:]}", param=param)
 
 
+def sse(data: dict[str, Any], event: str | None = None) -> bytes:
+    """One server-sent event, named as OpenAI names its image events (its `type`)."""
+    return f"event: {event or data['type']}\ndata: {json.dumps(data)}\n\n".encode()
+
+
 def create_app(service: Service) -> Any:
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from pydantic import ValidationError
 
     ImageRequest, EditRequest = _request_models()
@@ -176,28 +204,88 @@ def create_app(service: Service) -> Any:
             raise ApiError(400, "the request body is not valid JSON") from None
         return validated(ImageRequest, data)
 
-    async def images(body: dict[str, Any], references: list[tuple[str, bytes]], endpoint: str,
-                     init_image: tuple[str, bytes] | None = None, mask: tuple[str, bytes] | None = None
-                     ) -> dict[str, Any]:
+    def count(endpoint: str, status: int, start: float | None = None) -> None:
+        if metrics is not None:
+            metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            if start is not None:
+                metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+
+    async def images(request: Request, body: dict[str, Any], references: list[tuple[str, bytes]], endpoint: str,
+                     init_image: tuple[str, bytes] | None = None, mask: tuple[str, bytes] | None = None) -> Any:
         start = time.perf_counter()
         try:
-            plan = await asyncio.to_thread(service.plan, body, references, init_image, mask)
-            data = (await asyncio.wrap_future(service.submit(plan).future)).data
+            asked = await asyncio.to_thread(service.plan, body, references, init_image, mask,
+                                            edit=endpoint == "edits")
+            if asked.stream:
+                return await streamed(request, asked, endpoint, start)
+            ticket = service.submit(asked)
+            served = await until_done_or_gone(request, ticket)
         except Exception as e:
-            if metrics is not None:
-                metrics.requests.labels(endpoint=endpoint, status=str(api_error(e).status)).inc()
+            count(endpoint, api_error(e).status)
             raise api_error(e) from None
-        if metrics is not None:
-            metrics.requests.labels(endpoint=endpoint, status="200").inc()
-            metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - start)
-        return {"created": int(time.time()), "data": data}
+        count(endpoint, 200, start)
+        return response_body(asked, served)
 
-    @app.post("/v1/images/generations")
-    async def generations(request: Request) -> dict[str, Any]:
-        return await images(await json_body(request), [], "generations")
+    async def until_done_or_gone(request: Request, ticket: Ticket) -> Any:
+        """The ticket's answer; a client that disconnects first cancels it."""
+        answer = asyncio.ensure_future(asyncio.wrap_future(ticket.future))
+        gone = asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not answer.done():
+            service.cancel(ticket)
+        return await answer
 
-    @app.post("/v1/images/edits")
-    async def edits(request: Request) -> dict[str, Any]:
+    async def disconnected(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def streamed(request: Request, asked: ServeRequest, endpoint: str, start: float) -> Any:
+        """Server-sent events as OpenAI's: each partial image (`*.partial_image`), then each image
+        (`*.completed`); an error after the stream began is an `error` event. Partial images are
+        encoded off the device thread, and sent in order."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any, Any]] = asyncio.Queue()
+
+        def on_partial(index: int, images: Any) -> None:  # on the device thread
+            future = service.batcher.offload(lambda: [encode(image, asked.output) for image in images])
+            loop.call_soon_threadsafe(events.put_nowait, ("partial", index, future))
+
+        ticket = service.submit(asked, on_partial=on_partial)
+        ticket.future.add_done_callback(lambda f: loop.call_soon_threadsafe(events.put_nowait, ("done", f, None)))
+
+        async def stream() -> Any:
+            try:
+                while True:
+                    kind, first, second = await events.get()
+                    if kind == "partial":
+                        for event in partial_events(asked, first, await asyncio.wrap_future(second)):
+                            yield sse(event)
+                        continue
+                    try:
+                        served = first.result()
+                    except Exception as e:  # noqa: BLE001 (sent as the stream's error event)
+                        error = api_error(e)
+                        count(endpoint, error.status)
+                        service.count_error(error)
+                        yield sse(error.body(), "error")
+                        return
+                    for event in completed_events(asked, served):
+                        yield sse(event)
+                    count(endpoint, 200, start)
+                    return
+            finally:  # the client went away (or the stream ended): nobody waits for the images now
+                service.cancel(ticket)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def generations(request: Request) -> Any:
+        return await images(request, await json_body(request), [], "generations")
+
+    async def edits(request: Request) -> Any:
         try:
             form = await request.form(max_files=LIMITS.references + 2, max_fields=64)
         except BodyTooLarge:
@@ -229,18 +317,24 @@ def create_app(service: Service) -> Any:
                            param="mask")
         body = validated(EditRequest, fields)
         if masks or body.get("strength") is not None:  # OpenAI's: the first image is the one edited
-            return await images(body, references[1:], "edits", init_image=references[0],
+            return await images(request, body, references[1:], "edits", init_image=references[0],
                                 mask=masks[0] if masks else None)
         if body.get("padding_mask_crop") is not None:
             raise ApiError(400, "padding_mask_crop needs a mask", param="padding_mask_crop")
-        return await images(body, references, "edits")
+        return await images(request, body, references, "edits")
+
+    for prefix in ("/v1", ""):  # some clients' base URL has no /v1
+        app.add_api_route(f"{prefix}/images/generations", generations, methods=["POST"])
+        app.add_api_route(f"{prefix}/images/edits", edits, methods=["POST"])
 
     @app.post("/v1/jobs", status_code=202)
     async def create_job(request: Request) -> dict[str, Any]:
         body = await json_body(request)
         try:
-            plan = await asyncio.to_thread(service.plan, body, [])
-            job = service.jobs.add(service.submit(plan))
+            asked = await asyncio.to_thread(service.plan, body, [])
+            if asked.stream:
+                raise ApiError(400, "a job is read back, not streamed: drop stream", param="stream")
+            job = service.jobs.add(service.submit(asked, job=True), {**asked.output.fields(), "usage": asked.usage})
         except Exception as e:
             raise api_error(e) from None
         return job_view(job)
@@ -260,18 +354,20 @@ def create_app(service: Service) -> Any:
         error = api_error(future.exception()).body() if job.state in ("failed", "cancelled") else None
         return job_view(job, error)
 
-    @app.delete("/v1/jobs/{job_id}")
     async def cancel_job(job_id: str) -> dict[str, Any]:
         job = find_job(job_id)
-        if not service.batcher.cancel(job.ticket):
-            raise ApiError(409, f"job {job_id} is {job.state}; only a queued job can be cancelled", param="id",
-                           code="not_cancellable")
+        if not service.cancel(job.ticket):
+            raise ApiError(409, f"job {job_id} is {job.state}; only a queued or running job can be cancelled",
+                           param="id", code="not_cancellable")
         return job_view(job, api_error(job.ticket.future.exception()).body())
+
+    app.add_api_route("/v1/jobs/{job_id}/cancel", cancel_job, methods=["POST"])
+    app.add_api_route("/v1/jobs/{job_id}", cancel_job, methods=["DELETE"])
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": service.model, "object": "model", "created": int(service.started),
-                                            "owned_by": "flux2klein"}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(service.started),
+                                            "owned_by": "flux2klein"} for name in service.model_names]}
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

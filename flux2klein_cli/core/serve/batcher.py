@@ -11,6 +11,12 @@ would waste more than a quarter of the batch, the power of two below runs and th
 keys wait their turn in arrival order: a new shape compiles while the queue holds, and is then
 kept by the engine with the others. A failing batch fails its own tickets only.
 
+A ticket's `mode` joins its plan's batch key: how its batch runs (in one call, or in chunks that
+report progress or partial images), so tickets that want other runs never share one. A batch's
+answers (its images encoded) are made off the worker by `encoders` threads while the worker runs
+the next batch, and go out together once all are made. A ticket cancelled while it runs is
+answered at once; its batch stops at its next chunk once all of its tickets are cancelled.
+
 Nothing here knows HTTP: tickets carry a `concurrent.futures.Future` that the server awaits.
 """
 
@@ -21,14 +27,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from flux2klein_cli.core.engine.plan import RunPlan
 from flux2klein_cli.core.errors import Flux2KleinError
 
-RunBatch = Callable[[Sequence[RunPlan]], Sequence[Any]]
+RunBatch = Callable[[Sequence[RunPlan], Sequence["Ticket"]], Sequence[Any]]  # results, one per plan
 
 
 class QueueFull(Flux2KleinError):
@@ -48,14 +54,20 @@ class Draining(Flux2KleinError):
 
 @dataclass(eq=False)
 class Ticket:
-    """One plan in the queue and its result to come (an ImageRun, or the batch's exception)."""
+    """One plan in the queue and its answer to come (`finish` of its ImageRun, or the batch's
+    exception). `mode` (part of `key`) says how its batch runs; `progress` is (steps done, steps)
+    while a chunked run reports it; `on_partial(index, images)` hears its partial images."""
 
     plan: RunPlan
     key: tuple[Any, ...]
+    mode: tuple[Any, ...] = ()
+    finish: Callable[[Any], Any] | None = None
+    on_partial: Callable[[int, Any], None] | None = None
     enqueued: float = field(default_factory=time.monotonic)
     future: Future[Any] = field(default_factory=Future)
     state: str = "queued"  # queued, running, succeeded, failed, cancelled
     started: float | None = None
+    progress: tuple[int, int] | None = None
 
     def resolve(self, value: Any = None, error: BaseException | None = None) -> bool:
         """Set the result once; False when it was already set (cancelled, refused while draining)."""
@@ -72,7 +84,13 @@ class Ticket:
 
 class Cancelled(Flux2KleinError):
     def __init__(self) -> None:
-        super().__init__("the job was cancelled before it ran")
+        super().__init__("the request was cancelled")
+
+
+def stop_if_all_cancelled(tickets: Sequence[Ticket]) -> None:
+    """Between chunks of a run: stop it (raise Cancelled) once nobody waits for its answers."""
+    if all(ticket.state == "cancelled" for ticket in tickets):
+        raise Cancelled()
 
 
 @dataclass
@@ -112,14 +130,16 @@ class Batcher:
     def __init__(self, run_batch: RunBatch, *, max_batch: int, wait_s: float, queue_size: int,
                  pad: bool = True, on_batch: Callable[[BatchReport], None] = lambda report: None,
                  on_depth: Callable[[int], None] = lambda depth: None, before_first: Callable[[], None] | None = None,
-                 finish: Callable[[Any], Any] = lambda result: result):
+                 encoders: int = 0):
+        """`encoders`: threads that make the answers (a ticket's `finish`) while the worker runs
+        the next batch; 0: the worker makes them itself."""
         self.run_batch, self.max_batch, self.wait_s, self.queue_size = run_batch, max_batch, wait_s, queue_size
         self.pad, self.on_batch, self.on_depth, self.before_first = pad, on_batch, on_depth, before_first
-        # Each answered plan's result as its ticket gets it, on the worker thread: a batch's answers
-        # then go out together, so closed-loop clients come back within one batch window.
-        self.finish = finish
+        self._encoders = (ThreadPoolExecutor(encoders, thread_name_prefix="flux2klein-encode") if encoders > 0
+                          else None)
         self._queue: deque[Ticket] = deque()
         self._running: list[Ticket] = []
+        self._finishing: list[Ticket] = []  # run, their answers being made
         self._cond = threading.Condition()
         self._accepting = True
         self._closed = False
@@ -141,19 +161,31 @@ class Batcher:
     @property
     def in_flight(self) -> int:
         with self._cond:
-            return len(self._queue) + len(self._running)
+            return len(self._queue) + len(self._running) + len(self._finishing)
 
     def retry_after(self) -> int:
         batches_ahead = max(1, math.ceil(len(self._queue) / self.max_batch))
         return max(1, math.ceil(batches_ahead * self._batch_seconds))
 
-    def submit(self, plan: RunPlan) -> Ticket:
+    def offload(self, fn: Callable[[], Any]) -> Future[Any]:
+        """`fn()` on an encoder thread (on the caller's when there are none)."""
+        if self._encoders is not None:
+            return self._encoders.submit(fn)
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 (the future carries it)
+            future.set_exception(e)
+        return future
+
+    def submit(self, plan: RunPlan, *, mode: tuple[Any, ...] = (), finish: Callable[[Any], Any] | None = None,
+               on_partial: Callable[[int, Any], None] | None = None) -> Ticket:
         with self._cond:
             if not self._accepting:
                 raise Draining()
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(len(self._queue), self.retry_after())
-            ticket = Ticket(plan, plan.batch_key())
+            ticket = Ticket(plan, plan.batch_key() + mode, mode, finish, on_partial)
             if self._queue or self._running:
                 self._company = True
             self._queue.append(ticket)
@@ -162,28 +194,31 @@ class Batcher:
         return ticket
 
     def cancel(self, ticket: Ticket) -> bool:
-        """Take a queued ticket out (True); one already running or done stays (False)."""
+        """Answer a ticket not yet answered with Cancelled (True; False once it was answered): a
+        queued one leaves the queue, a running one's batch stops at its next chunk if none of its
+        tickets is waited for any more (or runs to its end, its answer dropped)."""
         with self._cond:
-            if ticket not in self._queue:
-                return False
-            self._queue.remove(ticket)
-            self.on_depth(len(self._queue))
-        ticket.resolve(error=Cancelled())
-        return True
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+                self.on_depth(len(self._queue))
+        return ticket.resolve(error=Cancelled())
 
     def stop_accepting(self) -> None:
         with self._cond:
             self._accepting = False
 
     def wait_idle(self, timeout: float) -> bool:
-        """Until the queue is empty and no batch runs (True), or `timeout` seconds (False)."""
+        """Until the queue is empty and no batch runs or is being answered (True), or `timeout`
+        seconds (False)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._running, timeout)
+            return self._cond.wait_for(lambda: not self._queue and not self._running and not self._finishing,
+                                       timeout)
 
     def refuse_pending(self, error: BaseException) -> int:
-        """Resolve every queued and running ticket with `error` (draining past its time); how many."""
+        """Resolve every queued, running and unanswered ticket with `error` (draining past its
+        time); how many."""
         with self._cond:
-            pending = [*self._queue, *self._running]
+            pending = [*self._queue, *self._running, *self._finishing]
             self._queue.clear()
             self._closed = True
             self.on_depth(0)
@@ -196,10 +231,15 @@ class Batcher:
             self._cond.notify_all()
 
     def join(self, timeout: float | None = None) -> bool:
-        """Wait for the worker to end after `close` (the batch it runs finishes); True once it has."""
+        """Wait for the worker to end after `close` (the batch it runs finishes, and its answers
+        are made); True once it has."""
         if self._thread.is_alive():
             self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self._thread.is_alive():
+            return False
+        if self._encoders is not None:
+            self._encoders.shutdown(wait=True)
+        return True
 
     # --------------------------------------------------------------------- the worker thread
 
@@ -261,23 +301,55 @@ class Batcher:
             plans += [plans[-1]] * (target - len(plans))
         start = time.perf_counter()
         error: BaseException | None = None
+        results: Sequence[Any] = ()
         try:
-            results = self.run_batch(plans)
+            results = self.run_batch(plans, chosen)
         except BaseException as e:  # noqa: BLE001 (a failing batch fails its own tickets only)
             error = e
-        answers: list[Any] = [None] * len(chosen)
-        if error is None:
-            try:
-                answers = [self.finish(results[i]) for i in range(len(chosen))]
-            except BaseException as e:  # noqa: BLE001 (as a failing run: its own tickets only)
-                error = e
         seconds = time.perf_counter() - start
         self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
-        for ticket, answer in zip(chosen, answers, strict=True):
-            ticket.resolve(None if error else answer, error)
         with self._cond:
             self._running = []
-            self._cond.notify_all()
+            self._finishing.extend(chosen)
+        if error is None and self._encoders is not None:  # answers made off the worker, sent together
+            self._answer_off_worker(chosen, results)
+        else:
+            self._answer(chosen, [self._made(t, results[i]) for i, t in enumerate(chosen)] if error is None
+                         else [(None, error)] * len(chosen))
         self.on_batch(BatchReport(plans=len(chosen), images=sum(t.plan.batch for t in chosen),
                                   padded_images=sum(p.batch for p in plans), seconds=seconds,
                                   waited=[(t.started or 0) - t.enqueued for t in chosen], error=error))
+
+    @staticmethod
+    def _made(ticket: Ticket, result: Any) -> tuple[Any, BaseException | None]:
+        """A ticket's answer (its `finish` of the result), or the error that made it fail."""
+        if ticket.finish is None or ticket.state == "cancelled":
+            return result, None
+        try:
+            return ticket.finish(result), None
+        except BaseException as e:  # noqa: BLE001 (as a failing run: its own ticket only)
+            return None, e
+
+    def _answer_off_worker(self, chosen: list[Ticket], results: Sequence[Any]) -> None:
+        answers: list[tuple[Any, BaseException | None] | None] = [None] * len(chosen)
+        left = [len(chosen)]
+        lock = threading.Lock()
+
+        def make(i: int) -> None:
+            answers[i] = self._made(chosen[i], results[i])
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                self._answer(chosen, answers)  # type: ignore[arg-type]
+
+        assert self._encoders is not None
+        for i in range(len(chosen)):
+            self._encoders.submit(make, i)
+
+    def _answer(self, chosen: list[Ticket], answers: Sequence[tuple[Any, BaseException | None]]) -> None:
+        for ticket, (answer, error) in zip(chosen, answers, strict=True):
+            ticket.resolve(answer, error)
+        with self._cond:
+            self._finishing = [t for t in self._finishing if t not in chosen]
+            self._cond.notify_all()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flux2klein_cli.core import limits
 from flux2klein_cli.core.engine.engine import EngineOptions
@@ -14,6 +14,11 @@ from flux2klein_cli.core.errors import FieldError
 API_KEY_VARIABLE = "FLUX2KLEIN_API_KEY"
 MIB = 1024 * 1024
 _SIZE = re.compile(r"\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*")
+
+
+def default_encode_threads() -> int:
+    """Threads that encode answers beside the device thread: a few, never all the host's cores."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class ServeOptions:
     max_sequence_length: int = 512  # prompt tokens of every request
     jobs_kept: int = 256  # finished jobs whose results stay readable
     pad_batches: bool = True  # pad batches to a power of two plans (few batch sizes to compile)
+    encode_threads: int = field(default_factory=default_encode_threads)  # 0: the device thread encodes
 
 
 def parse_size(text: str, field: str = "size") -> tuple[int, int]:
@@ -67,6 +73,7 @@ def check_serve_options(options: ServeOptions) -> None:
     limits.check_int("max_batch", options.max_batch, 1, limits.LIMITS.images)
     limits.check_int("queue", options.queue, 1, 1_000_000)
     limits.check_int("jobs_kept", options.jobs_kept, 0, 1_000_000)
+    limits.check_int("encode_threads", options.encode_threads, 0, 64)
     limits.check_max_sequence_length(options.max_sequence_length)
     if not 0 <= options.batch_wait_ms <= 60_000:
         raise FieldError("batch_wait_ms", f"must be between 0 and 60000 ms; got {options.batch_wait_ms:g}")
