@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flux2klein_cli.core.serve.batcher import BatchReport
+from flux2klein_cli.core.serve.batcher import BatchReport, Cancelled
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 
@@ -31,6 +31,8 @@ class Metrics:
         self.loaded = Gauge("flux2klein_programs_loaded", "Programs loaded from the executable store",
                             registry=registry)
         self.shapes = Gauge("flux2klein_shapes_kept", "Run shapes whose executables are loaded", registry=registry)
+        self.stopped = Counter("flux2klein_batches_stopped", "Batches stopped between chunks: every request in "
+                               "them was cancelled or went away", registry=registry)
         self.ready = Gauge("flux2klein_ready", "1 when serving, 0 while warming or draining", registry=registry)
 
     def on_batch(self, report: BatchReport, stats: Any) -> None:
@@ -40,6 +42,8 @@ class Metrics:
             self.queue_seconds.observe(max(0.0, waited))
         if report.error is None:
             self.images.inc(report.images)
+        elif isinstance(report.error, Cancelled):
+            self.stopped.inc()
         else:
             self.errors.labels(kind="batch_failed").inc()
         self.compiled.set(stats.programs_compiled)
