@@ -100,3 +100,43 @@ def test_the_window_is_waited_only_while_requests_come_together() -> None:
     assert waited[0] >= wait_s  # no evidence yet of company: the window is waited
     assert waited[1] < wait_s / 2 and waited[2] < wait_s / 2  # alone last time: at once
     assert len(reports[3].waited) == 3  # arrived while "held" ran: gathered
+
+
+def test_answers_are_made_off_the_worker_and_a_running_batch_stops_once_all_its_tickets_are_cancelled() -> None:
+    """With encoders, batch 2 runs while batch 1's answers are still being made (its `finish`
+    waits for batch 2 to start: made on the worker, this would never end), and batch 1's answers
+    go out together. A chunked run stops at its next chunk once every ticket of it is cancelled."""
+    from flux2klein_cli.core.serve.batcher import Batcher, Cancelled, stop_if_all_cancelled
+
+    second_runs, chunks, answered = threading.Event(), threading.Event(), []
+
+    def run_batch(plans: list[FakePlan], tickets: list) -> list[str]:
+        if plans[0].key == "second":
+            second_runs.set()
+        if plans[0].key == "chunked":
+            for _ in range(100_000):  # a loop of many chunks: each asks whether anyone still waits
+                chunks.set()
+                stop_if_all_cancelled(tickets)
+                threading.Event().wait(0.01)
+        return [p.key for p in plans]
+
+    def finish(result: str) -> str:
+        assert second_runs.wait(30), "batch 2 did not run while batch 1 was being answered"
+        answered.append(result)
+        return result.upper()
+
+    batcher = Batcher(run_batch, max_batch=2, wait_s=0.05, queue_size=8, pad=False, encoders=2)  # type: ignore[arg-type]
+    batcher.start()
+    try:
+        first = [batcher.submit(FakePlan("first"), finish=finish) for _ in range(2)]  # type: ignore[arg-type]
+        second = batcher.submit(FakePlan("second"))  # type: ignore[arg-type]
+        assert [t.future.result(timeout=30) for t in first] == ["FIRST", "FIRST"]
+        assert second.future.result(timeout=30) == "second"
+        chunked = batcher.submit(FakePlan("chunked"))  # type: ignore[arg-type]
+        assert chunks.wait(30) and chunked.state == "running"
+        assert batcher.cancel(chunked) and not batcher.cancel(chunked)
+        assert isinstance(chunked.future.exception(timeout=30), Cancelled) and chunked.state == "cancelled"
+        assert batcher.wait_idle(30)  # the loop stopped, long before its 100000 chunks
+    finally:
+        batcher.close()
+    assert answered == ["first", "first"]
