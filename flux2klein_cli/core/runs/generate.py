@@ -72,15 +72,6 @@ def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> F
     return error
 
 
-def check_kv_model(snapshot: Snapshot, model: str) -> None:
-    """--kv needs a KV-trained transformer: other checkpoints were never taught cached references."""
-    if not snapshot.kv:
-        raise UserInputError(
-            f"--kv needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model} is {snapshot.pipeline_class}: "
-            "use --model 9b-kv, or drop --kv"
-        )
-
-
 def check_cost(model_dir: Path, plan: RunPlan, dtype_name: str, mesh: Any, warn: Callable[[str], None]) -> None:
     """The memory estimate against the device, and a word on long runs; before loading."""
     from flux2klein_cli.core.runs import run_cost
