@@ -220,12 +220,17 @@ def test_the_api_key_is_required_and_checked(server: Server) -> None:
         openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0).images.generate(prompt="a fox")
 
 
-def test_a_non_loopback_host_without_a_key_is_exit_2() -> None:
+@pytest.mark.parametrize("flags, line", [
+    (["--host", "0.0.0.0"], "error: --host 0.0.0.0 is not a loopback address: serving beyond this machine needs an "
+                            "API key (--api-key, or FLUX2KLEIN_API_KEY), which every request must then carry"),
+    # The one size rule at the model's multiple, before anything loads: what generate says of --width 40.
+    (["--warm", "40x32"], "error: --warm size 40x32: width 40 is not a multiple of 16; use 32 or 48"),
+], ids=["host", "warm"])
+def test_options_a_server_cannot_take_are_exit_2_before_loading(flags: list[str], line: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "FLUX2KLEIN_API_KEY"}
-    done = subprocess.run([sys.executable, "-m", "flux2klein_cli", "serve", "--model", "tiny", "--host", "0.0.0.0"],
-                          capture_output=True, text=True, timeout=120, env=env)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and "--host" in lines[0] and "API key" in lines[0], done.stderr
+    done = subprocess.run([sys.executable, "-m", "flux2klein_cli", "serve", "--model", "tiny", *flags],
+                          capture_output=True, text=True, timeout=120, env={**env, "FLUX2KLEIN_CACHE": str(tmp_path)})
+    assert (done.returncode, done.stderr.strip().splitlines()) == (2, [line]), done.stderr
 
 
 # ----------------------------------------------------------------------------- jobs, metrics, load
