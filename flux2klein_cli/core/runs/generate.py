@@ -20,7 +20,6 @@ from flux2klein_cli.core.engine.engine import EngineOptions
 from flux2klein_cli.core.engine.opening import Opening
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
-from flux2klein_cli.core.hub.checkpoint import Snapshot
 from flux2klein_cli.core.runs import run_record
 from flux2klein_cli.core.runs.image_files import write_png
 from flux2klein_cli.core.runs.outputs import plan_outputs
@@ -59,13 +58,6 @@ def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> F
     return error
 
 
-def check_kv_model(snapshot: Snapshot, model: str) -> None:
-    """--kv needs a KV-trained transformer: other checkpoints were never taught cached references."""
-    if not snapshot.kv:
-        raise FieldError(
-            "kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model} is {snapshot.pipeline_class}: "
-            "use {field:model} 9b-kv, or drop {field:kv}"
-        )
 
 
 @dataclass

@@ -4,7 +4,8 @@ The worker takes the oldest plan, waits until `wait_s` after it arrived for more
 batch key (RunPlan.batch_key) up to `max_batch` images, and runs them as one batch. The window is
 only worth its wait when requests come together: once one closed with its plan alone, the next
 plan starts at once, and the window opens again as soon as a plan arrives to find the worker busy
-or others queued (a lone closed-loop client then pays no window; concurrent ones are gathered). Batches are
+or others queued (a lone closed-loop client then pays no window; concurrent ones are gathered); a drain
+ends a window at once, as no company can come. Batches are
 padded up to the next power of two plans (copies of the last plan, whose images are dropped)
 so a shape compiles for a few batch sizes, not every count from 1 to max_batch; where padding
 would waste more than a quarter of the batch, the power of two below runs and the rest wait. Plans of other
@@ -108,6 +109,18 @@ class BatchReport:
 MAX_PADDING = 0.25  # of a padded batch: more, and the batch runs the power of two below instead
 
 
+class Clock:
+    """Monotonic seconds and the timed wait of the batch window: real time here; the tests give a
+    clock they move by hand, so the window is checked without sleeping."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wait(self, cond: threading.Condition, timeout: float) -> None:
+        """Wait on `cond` (held) until notified or `timeout` seconds have passed."""
+        cond.wait(timeout)
+
+
 def batch_count(count: int, cap: int) -> int:
     """How many of `count` gathered plans run now: all when padding them to `padded_count`
     wastes at most MAX_PADDING of the batch, else the largest power of two below (the rest
@@ -130,10 +143,11 @@ class Batcher:
     def __init__(self, run_batch: RunBatch, *, max_batch: int, wait_s: float, queue_size: int,
                  pad: bool = True, on_batch: Callable[[BatchReport], None] = lambda report: None,
                  on_depth: Callable[[int], None] = lambda depth: None, before_first: Callable[[], None] | None = None,
-                 encoders: int = 0):
+                 encoders: int = 0, clock: Clock | None = None):
         """`encoders`: threads that make the answers (a ticket's `finish`) while the worker runs
         the next batch; 0: the worker makes them itself."""
         self.run_batch, self.max_batch, self.wait_s, self.queue_size = run_batch, max_batch, wait_s, queue_size
+        self.clock = clock or Clock()
         self.pad, self.on_batch, self.on_depth, self.before_first = pad, on_batch, on_depth, before_first
         self._encoders = (ThreadPoolExecutor(encoders, thread_name_prefix="flux2klein-encode") if encoders > 0
                           else None)
@@ -185,7 +199,7 @@ class Batcher:
                 raise Draining()
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(len(self._queue), self.retry_after())
-            ticket = Ticket(plan, plan.batch_key() + mode, mode, finish, on_partial)
+            ticket = Ticket(plan, plan.batch_key() + mode, mode, finish, on_partial, enqueued=self.clock.now())
             if self._queue or self._running:
                 self._company = True
             self._queue.append(ticket)
@@ -206,6 +220,7 @@ class Batcher:
     def stop_accepting(self) -> None:
         with self._cond:
             self._accepting = False
+            self._cond.notify_all()  # no company can come now: a window waiting for it ends
 
     def wait_idle(self, timeout: float) -> bool:
         """Until the queue is empty and no batch runs or is being answered (True), or `timeout`
@@ -255,10 +270,10 @@ class Batcher:
             while True:
                 same = [t for t in self._queue if t.key == first.key]
                 images = sum(t.plan.batch for t in same)
-                remaining = deadline - time.monotonic()
-                if images >= self.max_batch or remaining <= 0 or self._closed:
+                remaining = deadline - self.clock.now()
+                if images >= self.max_batch or remaining <= 0 or self._closed or not self._accepting:
                     break
-                self._cond.wait(remaining)
+                self.clock.wait(self._cond, remaining)
                 if not self._queue or self._queue[0] is not first:  # cancelled meanwhile: start over
                     return []
             self._company = len(self._queue) > 1
@@ -272,7 +287,7 @@ class Batcher:
                 chosen = chosen[:batch_count(len(chosen), cap)]
             for ticket in chosen:
                 self._queue.remove(ticket)
-                ticket.state, ticket.started = "running", time.monotonic()
+                ticket.state, ticket.started = "running", self.clock.now()
             self._running = chosen
             self.on_depth(len(self._queue))
             return chosen
@@ -299,14 +314,14 @@ class Batcher:
         if self.pad:
             target = padded_count(len(plans), max(1, self.max_batch // per_plan))
             plans += [plans[-1]] * (target - len(plans))
-        start = time.perf_counter()
+        start = self.clock.now()
         error: BaseException | None = None
         results: Sequence[Any] = ()
         try:
             results = self.run_batch(plans, chosen)
         except BaseException as e:  # noqa: BLE001 (a failing batch fails its own tickets only)
             error = e
-        seconds = time.perf_counter() - start
+        seconds = self.clock.now() - start
         self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
         with self._cond:
             self._running = []
