@@ -1,0 +1,112 @@
+"""Step caching (FBCache / DBCache) in the denoise loop, on the tiny base checkpoint with CFG:
+the cached loop against the plain one, and its decisions against a numpy model of the rule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flux2klein_cli.core.errors import FieldError
+from flux2klein_cli.core.models.transformer import Flux2Transformer, load_transformer
+from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, build_inputs, denoise_fn
+from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
+from flux2klein_cli.core.pipeline.step_cache import StepCache, resolve_cache
+
+GRID, TEXT, STEPS = (4, 4), 8, 8
+
+
+@pytest.fixture(scope="module")
+def model(tiny_base_checkpoint: Path) -> Flux2Transformer:
+    return load_transformer(tiny_base_checkpoint / "transformer", dtype=jnp.float32)
+
+
+def inputs(model: Flux2Transformer, cache: StepCache | None, batch: int = 1, guidance: float = 4.0) -> DenoiseInputs:
+    """A CFG run's inputs from random prompt features and noise (no text encoder: the loop alone)."""
+    rng = np.random.default_rng(7)
+    config = model.config
+    text = rng.standard_normal((1, TEXT, config.joint_attention_dim)).astype(np.float32)
+    negative = rng.standard_normal((1, TEXT, config.joint_attention_dim)).astype(np.float32)
+    latents = rng.standard_normal((batch, *GRID, config.in_channels)).astype(np.float32)
+    return build_inputs(model.rope, GRID, latents=latents, text=text, negative_text=negative, references=None,
+                        reference_grids=[], reference_kv=None, guidance=guidance, init=False, noise=None, mask=None,
+                        schedule=make_schedule(STEPS, GRID[0] * GRID[1], SchedulerConfig()), cache=cache)
+
+
+def run(model: Flux2Transformer, cache: StepCache | None, batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(latents, differences (S, rows), cached (S, rows)); the last two empty without a cache."""
+    graphdef, state = nnx.split(model)
+    out = denoise_fn(graphdef, cache=None if cache is None else cache.form)(state, inputs(model, cache, batch),
+                                                                             np.int32(0))
+    if cache is None:
+        return np.asarray(out), np.zeros((0,)), np.zeros((0,))
+    latents, record = out
+    return np.asarray(latents), np.asarray(record.difference), np.asarray(record.cached)
+
+
+def replay(differences: np.ndarray, cache: StepCache) -> np.ndarray:
+    """The rule in numpy, from the differences the device measured: per row, cache step k when
+    it is past the warm-up, moved less than the threshold, and the row has not yet been cached
+    `max_skips` steps in a row."""
+    cached = np.zeros(differences.shape, bool)
+    in_a_row = np.zeros(differences.shape[1], int)
+    for k, moved in enumerate(differences):
+        cached[k] = (k >= cache.warmup) & (moved < cache.threshold) & (in_a_row < cache.max_skips)
+        in_a_row = np.where(cached[k], in_a_row + 1, 0)
+    return cached
+
+
+@pytest.mark.parametrize("blocks, taylorseer", [(1, False), (2, True)])  # 2: every double block
+def test_threshold_zero_is_the_plain_loop_bit_for_bit(model: Flux2Transformer, blocks: int, taylorseer: bool) -> None:
+    plain, _, _ = run(model, None)
+    cache = StepCache("dbcache", blocks, threshold=0.0, warmup=1, max_skips=100, taylorseer=taylorseer)
+    cached_latents, differences, cached = run(model, cache)
+    assert not cached.any()
+    assert np.isinf(differences[0]).all() and np.isfinite(differences[1:]).all() and (differences[1:] > 0).all()
+    np.testing.assert_array_equal(cached_latents, plain)
+
+
+def test_huge_threshold_caches_every_step_after_the_warmup_up_to_the_cap(model: Flux2Transformer) -> None:
+    plain, _, _ = run(model, None)
+    cache = StepCache("fbcache", 1, threshold=1e30, warmup=2, max_skips=2)
+    latents, _, cached = run(model, cache)
+    expected = np.array([False, False, True, True, False, True, True, False])  # warm-up 2, then 2 cached, 1 full
+    np.testing.assert_array_equal(cached, np.stack([expected, expected], axis=1))  # both CFG branches
+    assert np.isfinite(latents).all() and not np.array_equal(latents, plain)
+
+
+@pytest.mark.parametrize("taylorseer", [False, True])
+def test_decisions_follow_the_numpy_rule_per_image_and_branch(model: Flux2Transformer, taylorseer: bool) -> None:
+    # A threshold inside the measured range, so that rows differ: some steps cached, some not.
+    _, full, _ = run(model, StepCache("dbcache", 2, 0.0, 1, 100, taylorseer), batch=2)
+    threshold = float(np.median(full[1:]))
+    cache = StepCache("dbcache", 2, threshold, warmup=2, max_skips=2, taylorseer=taylorseer)
+    latents, differences, cached = run(model, cache, batch=2)
+    np.testing.assert_array_equal(cached, replay(differences, cache))
+    assert cached.any() and not cached[2:].all()
+    assert np.isfinite(latents).all()
+
+
+def test_settings_resolve_with_defaults_and_name_their_field() -> None:
+    assert resolve_cache("none", double_blocks=2) is None
+    fb = resolve_cache("fbcache", double_blocks=2, threshold=0.2)
+    assert fb is not None and fb.blocks == 1 and fb.threshold == 0.2 and fb.warmup >= 1
+    for kwargs, field in [({"mode": "dbcache", "blocks": 3}, "cache_blocks"),
+                          ({"mode": "fbcache", "taylorseer": True}, "cache_taylorseer"),
+                          ({"mode": "dbcache", "warmup": 0}, "cache_warmup"),
+                          ({"mode": "none", "threshold": 0.1}, "cache_threshold"),
+                          ({"mode": "teacache"}, "cache")]:
+        with pytest.raises(FieldError) as error:
+            resolve_cache(double_blocks=2, **kwargs)
+        assert error.value.field == field
+
+
+def test_cached_programs_are_keyed_apart() -> None:
+    # The form is the program's key part and name; the numbers are inputs.
+    form = StepCache("dbcache", 2, 0.1, 2, 3).form
+    assert form == StepCache("dbcache", 2, 0.5, 4, 1).form
+    assert form != StepCache("dbcache", 2, 0.1, 2, 3, taylorseer=True).form
+    assert form.suffix != StepCache("fbcache", 1, 0.1, 2, 3).form.suffix
