@@ -12,7 +12,7 @@ from flax import nnx
 
 from flux2klein_cli.core.errors import FieldError
 from flux2klein_cli.core.models.transformer import Flux2Transformer, load_transformer
-from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, build_inputs, denoise_fn
+from flux2klein_cli.core.pipeline.denoise import CacheRule, DenoiseInputs, build_inputs, denoise_fn
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 from flux2klein_cli.core.pipeline.step_cache import StepCache, resolve_cache
 
@@ -33,7 +33,8 @@ def inputs(model: Flux2Transformer, cache: StepCache | None, batch: int = 1, gui
     latents = rng.standard_normal((batch, *GRID, config.in_channels)).astype(np.float32)
     return build_inputs(model.rope, GRID, latents=latents, text=text, negative_text=negative, references=None,
                         reference_grids=[], reference_kv=None, guidance=guidance, init=False, noise=None, mask=None,
-                        schedule=make_schedule(STEPS, GRID[0] * GRID[1], SchedulerConfig()), cache=cache)
+                        schedule=make_schedule(STEPS, GRID[0] * GRID[1], SchedulerConfig()),
+                        cache_rule=None if cache is None else CacheRule.of(cache))
 
 
 def run(model: Flux2Transformer, cache: StepCache | None, batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -79,7 +79,7 @@ BATCHED_FIELDS = frozenset({"latents", "text", "noise"})
 def build_inputs(rope: Callable[[np.ndarray, np.ndarray], tuple[Any, Any]], grid: tuple[int, int], *,
                  latents: Any, text: Any, negative_text: Any, references: Any, reference_grids: list[tuple[int, int]],
                  reference_kv: Any, schedule: Schedule, guidance: float, init: bool, noise: Any, mask: Any,
-                 cache: StepCache | None = None) -> DenoiseInputs:
+                 cache_rule: CacheRule | None = None) -> DenoiseInputs:
     """A run's DenoiseInputs from its stages' outputs: the pipeline calls it with arrays, and
     compile/specs.py under `jax.eval_shape` with the stages' abstract outputs, so the stored
     programs' arguments are described once. `rope` is the transformer's table builder; the
@@ -95,7 +95,7 @@ def build_inputs(rope: Callable[[np.ndarray, np.ndarray], tuple[Any, Any]], grid
         rope_cos=cos, rope_sin=sin, timesteps=np.asarray(schedule.timesteps, np.float32),
         sigmas=np.asarray(schedule.sigmas, np.float32), guidance=np.float32(guidance),
         init_latents=init_latents, noise=noise, mask=None if mask is None else _mask_tokens(mask),
-        cache_rule=None if cache is None else CacheRule.of(cache),
+        cache_rule=cache_rule,
     )
 
 

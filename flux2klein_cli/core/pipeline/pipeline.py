@@ -32,6 +32,7 @@ from flux2klein_cli.core.models.layers import as_words
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import programs, tokens
 from flux2klein_cli.core.pipeline.denoise import (
+    CacheRule,
     DenoiseInputs,
     build_inputs,
     denoise_fn,
@@ -43,6 +44,7 @@ from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, from_step, make_schedule, start_step
+from flux2klein_cli.core.pipeline.step_cache import StepCache, cache_report
 from flux2klein_cli.core.weights.configs import read_json
 
 if TYPE_CHECKING:
@@ -85,6 +87,7 @@ class Request:
     init_image: np.ndarray | None = None
     mask: np.ndarray | None = None  # inpainting: (h, w) float32 on the token grid, 1 repaint .. 0 keep
     strength: float = 1.0  # with an init image: how much of the schedule runs (schedule.start_step)
+    cache: StepCache | None = None  # step caching (base models); None: every block every step
 
     @property
     def batch(self) -> int:
@@ -114,6 +117,7 @@ class Result:
     seconds: dict[str, float]
     kv_cache: str | None = None  # with a KV edit: where the cache came from (computed, memory, disk)
     executables: list[dict[str, Any]] = field(default_factory=list)  # what the store did per program (LoadInfo)
+    cache: dict[str, Any] | None = None  # with a step cache: its settings and what it skipped (cache_report)
 
 
 def _timed(seconds: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
@@ -178,7 +182,7 @@ class KleinPipeline:
         self._encode = programs.jit_module_call(models.vae, programs.encode_tokens)
         self._decode = programs.jit_module_call(models.vae, programs.decode_latents)
         self._denoise_graph = nnx.split(models.transformer)[0]
-        self._denoise: dict[int | None, Any] = {}  # steps per call -> jitted loop
+        self._denoise: dict[tuple[Any, Any], Any] = {}  # (steps per call, step cache form) -> jitted loop
         self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
         self.kv_store = kv_store
         self.kv_memory = kv_memory
@@ -248,7 +252,8 @@ class KleinPipeline:
             steps=request.loop_steps(), references=tuple(tuple(r.shape[:2]) for r in request.conditioning),
             cfg=self.uses_guidance(request.guidance), max_sequence_length=request.max_sequence_length,
             dtype=self.dtype, kv=request.kv and bool(request.references), steps_per_call=per_call,
-            init=request.init_image is not None, mask=request.mask is not None)
+            init=request.init_image is not None, mask=request.mask is not None,
+            cache=None if request.cache is None else request.cache.form)
 
     def prepare(self, request: Request, per_call: int | None = None) -> tuple[Programs, list[dict[str, Any]]]:
         """The executables `request` needs, loaded (or compiled and stored) once per run shape
@@ -383,16 +388,21 @@ class KleinPipeline:
         return request.height or first[0], request.width or first[1]
 
     def denoise(self, inputs: DenoiseInputs, steps: int, per_call: int | None = None,
-                on_step: StepCallback | None = None, compiled: Programs | None = None) -> jax.Array:
+                on_step: StepCallback | None = None, compiled: Programs | None = None,
+                cache: StepCache | None = None) -> Any:
         """The loop in one call, or `per_call` steps a call with `on_step(done, steps)` after
         each. Call i + 1 is queued before call i is waited for, so the device never idles
         between calls; each call's latents are the next one's input, so the images are the
-        same either way."""
+        same either way. With a step `cache` (its rule in `inputs`): one call, which returns
+        (latents, CacheRecord)."""
         count = programs.denoise_count(steps, per_call)
-        name = programs.denoise_name(count)
-        if count not in self._denoise:
-            self._denoise[count] = denoise_fn(self._denoise_graph, count)
-        program = self._denoise[count]
+        form = None if cache is None else cache.form
+        if form is not None and count is not None:
+            raise ValueError("a step-cached loop runs in one call")
+        name = programs.denoise_name(count, form)
+        if (count, form) not in self._denoise:
+            self._denoise[(count, form)] = denoise_fn(self._denoise_graph, count, cache=form)
+        program = self._denoise[(count, form)]
         if count is None:
             out = self._call(compiled, name, program, self.transformer_state, inputs, np.int32(0))
             if on_step is not None:
@@ -422,7 +432,8 @@ class KleinPipeline:
             raise ValueError("a mask needs an init image (build the request from a plan)")
         seconds: dict[str, float] = {}
         steps = request.loop_steps()
-        per_call = None if on_step is None else steps_per_call(steps, self.progress_calls)
+        # A step-cached loop keeps its cache inside the one call: its progress comes at the end.
+        per_call = None if on_step is None or request.cache else steps_per_call(steps, self.progress_calls)
         compiled, report = {}, []
         if self.executables is not None:
             compiled, report = _timed(seconds, "executables", lambda: self.prepare(request, per_call))
@@ -454,8 +465,15 @@ class KleinPipeline:
         inputs = build_inputs(
             self.models.transformer.rope, grid, latents=noise, text=text, negative_text=negative, references=refs,
             reference_grids=grids, reference_kv=kv, schedule=schedule, guidance=request.guidance,
-            init=request.init_image is not None, noise=None if request.mask is None else noise, mask=request.mask)
-        latents = _timed(seconds, "denoise", lambda: self.denoise(inputs, steps, per_call, on_step, compiled))
+            init=request.init_image is not None, noise=None if request.mask is None else noise, mask=request.mask,
+            cache_rule=None if request.cache is None else CacheRule.of(request.cache))
+        latents = _timed(seconds, "denoise",
+                         lambda: self.denoise(inputs, steps, per_call, on_step, compiled, request.cache))
+        cache = None
+        if request.cache is not None:
+            latents, record = latents
+            cache = cache_report(request.cache, self._to_host(record.cached), 2 if cfg else 1,
+                                 self.models.transformer.depth)
         images = _timed(seconds, "decode",
                         lambda: self._call(compiled, programs.VAE_DECODE, self._decode, self.vae_state, latents))
         pixels = self._to_host(images).astype(np.float32)
@@ -466,4 +484,4 @@ class KleinPipeline:
             raise NonFiniteError(f"{first_non_finite(stages, self._to_host) or 'the VAE decode'} produced "
                                  f"non-finite values (NaN or inf); no image was written. Check the weights "
                                  f"(flux2klein inspect MODEL) and --guidance")
-        return Result(pixels, seeds, height, width, cfg, seconds, kv_source, report)
+        return Result(pixels, seeds, height, width, cfg, seconds, kv_source, report, cache)

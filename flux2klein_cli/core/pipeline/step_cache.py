@@ -10,6 +10,9 @@ and CFG branch, whether the remaining blocks run or their residual from that las
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from flux2klein_cli.core.errors import FieldError
 
@@ -47,6 +50,11 @@ class StepCache:
     @property
     def form(self) -> CacheForm:
         return CacheForm(self.blocks, self.taylorseer)
+
+    @classmethod
+    def with_form(cls, form: CacheForm) -> StepCache:
+        """Settings of `form` with placeholder numbers: what a program's abstract inputs need."""
+        return cls("dbcache", form.first_blocks, 0.0, 1, 0, form.taylorseer)
 
     def as_metadata(self) -> dict[str, object]:
         """The settings as a run's parameters (PNG text, --json): enough to run it again."""
@@ -103,3 +111,18 @@ def resolve_cache(mode: str | None, *, double_blocks: int, threshold: float | No
     if cache.max_skips < 0:
         raise FieldError("cache_max_skips", f"must be at least 0, got {cache.max_skips}")
     return cache
+
+
+def cache_report(cache: StepCache, cached: np.ndarray, branches: int, depth: int) -> dict[str, Any]:
+    """What a cached loop skipped, from its per-step, per-row decisions `cached` (S, rows): the
+    rows are `branches` equal groups (the CFG branches), and a branch's remaining blocks were
+    skipped at a step when every row of it was cached. With its settings, for the run's report."""
+    steps, rows = cached.shape
+    skipped = cached.reshape(steps, branches, rows // branches).all(axis=2)
+    return {
+        **cache.as_metadata(),
+        "steps": steps,
+        "skipped_steps": [int(n) for n in skipped.sum(axis=0)],  # per branch: positive, then negative
+        "blocks_skipped": int(skipped.sum()) * (depth - cache.blocks),
+        "blocks_total": steps * branches * depth,
+    }
