@@ -12,14 +12,13 @@ import pytest
 from PIL import Image
 
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.runs.images import (
+from flux2klein_cli.core.inputs.images import (
     check_reference,
     load_reference,
-    postprocess,
     preprocess_reference,
     reference_size,
-    validate_size,
 )
+from flux2klein_cli.core.pipeline.pixels import postprocess
 from tests.fixtures.reference import lazy
 
 # torch and diffusers on first use: the module collects on a base install (no torch).
@@ -220,25 +219,6 @@ def test_checks_accept_and_reject_what_diffusers_does(size: tuple[int, int]) -> 
     except UserInputError:
         ours_ok = False
     assert ours_ok == diffusers_ok
-
-
-@pytest.mark.parametrize("height,width", [(1000, 1024), (1024, 1000), (8, 64), (0, 64), (-16, 64)])
-def test_size_not_multiple_of_16_or_not_positive(height: int, width: int) -> None:
-    with pytest.raises(UserInputError) as err:
-        validate_size(height, width, multiple_of=16)
-    assert_one_line(err)
-
-
-def test_size_error_suggests_neighbours() -> None:
-    with pytest.raises(UserInputError, match="height 1000 is not a multiple of 16; use 992 or 1008"):
-        validate_size(1000, 1024, multiple_of=16)
-
-
-def test_valid_sizes() -> None:
-    validate_size(1024, 768, multiple_of=16)
-    validate_size(16, 16, multiple_of=16)
-    validate_size(None, None, multiple_of=16)  # not given: taken from the first reference
-    validate_size(None, 512, multiple_of=16)
 
 
 # --- postprocess -----------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import typer
 from flux2klein_cli.cli import image_options
 from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import user_errors
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import FieldError
 from flux2klein_cli.core.hub.registry import DEFAULT_KV_MODEL, DEFAULT_MODEL
 
@@ -38,7 +39,7 @@ def edit(
     padding_mask_crop: o.PaddingMaskCropOpt = None,
     reference_max_area: o.ReferenceMaxAreaOpt = None,
     force: o.ForceOpt = False,
-    max_sequence_length: o.MaxSequenceOpt = 512,
+    max_sequence_length: o.MaxSequenceOpt = DEFAULTS.max_sequence_length,
     kv: Annotated[bool, typer.Option("--kv", help="Reference KV cache (KV-trained models: 9b-kv): the references "
                                      "run through the model once, every step reuses their keys and values.")] = False,
     kv_cache_dir: Annotated[Path | None, typer.Option(

@@ -22,7 +22,9 @@ def _written_on_failure(as_json: bool) -> Iterator[None]:
         yield
     except Flux2KleinError as e:
         if as_json and hasattr(e, "written"):
-            emit_json({"error": str(e), "outputs": e.written})
+            from flux2klein_cli.cli.flags import message
+
+            emit_json({"error": message(e), "outputs": e.written})
         raise
 
 

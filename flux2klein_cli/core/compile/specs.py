@@ -345,7 +345,7 @@ def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, 
 
 
 def noise_program(target: Target, run: RunShape) -> ProgramSpec:
-    """pipeline.noise_latents: seeds (B,) uint32 -> (B, h, w, channels) float32 noise."""
+    """pipeline.noise: seeds (B,) uint32 -> (B, h, w, channels) float32 noise."""
     seeds = _input((run.batch,), jnp.uint32, target.mesh, batched=False)
     # The output shape is not in the arguments: the key must name it.
     channels = run.geometry.channels

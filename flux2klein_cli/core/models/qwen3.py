@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.devices.sharding import model_rule
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models import cpu_matmul, trace
@@ -293,7 +294,7 @@ def load_qwen3(
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: str | Sequence[str], max_length: int = 512
+    tokenizer: PreTrainedTokenizerBase, prompts: str | Sequence[str], max_length: int = DEFAULTS.max_sequence_length
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and attention mask, (B, max_length) int32 each, made as the klein pipeline makes
     them: one user message through the chat template with a generation prompt and thinking

@@ -106,7 +106,7 @@ def parameters(path: str | os.PathLike[str], command: str) -> dict[str, Any]:
     init_image, mask = _text(meta, p, "init_image"), _text(meta, p, "mask")
     if command == "generate" and (references or init_image is not None):
         raise UserInputError(f"{p} was made by edit (it names reference or init images); rerun it with "
-                             f"flux2klein edit --from {p}")
+                             f"flux2klein edit {{field:from_image}} {p}")
     dtype = _text(meta, p, "dtype")
     if dtype is not None and dtype not in DTYPES:
         raise _bad(p, "dtype", dtype, f"one of {', '.join(DTYPES)}")
@@ -141,10 +141,10 @@ def overlay(png: Mapping[str, Any], arguments: Mapping[str, Any], given: Collect
     missing = [str(name) for name in named if not name.exists()]
     if missing:
         raise UserInputError(f"{source} names image(s) that no longer exist: {', '.join(missing)}; "
-                             "restore them or give new ones (--image, --init-image, --mask)")
+                             "restore them or give new ones ({field:references}, {field:init_image}, {field:mask})")
     if "latents" in taken and not png["latents"].is_file():
         raise UserInputError(f"{source} started from the initial noise in {png['latents']}, which no longer "
-                             "exists; restore it, or give --seed N or --latents PATH")
+                             "exists; restore it, or give {field:seed} N or {field:latents} PATH")
     return merged
 
 

@@ -1,4 +1,4 @@
-"""Files the commands write and read: PNGs with their parameters, output naming, initial-noise `.npy` files.
+"""Files the commands write and read: PNGs with their parameters, output naming.
 
 Writes are atomic: a hidden temporary file in the target directory (core/temporaries.py), fsync, then a
 rename, so a crash, an interrupt or a full disk never leaves a half-written PNG under the final name.
@@ -18,8 +18,8 @@ import numpy as np
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
-from flux2klein_cli.core.limits import LIMITS, check_file_size
-from flux2klein_cli.core.paths import check_input_file, check_name_length
+from flux2klein_cli.core.limits import LIMITS
+from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.temporaries import temporary_file
 
 PNG_SUFFIX = ".png"
@@ -92,12 +92,12 @@ def _commit(tmp: Path, path: Path, force: bool) -> None:
         # A hard link fails if the name exists: no window in which another writer could be clobbered.
         os.link(tmp, path)
     except FileExistsError:
-        raise UserInputError(f"{path} exists; pass --force to overwrite") from None
+        raise UserInputError(f"{path} exists; pass {{field:force}} to overwrite") from None
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
             raise
         if os.path.lexists(path):  # a filesystem without hard links: check, then rename
-            raise UserInputError(f"{path} exists; pass --force to overwrite") from None
+            raise UserInputError(f"{path} exists; pass {{field:force}} to overwrite") from None
         os.replace(tmp, path)
         return
     os.unlink(tmp)
@@ -129,7 +129,7 @@ def write_png(
     if path.is_dir():
         raise UserInputError(f"output {path} is a directory")
     if not force and os.path.lexists(path):
-        raise UserInputError(f"{path} exists; pass --force to overwrite")
+        raise UserInputError(f"{path} exists; pass {{field:force}} to overwrite")
     info = _pnginfo(metadata)  # bad keys fail before any file exists
     picture = Image.fromarray(pixels, "RGB")
 
@@ -238,7 +238,7 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
     """
     if count < 1:
         raise ValueError(f"count must be at least 1, got {count}")
-    check_name_length(output, "--output")
+    check_name_length(output, "output")
     output = Path(output).expanduser()
     if output.is_dir():
         raise UserInputError(f"output {output} is a directory; give a file name ending in {PNG_SUFFIX}")
@@ -264,7 +264,7 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
         paths = [parent / f"{output.stem}-{i:0{width}d}{output.suffix}" for i in range(count)]
 
     for p in paths:
-        check_name_length(p, "--output")  # NAME-0.png is longer than NAME.png
+        check_name_length(p, "output")  # NAME-0.png is longer than NAME.png
         if p.is_dir():
             raise UserInputError(f"output {p} is a directory")
     existing = [p for p in paths if os.path.lexists(p)]
@@ -272,71 +272,5 @@ def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> 
         shown = ", ".join(str(p) for p in existing[:3])
         more = f" and {len(existing) - 3} more" if len(existing) > 3 else ""
         verb = "exists" if len(existing) == 1 else "exist"
-        raise UserInputError(f"{shown}{more} {verb}; pass --force to overwrite")
+        raise UserInputError(f"{shown}{more} {verb}; pass {{field:force}} to overwrite")
     return paths
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
-
-
-def _latents_header(f: Any, p: Path, expected: str) -> tuple[tuple[int, ...], np.dtype] | None:
-    """The shape and dtype a .npy header declares (None for a format version this numpy reads only
-    whole); anything that is not a .npy file is one line, before numpy could suggest pickles."""
-    magic = f.read(6)
-    f.seek(0)
-    if magic[:4] == b"PK\x03\x04":
-        raise UserInputError(f"latents file {p} is an .npz archive; save one array of shape {expected} with numpy.save")
-    if magic != b"\x93NUMPY":
-        raise UserInputError(f"cannot read latents file {p}: not a .npy file (no NumPy header); save one array "
-                             f"of shape {expected} with numpy.save")
-    version = np.lib.format.read_magic(f)
-    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-    if version not in readers:
-        f.seek(0)
-        return None
-    shape, _, dtype = readers[version](f)
-    f.seek(0)
-    return tuple(int(s) for s in shape), dtype
-
-
-def load_latents(path: str | os.PathLike[str], expected_shape: Sequence[int]) -> np.ndarray:
-    """Initial noise for `--latents`: a `.npy` array of exactly `expected_shape`, diffusers'
-    (B, C, H/p, W/p) with p the model's pixels per token (LatentGeometry.latents_shape).
-
-    Returns float32; any float dtype on disk is accepted (diffusers casts `latents=` to the pipeline dtype too).
-    The header is checked (shape, dtype) before any data is read, and the file's size against the limits table.
-    """
-    p = Path(path).expanduser()
-    expected = _shape(expected_shape)
-    want = tuple(int(s) for s in expected_shape)
-    check_input_file(p, "latents file", "a .npy file")
-    check_file_size(p, LIMITS.latents_bytes, "latents file")
-
-    def check(shape: tuple[int, ...], dtype: np.dtype) -> None:
-        if dtype.hasobject:
-            raise UserInputError(f"cannot read latents file {p}: it holds Python objects (dtype {dtype}); "
-                                 f"expected a float array of shape {expected}")
-        if dtype.kind != "f":
-            raise UserInputError(f"latents in {p} have dtype {dtype}; expected a float array of shape {expected}")
-        if shape != want:
-            raise UserInputError(
-                f"latents in {p} have shape {_shape(shape)}; expected {expected} "
-                "(batch, latent channels, height and width in tokens)"
-            )
-
-    try:
-        with open(p, "rb") as f:
-            header = _latents_header(f, p, expected)
-            if header is not None:
-                check(*header)
-            loaded = np.lib.format.read_array(f, allow_pickle=False)
-    except PermissionError:
-        raise UserInputError(f"cannot read latents file {p}: permission denied") from None
-    except (OSError, ValueError, EOFError, SyntaxError) as e:
-        raise UserInputError(f"cannot read latents file {p} as a .npy array: {' '.join(str(e).split())}") from None
-    check(tuple(loaded.shape), loaded.dtype)
-    latents = np.ascontiguousarray(loaded, dtype=np.float32)
-    if not np.isfinite(latents).all():
-        raise UserInputError(f"latents in {p} contain NaN or infinite values")
-    return latents

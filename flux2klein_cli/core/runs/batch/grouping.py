@@ -16,18 +16,18 @@ import os
 import re
 import string
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from flux2klein_cli.core import limits
+from flux2klein_cli.core.engine.cost import Demand
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan
-from flux2klein_cli.core.errors import FieldError, UserInputError
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.fields import manifest_key
 from flux2klein_cli.core.runs.batch.manifest import Entry
 
 TEMPLATE_FIELDS = ("index", "seed", "slug")
-# Field names of the plan as a manifest line spells them.
-_LINE_NAMES = {"references": "images", "reference": "images", "prompts": "prompt"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class Item:
     seeds: tuple[int, ...]
     outputs: tuple[str, ...]  # relative to the output directory, one per image
     digest: str  # the request's hash: a changed line (or a changed default) is a new request
+    # What its run asks of the host (core/engine/cost.py), checked before loading.
+    demand: Demand = field(compare=False, repr=False)
 
     @property
     def index(self) -> int:
@@ -58,11 +60,9 @@ class Batch:
         return sum(item.images for item in self.items)
 
 
-def field_message(error: UserInputError) -> str:
-    """A plan's error in the manifest's words (`images`, not `references`)."""
-    if isinstance(error, FieldError):
-        return error.named(lambda name: _LINE_NAMES.get(name, name))
-    return str(error)
+def field_message(error: Flux2KleinError) -> str:
+    """An error in the manifest's words (`images`, not `references`)."""
+    return error.named(manifest_key)
 
 
 def plan_entry(entry: Entry, facts: ModelFacts) -> list[RunPlan]:
@@ -177,7 +177,8 @@ def plan_items(entries: Sequence[Entry], facts: ModelFacts, engine: dict[str, An
             continue
         for name in outputs:
             taken[name.lower()] = entry.line
-        items.append(Item(entry, plan.batch_key(), seeds, outputs, digest(entry, seeds, outputs, engine)))
+        items.append(Item(entry, plan.batch_key(), seeds, outputs, digest(entry, seeds, outputs, engine),
+                          Demand(plan, batch=len(plans))))
     return items, bad
 
 
