@@ -37,7 +37,6 @@ MAX_ASPECT = 8
 MAX_AREA = DEFAULTS.reference_max_area
 # The largest reference read, from the limits table (core/limits.py): one bound of our own instead of
 # Pillow's decompression-bomb warning (89 MP) and error (179 MP).
-MAX_REFERENCE_SIDE = LIMITS.reference_side
 MAX_REFERENCE_PIXELS = LIMITS.reference_pixels
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
@@ -153,13 +152,6 @@ def _area_capped_size(width: int, height: int, max_area: int = MAX_AREA) -> tupl
     # Same float expression and truncation as diffusers, so the sizes agree to the pixel.
     scale = math.sqrt(max_area / (width * height))
     return int(width * scale), int(height * scale)
-
-
-def reference_size(width: int, height: int, *, multiple_of: int, max_area: int = MAX_AREA) -> tuple[int, int]:
-    """The (width, height) a reference of this size has after preprocessing (no pixels needed);
-    `multiple_of` is the model's pixels per token (LatentGeometry), `max_area` the area cap."""
-    w, h = _area_capped_size(width, height, max_area)
-    return (w // multiple_of) * multiple_of, (h // multiple_of) * multiple_of
 
 
 def preprocess_reference(
