@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from flux2klein_cli.core.choices import CACHE_MODES
 from flux2klein_cli.core.errors import FieldError
 
-CACHE_MODES = ("none", "fbcache", "dbcache")
+# The fields of a request that set a step cache, as RunFields, the PNG metadata and every door name them.
+CACHE_FIELDS = ("cache", "cache_threshold", "cache_warmup", "cache_max_skips", "cache_blocks", "cache_taylorseer")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 from flux2klein_cli.core.choices import DTYPES
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.pipeline.step_cache import CACHE_FIELDS
 from flux2klein_cli.core.runs.image_files import read_run_metadata
 
 COMMANDS = ("generate", "edit")
@@ -95,6 +96,16 @@ def _paths(meta: Mapping[str, Any], path: Path, key: str) -> list[Path]:
     return [Path(n) for n in names]
 
 
+def _cache(meta: Mapping[str, Any], path: Path) -> dict[str, Any]:
+    """A step-cached run's settings (core/pipeline/step_cache.py), all of them as they were resolved."""
+    taylorseer = meta.get("cache_taylorseer")
+    if taylorseer is not None and not isinstance(taylorseer, bool):
+        raise _bad(path, "cache_taylorseer", taylorseer, "true or false")
+    return dict(cache=_text(meta, path, "cache"), cache_threshold=_number(meta, path, "cache_threshold"),
+                cache_warmup=_whole(meta, path, "cache_warmup"), cache_max_skips=_whole(meta, path, "cache_max_skips"),
+                cache_blocks=_whole(meta, path, "cache_blocks"), cache_taylorseer=taylorseer)
+
+
 def parameters(path: str | os.PathLike[str], command: str) -> dict[str, Any]:
     """The run a PNG records, as `command`'s options (None-valued ones left out). A PNG without
     flux2klein parameters, from a newer format, or (for `generate`) an edit's PNG is a UserInputError."""
@@ -115,6 +126,7 @@ def parameters(path: str | os.PathLike[str], command: str) -> dict[str, Any]:
         steps=_whole(meta, p, "steps"), guidance=_number(meta, p, "guidance"), **_size(meta, p), **_seed(meta, p),
         model=_text(meta, p, "model"), dtype=dtype, transformer=_text(meta, p, "transformer"),
         vae=_text(meta, p, "vae"), lora=_lora(meta, p), max_sequence_length=_whole(meta, p, "max_sequence_length"),
+        **_cache(meta, p),
     )
     if command == "edit":
         kv = meta.get("kv", False)
@@ -135,6 +147,8 @@ def overlay(png: Mapping[str, Any], arguments: Mapping[str, Any], given: Collect
     for group in GROUPS:
         if any(name in given for name in group):
             taken -= set(group)
+    if "cache" in given:  # another mode (or none) takes its own defaults, not the PNG's settings
+        taken -= set(CACHE_FIELDS)
     merged = dict(arguments)
     merged.update({name: png[name] for name in taken})
     named = [*(png["image"] if "image" in taken else ()), *(png[n] for n in ("init_image", "mask") if n in taken)]

@@ -80,6 +80,7 @@ def png_metadata(plan: RunPlan, run: ImageRun, index: int, options: EngineOption
         # What else decides the pixels, so that `--from` reruns the image exactly.
         max_sequence_length=plan.max_sequence_length, **({"kv": True} if plan.kv else {}),
         **({"reference_max_area": plan.reference_max_area} if plan.reference_names else {}),
+        **({} if plan.cache is None else plan.cache.as_metadata()),
     )
 
 
@@ -116,6 +117,7 @@ class GenerateReport:
     cpu_kernels: dict[str, str | None] | None
     seconds: dict[str, float]
     components: dict[str, str] = field(default_factory=dict)
+    cache: dict[str, Any] | None = None  # with a step cache: its settings and what it skipped
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -176,7 +178,7 @@ def run_generate(
         height=plan.height, width=plan.width, steps=plan.steps, guidance=plan.guidance, cfg=run.cfg,
         references=list(plan.reference_names), dtype=options.dtype, lora=lora, kv=plan.kv, kv_cache=run.kv_cache,
         mesh=None if mesh is None else dict(mesh.shape), writer=writer, executables=run.executables,
-        cpu_kernels=cpu_kernels(), seconds={k: round(v, 4) for k, v in seconds.items()},
+        cpu_kernels=cpu_kernels(), seconds={k: round(v, 4) for k, v in seconds.items()}, cache=run.cache,
     )
 
 

@@ -114,6 +114,13 @@ def _request_models() -> tuple[type, type]:
         steps: int | None = None
         guidance: float | None = None
         negative_prompt: str = ""
+        # Step caching (base models): core/pipeline/step_cache.py; None: the mode's defaults.
+        cache: str | None = None
+        cache_threshold: float | None = None
+        cache_warmup: int | None = None
+        cache_max_skips: int | None = None
+        cache_blocks: int | None = None
+        cache_taylorseer: bool | None = None
 
     class EditRequest(ImageRequest):
         """`POST /v1/images/edits`: the form fields beside the image files."""
@@ -182,7 +189,7 @@ def create_app(service: Service) -> Any:
         start = time.perf_counter()
         try:
             plan = await asyncio.to_thread(service.plan, body, references, init_image, mask)
-            data = (await asyncio.wrap_future(service.submit(plan).future)).data
+            served = await asyncio.wrap_future(service.submit(plan).future)
         except Exception as e:
             if metrics is not None:
                 metrics.requests.labels(endpoint=endpoint, status=str(api_error(e).status)).inc()
@@ -190,7 +197,8 @@ def create_app(service: Service) -> Any:
         if metrics is not None:
             metrics.requests.labels(endpoint=endpoint, status="200").inc()
             metrics.request_seconds.labels(endpoint=endpoint).observe(time.perf_counter() - start)
-        return {"created": int(time.time()), "data": data}
+        cache = {} if served.run.cache is None else {"cache": served.run.cache}  # what a step cache skipped
+        return {"created": int(time.time()), "data": served.data, **cache}
 
     @app.post("/v1/images/generations")
     async def generations(request: Request) -> dict[str, Any]:

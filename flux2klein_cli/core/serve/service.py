@@ -18,6 +18,7 @@ from flux2klein_cli.core.engine.engine import Engine, ImageRun
 from flux2klein_cli.core.engine.plan import ReferenceSource, RunFields, RunPlan
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.fields import api_param
+from flux2klein_cli.core.pipeline.step_cache import CACHE_FIELDS
 from flux2klein_cli.core.serve.batcher import Batcher, BatchReport, Cancelled, Draining, QueueFull, Ticket
 from flux2klein_cli.core.serve.jobs import JobStore
 from flux2klein_cli.core.serve.options import ServeOptions, parse_size
@@ -89,6 +90,7 @@ def run_fields(body: Mapping[str, Any], references: Sequence[ReferenceSource], m
         seed=body.get("seed", 0), num_images=body.get("n", 1), max_sequence_length=max_sequence_length,
         kv=bool(body.get("kv")), init_image=init_image, mask=mask, strength=body.get("strength"),
         padding_mask_crop=body.get("padding_mask_crop"), mask_alpha=True,
+        **{name: body.get(name) for name in CACHE_FIELDS},
     )
 
 

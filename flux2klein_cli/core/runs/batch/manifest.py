@@ -103,6 +103,8 @@ READERS: dict[str, Callable[[str, Any], Any]] = {
     "height": _whole, "width": _whole, "steps": _whole, "guidance": _number, "max_sequence_length": _whole,
     "images": _texts, "kv": _flag, "output": _text, "init_image": _text, "mask": _text, "strength": _number,
     "padding_mask_crop": _whole, "reference_max_area": _whole,
+    "cache": _text, "cache_threshold": _number, "cache_warmup": _whole, "cache_max_skips": _whole,
+    "cache_blocks": _whole, "cache_taylorseer": _flag,
 }
 FILE_FIELDS = ("init_image", "mask")  # one path each, relative to the manifest like `images`
 
@@ -161,13 +163,13 @@ def _csv_value(name: str, cell: str) -> Any:
         return [part.strip() for part in cell.split(LIST_SEPARATOR) if part.strip()]
     if name == "seeds":
         return [_csv_number(name, part.strip(), int) for part in cell.split(LIST_SEPARATOR) if part.strip()]
-    if name == "kv":
+    if READERS.get(name) is _flag:
         lowered = cell.strip().lower()
         if lowered in ("true", "1", "yes"):
             return True
         if lowered in ("false", "0", "no"):
             return False
-        raise LineError(f"kv must be true or false, got {cell!r}")
+        raise LineError(f"{name} must be true or false, got {cell!r}")
     if READERS.get(name) is _whole:
         return _csv_number(name, cell.strip(), int)
     if READERS.get(name) is _number:
