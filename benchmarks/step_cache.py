@@ -26,10 +26,10 @@ import numpy as np
 
 def ssim(a: np.ndarray, b: np.ndarray) -> float:
     """Mean SSIM (Wang et al. 2004: Gaussian window sigma 1.5, K1 0.01, K2 0.03) over the RGB
-    channels of two (H, W, 3) images in [-1, 1], taken to the 0..255 range first."""
+    channels of two (H, W, 3) uint8 images."""
     from scipy.ndimage import gaussian_filter
 
-    x, y = ((np.clip(i, -1, 1) + 1) * 127.5 for i in (a.astype(np.float64), b.astype(np.float64)))
+    x, y = a.astype(np.float64), b.astype(np.float64)
     c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
     scores = []
     for ch in range(x.shape[-1]):
@@ -42,16 +42,14 @@ def ssim(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.mean(scores))
 
 
-def parse_setting(text: str, double_blocks: int) -> Any:
-    from flux2klein_cli.core.pipeline.step_cache import resolve_cache
-
+def setting_fields(text: str) -> dict[str, Any]:
+    """A setting MODE[+taylorseer]:THRESHOLD[:WARMUP[:MAX_SKIPS[:BLOCKS]]] as RunFields' cache fields."""
     mode, *numbers = text.split(":")
     mode, _, extra = mode.partition("+")
-    values = [None, None, None, None]
-    for i, n in enumerate(numbers):
-        values[i] = float(n) if i == 0 else int(n)
-    return resolve_cache(mode, double_blocks=double_blocks, threshold=values[0], warmup=values[1],
-                         max_skips=values[2], blocks=values[3], taylorseer=extra == "taylorseer" or None)
+    names = ("cache_threshold", "cache_warmup", "cache_max_skips", "cache_blocks")
+    values = {name: (float(n) if name == "cache_threshold" else int(n))
+              for name, n in zip(names, numbers, strict=False)}
+    return {"cache": mode, **values, **({"cache_taylorseer": True} if extra == "taylorseer" else {})}
 
 
 def main() -> None:
@@ -67,40 +65,44 @@ def main() -> None:
     parser.add_argument("--cache", action="append", default=[], help="a setting, several times")
     args = parser.parse_args()
 
-    from flux2klein_cli.core.choices import jax_dtype
+    from flux2klein_cli.core.engine.engine import EngineOptions
+    from flux2klein_cli.core.engine.opening import open_engine
+    from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+    from flux2klein_cli.core.hub.snapshot import resolve_model
 
     if not (args.model / "model_index.json").is_file():
         write_random_checkpoint(args.model, args.preset, distilled=False)
-    pipeline = KleinPipeline.load(args.model, dtype=jax_dtype(args.dtype))
-    double_blocks = pipeline.models.transformer.config.num_layers
-    settings = [parse_setting(s, double_blocks) for s in args.cache]
+    engine = open_engine(EngineOptions(model=str(args.model), dtype=args.dtype, store=False), resolve_model,
+                         warn=lambda message: None)
+    settings = [setting_fields(s) for s in args.cache]
 
-    def run(cache: Any, seed: int) -> tuple[Any, float]:
-        request = Request(prompts=["a lighthouse on a cliff at dawn, oil painting"], steps=args.steps,
-                          guidance=args.guidance, height=args.size, width=args.size, seed=seed, cache=cache,
-                          negative_prompt="blurry")
+    def run(cache: dict[str, Any], seed: int) -> tuple[Any, float]:
+        plan = engine.plan(RunFields(prompts=("a lighthouse on a cliff at dawn, oil painting",), steps=args.steps,
+                                     guidance=args.guidance, height=args.size, width=args.size, seed=seed,
+                                     negative_prompt="blurry", **cache))
         start = time.perf_counter()
-        result = pipeline(request)
+        result = engine.run(plan)
         return result, time.perf_counter() - start
 
-    for cache in [None, *settings]:  # compile every program once
+    for cache in [{}, *settings]:  # compile every program once
         run(cache, args.seeds[0])
     rows: list[dict[str, Any]] = []
     for cache in settings:
-        row: dict[str, Any] = {"setting": cache.as_metadata(), "ssim": [], "skipped_steps": [], "blocks_skipped": []}
+        row: dict[str, Any] = {"ssim": [], "skipped_steps": [], "blocks_skipped": []}
         for seed in args.seeds:
-            plain, _ = run(None, seed)
+            plain, _ = run({}, seed)
             cached, _ = run(cache, seed)
+            row["setting"] = {k: v for k, v in cached.cache.items() if k.startswith("cache")}
             row["ssim"].append(round(ssim(plain.images[0], cached.images[0]), 4))
             row["skipped_steps"].append(cached.cache["skipped_steps"])
             row["blocks_skipped"].append(f"{cached.cache['blocks_skipped']}/{cached.cache['blocks_total']}")
         rows.append(row)
+    uncached: dict[str, Any] = {}
     if args.reps:
         times: list[list[float]] = [[] for _ in range(len(settings) + 1)]
         for _ in range(args.reps):  # A/B interleaved: each round times every setting once
-            for i, cache in enumerate([None, *settings]):
+            for i, cache in enumerate([{}, *settings]):
                 times[i].append(run(cache, args.seeds[0])[1])
         base = statistics.median(times[0])
         for row, t in zip(rows, times[1:], strict=True):
@@ -108,8 +110,6 @@ def main() -> None:
             row["speedup_median"] = round(base / statistics.median(t), 3)
             row["speedup_per_round"] = [round(a / b, 3) for a, b in zip(times[0], t, strict=True)]
         uncached = {"seconds_median": round(base, 3), "seconds": [round(t, 3) for t in times[0]]}
-    else:
-        uncached = {}
     print(json.dumps({"model": str(args.model), "size": args.size, "steps": args.steps, "guidance": args.guidance,
                       "dtype": args.dtype, "seeds": args.seeds, "reps": args.reps, "uncached": uncached,
                       "settings": rows}, indent=1))

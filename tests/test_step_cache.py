@@ -3,7 +3,9 @@ the cached loop against the plain one, and its decisions against a numpy model o
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,7 @@ from flux2klein_cli.core.errors import FieldError
 from flux2klein_cli.core.models.transformer import Flux2Transformer, load_transformer
 from flux2klein_cli.core.pipeline.denoise import CacheRule, DenoiseInputs, build_inputs, denoise_fn
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
-from flux2klein_cli.core.pipeline.step_cache import StepCache, resolve_cache
+from flux2klein_cli.core.pipeline.step_cache import CACHE_FIELDS, StepCache, resolve_cache
 
 GRID, TEXT, STEPS = (4, 4), 8, 8
 
@@ -111,3 +113,58 @@ def test_cached_programs_are_keyed_apart() -> None:
     assert form == StepCache("dbcache", 2, 0.5, 4, 1).form
     assert form != StepCache("dbcache", 2, 0.1, 2, 3, taylorseer=True).form
     assert form.suffix != StepCache("fbcache", 1, 0.1, 2, 3).form.suffix
+
+
+def test_plans_keep_cache_settings_apart(tiny_base_checkpoint: Path) -> None:
+    from flux2klein_cli.core.engine.plan import RunFields, build_plan, model_facts
+
+    facts = model_facts(str(tiny_base_checkpoint))
+    assert facts is not None
+    plain, fb, fb_other, db = (build_plan(RunFields(prompts=("a fox",), height=32, width=32, **cache), facts)
+                               for cache in ({}, {"cache": "fbcache"}, {"cache": "fbcache", "cache_threshold": 0.3},
+                                             {"cache": "dbcache", "cache_taylorseer": True}))
+    assert plain.cache is None and fb.cache is not None and db.cache is not None and db.cache.blocks == 2
+    assert len({p.batch_key() for p in (plain, fb, fb_other, db)}) == 4  # no batch mixes cache settings
+    # One program per form: other numbers share it, the form names its own.
+    assert fb.shape("float32") == fb_other.shape("float32") != db.shape("float32")
+    names = [p.shape("float32").names() for p in (plain, fb, db)]
+    assert "denoise" in names[0] and "denoise_cache_f1" in names[1] and "denoise_cache_f2_taylor" in names[2]
+    with pytest.raises(FieldError) as error:
+        build_plan(RunFields(prompts=("a fox",), cache="dbcache", cache_blocks=3), facts)  # 2 double blocks
+    assert error.value.field == "cache_blocks"
+
+
+@pytest.mark.slow
+def test_generate_reports_skips_records_settings_and_reruns_from_png(tiny_base_checkpoint: Path,
+                                                                     tmp_path: Path) -> None:
+    from PIL import Image
+    from typer.testing import CliRunner
+
+    from flux2klein_cli.cli.app import app
+    from flux2klein_cli.core.runs.image_files import read_png_metadata
+
+    def generate(*args: object) -> Any:
+        return CliRunner().invoke(app, ["generate", *map(str, args)], catch_exceptions=False)
+
+    common = ("--height", 32, "--width", 48, "--steps", 4, "--max-sequence-length", 16, "--dtype", "fp32")
+    first = tmp_path / "a.png"
+    made = generate("a fox", "--model", tiny_base_checkpoint, *common, "--cache", "fbcache", "--cache-threshold",
+                    1e9, "--cache-warmup", 1, "--cache-max-skips", 2, "--json", "-o", first)
+    assert made.exit_code == 0, made.stderr
+    report = json.loads(made.stdout)["cache"]
+    # Steps 0 and 3 run in full, 1 and 2 cached (warm-up 1, at most 2 in a row), in both CFG branches.
+    assert report["skipped_steps"] == [2, 2] and report["blocks_skipped"] == 2 * 2 * 4
+    meta = read_png_metadata(first)
+    assert {k: meta[k] for k in CACHE_FIELDS} == {"cache": "fbcache", "cache_threshold": 1e9, "cache_warmup": 1,
+                                                  "cache_max_skips": 2, "cache_blocks": 1, "cache_taylorseer": False}
+    again = generate("--from", first, "-o", tmp_path / "b.png")
+    assert again.exit_code == 0, again.stderr
+    assert np.array_equal(np.asarray(Image.open(first)), np.asarray(Image.open(tmp_path / "b.png")))
+    plain = generate("--from", first, "--cache", "none", "-o", tmp_path / "c.png")
+    assert plain.exit_code == 0, plain.stderr
+    assert "cache" not in read_png_metadata(tmp_path / "c.png")
+    assert not np.array_equal(np.asarray(Image.open(first)), np.asarray(Image.open(tmp_path / "c.png")))
+    bad = generate("a fox", "--model", tiny_base_checkpoint, *common, "--cache-threshold", 0.1,
+                   "-o", tmp_path / "d.png")
+    assert bad.exit_code == 2 and "--cache-threshold" in bad.stderr and "--cache" in bad.stderr
+    assert not (tmp_path / "d.png").exists()
