@@ -26,24 +26,28 @@ def model(tiny_base_checkpoint: Path) -> Flux2Transformer:
     return load_transformer(tiny_base_checkpoint / "transformer", dtype=jnp.float32)
 
 
-def inputs(model: Flux2Transformer, cache: StepCache | None, batch: int = 1, guidance: float = 4.0) -> DenoiseInputs:
+def inputs(model: Flux2Transformer, cache: StepCache | None, batch: int = 1, guidance: float = 4.0,
+           reference: bool = False) -> DenoiseInputs:
     """A CFG run's inputs from random prompt features and noise (no text encoder: the loop alone)."""
     rng = np.random.default_rng(7)
     config = model.config
     text = rng.standard_normal((1, TEXT, config.joint_attention_dim)).astype(np.float32)
     negative = rng.standard_normal((1, TEXT, config.joint_attention_dim)).astype(np.float32)
     latents = rng.standard_normal((batch, *GRID, config.in_channels)).astype(np.float32)
-    return build_inputs(model.rope, GRID, latents=latents, text=text, negative_text=negative, references=None,
-                        reference_grids=[], reference_kv=None, guidance=guidance, init=False, noise=None, mask=None,
+    grids = [(2, 3)] if reference else []  # a plain edit: reference tokens beside the image's
+    references = rng.standard_normal((1, 6, config.in_channels)).astype(np.float32) if reference else None
+    return build_inputs(model.rope, GRID, latents=latents, text=text, negative_text=negative, references=references,
+                        reference_grids=grids, reference_kv=None, guidance=guidance, init=False, noise=None, mask=None,
                         schedule=make_schedule(STEPS, GRID[0] * GRID[1], SchedulerConfig()),
                         cache_rule=None if cache is None else CacheRule.of(cache))
 
 
-def run(model: Flux2Transformer, cache: StepCache | None, batch: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def run(model: Flux2Transformer, cache: StepCache | None, batch: int = 1,
+        reference: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(latents, differences (S, rows), cached (S, rows)); the last two empty without a cache."""
     graphdef, state = nnx.split(model)
-    out = denoise_fn(graphdef, cache=None if cache is None else cache.form)(state, inputs(model, cache, batch),
-                                                                             np.int32(0))
+    program = denoise_fn(graphdef, cache=None if cache is None else cache.form)
+    out = program(state, inputs(model, cache, batch, reference=reference), np.int32(0))
     if cache is None:
         return np.asarray(out), np.zeros((0,)), np.zeros((0,))
     latents, record = out
@@ -62,11 +66,13 @@ def replay(differences: np.ndarray, cache: StepCache) -> np.ndarray:
     return cached
 
 
-@pytest.mark.parametrize("blocks, taylorseer", [(1, False), (2, True)])  # 2: every double block
-def test_threshold_zero_is_the_plain_loop_bit_for_bit(model: Flux2Transformer, blocks: int, taylorseer: bool) -> None:
-    plain, _, _ = run(model, None)
+# 2: every double block, with a plain edit's reference tokens in the image stream
+@pytest.mark.parametrize("blocks, taylorseer, reference", [(1, False, False), (2, True, True)])
+def test_threshold_zero_is_the_plain_loop_bit_for_bit(model: Flux2Transformer, blocks: int, taylorseer: bool,
+                                                      reference: bool) -> None:
+    plain, _, _ = run(model, None, reference=reference)
     cache = StepCache("dbcache", blocks, threshold=0.0, warmup=1, max_skips=100, taylorseer=taylorseer)
-    cached_latents, differences, cached = run(model, cache)
+    cached_latents, differences, cached = run(model, cache, reference=reference)
     assert not cached.any()
     assert np.isinf(differences[0]).all() and np.isfinite(differences[1:]).all() and (differences[1:] > 0).all()
     np.testing.assert_array_equal(cached_latents, plain)
