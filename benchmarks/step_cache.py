@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--cache", action="append", default=[], help="a setting, several times")
     args = parser.parse_args()
 
@@ -83,7 +84,10 @@ def main() -> None:
                                      negative_prompt="blurry", **cache))
         start = time.perf_counter()
         result = engine.run(plan)
-        return result, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        skipped = None if result.cache is None else result.cache["skipped_steps"]
+        print(f"{cache or 'uncached'} seed {seed}: {seconds:.1f} s, skipped {skipped}", file=sys.stderr, flush=True)
+        return result, seconds
 
     for cache in [{}, *settings]:  # compile every program once
         run(cache, args.seeds[0])

@@ -12,8 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from flux2klein_cli.core.choices import CACHE_MODES
 from flux2klein_cli.core.errors import FieldError
 
@@ -115,8 +113,9 @@ def resolve_cache(mode: str | None, *, double_blocks: int, threshold: float | No
     return cache
 
 
-def cache_report(cache: StepCache, cached: np.ndarray, branches: int, depth: int) -> dict[str, Any]:
-    """What a cached loop skipped, from its per-step, per-row decisions `cached` (S, rows): the
+def cache_report(cache: StepCache, cached: Any, branches: int, depth: int) -> dict[str, Any]:
+    """What a cached loop skipped, from its per-step, per-row decisions `cached` (a numpy bool
+    array (S, rows); numpy is not imported here: the CLI's help reads this module): the
     rows are `branches` equal groups (the CFG branches), and a branch's remaining blocks were
     skipped at a step when every row of it was cached. With its settings, for the run's report."""
     steps, rows = cached.shape
