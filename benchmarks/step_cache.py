@@ -101,6 +101,7 @@ def main() -> None:
             row["ssim"].append(round(ssim(plain.images[0], cached.images[0]), 4))
             row["skipped_steps"].append(cached.cache["skipped_steps"])
             row["blocks_skipped"].append(f"{cached.cache['blocks_skipped']}/{cached.cache['blocks_total']}")
+            row.setdefault("differences", []).append(cached.cache["differences"])
         rows.append(row)
     uncached: dict[str, Any] = {}
     if args.reps:

@@ -296,8 +296,8 @@ class KleinPipeline:
         cache = None
         if plan.cache is not None:
             latents, record = latents
-            cache = cache_report(plan.cache, self._to_host(record.cached), 2 if plan.cfg else 1,
-                                 self.models.transformer.depth)
+            cache = cache_report(plan.cache, self._to_host(record.cached), self._to_host(record.difference),
+                                 2 if plan.cfg else 1, self.models.transformer.depth)
         images = timed(seconds, "decode",
                        lambda: self._call(compiled, programs.VAE_DECODE, self._decode, self.vae_state, latents))
         pixels = self._to_host(images).astype(np.float32)

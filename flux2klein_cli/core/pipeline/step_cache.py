@@ -113,17 +113,21 @@ def resolve_cache(mode: str | None, *, double_blocks: int, threshold: float | No
     return cache
 
 
-def cache_report(cache: StepCache, cached: Any, branches: int, depth: int) -> dict[str, Any]:
-    """What a cached loop skipped, from its per-step, per-row decisions `cached` (a numpy bool
-    array (S, rows); numpy is not imported here: the CLI's help reads this module): the
-    rows are `branches` equal groups (the CFG branches), and a branch's remaining blocks were
-    skipped at a step when every row of it was cached. With its settings, for the run's report."""
+def cache_report(cache: StepCache, cached: Any, difference: Any, branches: int, depth: int) -> dict[str, Any]:
+    """What a cached loop skipped, from its per-step, per-row decisions `cached` and measured
+    `difference`s (numpy arrays (S, rows); numpy is not imported here: the CLI's help reads this
+    module): the rows are `branches` equal groups (the CFG branches), and a branch's remaining
+    blocks were skipped at a step when every row of it was cached. With its settings and, per
+    step, the largest difference any row measured (None at the first step), to tune the threshold
+    by: the run's report."""
     steps, rows = cached.shape
     skipped = cached.reshape(steps, branches, rows // branches).all(axis=2)
+    largest = difference.max(axis=1)
     return {
         **cache.as_metadata(),
         "steps": steps,
         "skipped_steps": [int(n) for n in skipped.sum(axis=0)],  # per branch: positive, then negative
         "blocks_skipped": int(skipped.sum()) * (depth - cache.blocks),
         "blocks_total": steps * branches * depth,
+        "differences": [round(float(d), 4) if d < float("inf") else None for d in largest],
     }
