@@ -62,10 +62,12 @@ class StepCache:
                 "cache_max_skips": self.max_skips, "cache_blocks": self.blocks, "cache_taylorseer": self.taylorseer}
 
 
-# Per mode: blocks, threshold, warm-up, cap; chosen as docs/benchmarks.md ("Step caching") says.
+# Per mode: blocks, threshold, warm-up, cap. Random-weight checkpoints cannot tell a threshold (their
+# steps differ by far more than any trained model's): these follow the published settings for
+# trained FLUX models, as docs/benchmarks.md ("Step caching") says.
 DEFAULTS: dict[str, dict[str, float | int]] = {
-    "fbcache": {"blocks": 1, "threshold": 0.12, "warmup": 4, "max_skips": 3},
-    "dbcache": {"blocks": 2, "threshold": 0.12, "warmup": 4, "max_skips": 3},
+    "fbcache": {"blocks": 1, "threshold": 0.08, "warmup": 8, "max_skips": 3},
+    "dbcache": {"blocks": 2, "threshold": 0.08, "warmup": 8, "max_skips": 3},
 }
 
 
