@@ -26,9 +26,9 @@ CASES = {  # the cases of tests/test_inpaint.py
     "inpaint + 1 reference, 64x64, 3 steps, strength 1.0": (
         dict(prompts=("put the cat here",), steps=3, guidance=1.0, seed=5, strength=1.0),
         synthetic_image(64, 64, 11), box_mask(64, 64, (8, 8, 40, 56)), [synthetic_image(100, 75, 12)]),
-    "image-to-image 80x48, 8 steps, strength 0.5": (
+    "image-to-image 80x64, 8 steps, strength 0.5": (
         dict(prompts=("make it night",), steps=8, guidance=1.0, seed=7, strength=0.5),
-        synthetic_image(80, 48, 13), None, []),
+        synthetic_image(80, 64, 13), None, []),
 }
 
 

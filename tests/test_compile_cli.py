@@ -31,30 +31,29 @@ SMALL = ["--height", "32", "--width", "32", "--max-sequence-length", "16", "--st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", [False, True], ids=["edit", "kv-edit"])
-def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path, kv: bool) -> None:
+def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path) -> None:
     """Executables compiled from configs alone accept the engine's real arguments (a Compiled
     rejects any other tree, shape, dtype or sharding: the engine would warn and jit instead)
-    and give its images."""
+    and give its images: a KV edit of two prompts, which has every program a plain edit has and
+    the references-only pass (a plain edit's stored programs: tests/test_compile_counter.py)."""
     from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
     from tests.fixtures.engine import engine_on, upload
 
     # The project's own writer: no torch needed, so the base tier runs this too.
-    checkpoint = write_random_checkpoint(tmp_path / "ckpt", "tiny", kv=kv, seed=int(kv))
+    checkpoint = write_random_checkpoint(tmp_path / "ckpt", "tiny", kv=True, seed=1)
     run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((64, 96),), max_sequence_length=16,
-                     dtype=jnp.float32, kv=kv)
+                     dtype=jnp.float32, kv=True)
     specs = P.pipeline_programs(P.model_configs(str(checkpoint)), run)
     results = compile_all(specs, ExecutableStore(tmp_path / "store"))
     executables = {info.name: compiled for compiled, info in results}
-    assert set(executables) == {"text_encoder", "noise", "denoise", "vae_decode", "vae_encode_64x96"} | (
-        {"reference_kv"} if kv else set())
+    assert set(executables) == {"text_encoder", "noise", "denoise", "vae_decode", "vae_encode_64x96", "reference_kv"}
 
     from PIL import Image
 
     ref = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), np.uint8))
     fields = RunFields(prompts=("a fox", "a cat"), steps=2, height=32, width=32, references=(upload(ref),),
-                       max_sequence_length=16, kv=kv)
+                       max_sequence_length=16, kv=True)
     jitted = engine_on(checkpoint)
     plan = jitted.plan(fields)
     assert plan.shape(jnp.float32) == run

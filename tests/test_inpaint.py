@@ -67,12 +67,12 @@ def test_inpaint_with_a_reference_image(engine: Engine) -> None:
 def test_image_to_image_is_the_inpaint_pipeline_with_an_all_white_mask(engine: Engine) -> None:
     # 8 steps at strength 0.5: the loop runs the last 4, from the init latents noised to sigma 4.
     assert start_step(8, 0.5) == 4
-    run(engine, RunFields(prompts=("make it night",), steps=8, seed=7, strength=0.5), synthetic_image(80, 48, 13), None)
+    run(engine, RunFields(prompts=("make it night",), steps=8, seed=7, strength=0.5), synthetic_image(80, 64, 13), None)
 
 
 @pytest.mark.slow
 def test_inpaint_of_two_images_per_prompt_on_the_base_model(tiny_base_checkpoint: Path) -> None:
-    init, mask = synthetic_image(64, 48, 14), box_mask(64, 48, (0, 0, 40, 30))
+    init, mask = synthetic_image(64, 64, 14), box_mask(64, 64, (0, 0, 40, 30))
     run(engine_on(tiny_base_checkpoint), RunFields(prompts=("a lighthouse",), negative_prompt="blurry", num_images=2,
                                                    steps=4, guidance=3.0, seed=9, strength=0.75), init, mask)
 

@@ -147,7 +147,7 @@ def test_generate_reports_skips_records_settings_and_reruns_from_png(tiny_base_c
     from typer.testing import CliRunner
 
     from flux2klein_cli.cli.app import app
-    from flux2klein_cli.core.runs.image_files import read_png_metadata
+    from flux2klein_cli.core.runs.image_files import read_run_metadata
 
     def generate(*args: object) -> Any:
         return CliRunner().invoke(app, ["generate", *map(str, args)], catch_exceptions=False)
@@ -160,7 +160,7 @@ def test_generate_reports_skips_records_settings_and_reruns_from_png(tiny_base_c
     report = json.loads(made.stdout)["cache"]
     # Steps 0 and 3 run in full, 1 and 2 cached (warm-up 1, at most 2 in a row), in both CFG branches.
     assert report["skipped_steps"] == [2, 2] and report["blocks_skipped"] == 2 * 2 * 4
-    meta = read_png_metadata(first)
+    meta = read_run_metadata(first)
     assert {k: meta[k] for k in CACHE_FIELDS} == {"cache": "fbcache", "cache_threshold": 1e9, "cache_warmup": 1,
                                                   "cache_max_skips": 2, "cache_blocks": 1, "cache_taylorseer": False}
     again = generate("--from", first, "-o", tmp_path / "b.png")
@@ -168,7 +168,7 @@ def test_generate_reports_skips_records_settings_and_reruns_from_png(tiny_base_c
     assert np.array_equal(np.asarray(Image.open(first)), np.asarray(Image.open(tmp_path / "b.png")))
     plain = generate("--from", first, "--cache", "none", "-o", tmp_path / "c.png")
     assert plain.exit_code == 0, plain.stderr
-    assert "cache" not in read_png_metadata(tmp_path / "c.png")
+    assert "cache" not in read_run_metadata(tmp_path / "c.png")
     assert not np.array_equal(np.asarray(Image.open(first)), np.asarray(Image.open(tmp_path / "c.png")))
     bad = generate("a fox", "--model", tiny_base_checkpoint, *common, "--cache-threshold", 0.1,
                    "-o", tmp_path / "d.png")

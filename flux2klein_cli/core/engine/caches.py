@@ -12,9 +12,8 @@ from typing import Any
 import numpy as np
 
 from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, references_digest
+from flux2klein_cli.core.pipeline.pipeline import Programs
 from flux2klein_cli.core.pipeline.programs import RunShape
-
-Programs = dict[str, Any]  # program name -> its compiled executable, for one run shape
 
 
 def _code_bytes(info: dict[str, Any]) -> int:

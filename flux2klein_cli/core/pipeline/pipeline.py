@@ -56,6 +56,7 @@ def load_tokenizer_and_scheduler(snapshot: Snapshot) -> tuple[PromptTokenizer, S
     scheduler = SchedulerConfig.from_dict(read_json(snapshot.component("scheduler") / "scheduler_config.json"))
     return tokenizer, scheduler
 
+
 StepCallback = Callable[[int, int], None]  # (steps done, steps in all)
 Programs = Mapping[str, Any]  # program name -> its compiled executable, for one run shape
 

@@ -14,15 +14,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli import __version__
 from flux2klein_cli.core import limits
 from flux2klein_cli.core.devices.distributed import is_writer
-from flux2klein_cli.core.engine.engine import EngineOptions, ImageRun
+from flux2klein_cli.core.engine.engine import EngineOptions
 from flux2klein_cli.core.engine.opening import Opening
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
-from flux2klein_cli.core.hub.checkpoint import Snapshot
-from flux2klein_cli.core.runs.image_files import plan_outputs, write_png
+from flux2klein_cli.core.runs import run_record
+from flux2klein_cli.core.runs.image_files import write_png
+from flux2klein_cli.core.runs.outputs import plan_outputs
 
 
 @dataclass(frozen=True)
@@ -58,39 +58,6 @@ def partly_written(error: Flux2KleinError, written: list[Path], total: int) -> F
     return error
 
 
-def check_kv_model(snapshot: Snapshot, model: str) -> None:
-    """--kv needs a KV-trained transformer: other checkpoints were never taught cached references."""
-    if not snapshot.kv:
-        raise FieldError(
-            "kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model} is {snapshot.pipeline_class}: "
-            "use {field:model} 9b-kv, or drop {field:kv}"
-        )
-
-
-def png_metadata(plan: RunPlan, run: ImageRun, index: int, options: EngineOptions,
-                 lora: list[dict[str, Any]]) -> dict[str, Any]:
-    """The parameters image `index` of a run carries in its PNG (`generate --from` reads them back)."""
-    return dict(
-        prompt=plan.prompts[index // plan.num_images],
-        negative_prompt=plan.negative_prompt if run.cfg else "",
-        seed=run.seeds[index] if plan.latents is None else f"latents:{plan.latents_name}",
-        steps=plan.steps, guidance=plan.guidance, size=f"{plan.width}x{plan.height}", model=options.model,
-        **options.components, references=list(plan.reference_names), dtype=options.dtype,
-        version=__version__, **({"lora": lora} if lora else {}), **init_metadata(plan),
-        # What else decides the pixels, so that `--from` reruns the image exactly.
-        max_sequence_length=plan.max_sequence_length, **({"kv": True} if plan.kv else {}),
-        **({"reference_max_area": plan.reference_max_area} if plan.reference_names else {}),
-        **({} if plan.cache is None else plan.cache.as_metadata()),
-    )
-
-
-def init_metadata(plan: RunPlan) -> dict[str, Any]:
-    """An image-to-image or inpainting run's init image, mask and strength (none without them)."""
-    if plan.init_image_name is None:
-        return {}
-    mask = {"mask": plan.mask_name} if plan.mask_name is not None else {}
-    crop = {"padding_mask_crop": plan.padding_mask_crop} if plan.padding_mask_crop is not None else {}
-    return {"init_image": plan.init_image_name, **mask, "strength": plan.strength, **crop}
 
 
 @dataclass
@@ -165,7 +132,7 @@ def run_generate(
     lora = engine.lora_records
     try:
         for i, (path, image) in enumerate(zip(outputs if writer else [], run.images, strict=False)):
-            write_png(path, image, png_metadata(plan, run, i, options, lora), force=opts.force)
+            write_png(path, image, run_record.encode(plan, i, options, lora), force=opts.force)
             written.append(path)
     except Flux2KleinError as e:
         raise partly_written(e, written, len(outputs)) from e

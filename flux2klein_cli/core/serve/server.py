@@ -32,16 +32,17 @@ def check_serve(options: ServeOptions) -> None:
     check_serve_options(options)
 
 
-def check_warm(options: ServeOptions, facts: ModelFacts, admission: Admission) -> None:
-    """Each --warm size by the one size rule at the model's multiple, and its largest batch within
-    what the host holds: a start-up refusal naming the option."""
+def check_warm(options: ServeOptions, facts: ModelFacts, admission: Admission | None = None) -> None:
+    """Each --warm size by the one size rule at the model's multiple, and (with the `admission`) its
+    largest batch within what the host holds: a start-up refusal naming the option."""
     from flux2klein_cli.core.engine.plan import RunFields, build_plan
 
     for width, height in options.warm:
         try:
             plan = build_plan(RunFields(prompts=("warm-up",), height=height, width=width,
                                         max_sequence_length=options.max_sequence_length), facts)
-            admission.check(Demand(plan, batch=options.max_batch))
+            if admission is not None:
+                admission.check(Demand(plan, batch=options.max_batch))
         except FieldError as e:
             raise FieldError("warm", f"size {width}x{height}: {e}") from None
 
@@ -68,7 +69,7 @@ def serve(options: ServeOptions, resolve: Callable[[str], Path], *, warn: Note, 
     from flux2klein_cli.core.serve.metrics import Metrics
     from flux2klein_cli.core.serve.service import Service
 
-    opening: Opening[None] = Opening(options.engine, resolve, on_phase=note)
+    opening: Opening[None] = Opening(options.engine, resolve, lambda facts: check_warm(options, facts), on_phase=note)
     admission = opening.resolve()
     check_warm(options, opening.facts, admission)
     engine = opening.load(warn)

@@ -4,7 +4,6 @@ every failure as OpenAI's error shape (`{"error": {"message", "type", "param", "
 from __future__ import annotations
 
 import base64
-import io
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -96,13 +95,9 @@ def run_fields(body: Mapping[str, Any], references: Sequence[ReferenceSource], m
 
 def encode_png(image: np.ndarray) -> str:
     """One (H, W, 3) uint8 image as base64 PNG text."""
-    from PIL import Image
+    from flux2klein_cli.core.runs.image_files import png_bytes
 
-    from flux2klein_cli.core.runs.image_files import PNG_COMPRESS_LEVEL
-
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
-    return base64.b64encode(out.getvalue()).decode("ascii")
+    return base64.b64encode(png_bytes(image)).decode("ascii")
 
 
 def image_data(run: ImageRun) -> list[dict[str, str]]:

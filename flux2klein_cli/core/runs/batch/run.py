@@ -29,6 +29,7 @@ from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.runs.batch import grouping, results
 from flux2klein_cli.core.runs.batch.grouping import Batch, Item, Shard
 from flux2klein_cli.core.runs.batch.manifest import DEFAULT_OUTPUT, Entry, read_manifest
+from flux2klein_cli.core.runs.outputs import refuse_existing
 
 Warn = Callable[[str], None]
 Progress = Callable[[int, int, int], None]  # (items finished, items to run, images written)
@@ -100,11 +101,8 @@ def check_outputs(opts: BatchOptions, items: Sequence[Item]) -> None:
     if opts.force or results.results_files(opts.out_dir):
         return
     for item in items:
-        for name in item.outputs:
-            path = opts.out_dir / name
-            if os.path.lexists(path):
-                raise UserInputError(f"{path} exists and no results file in {opts.out_dir} records it; "
-                                     "pass {field:force} to overwrite")
+        refuse_existing((opts.out_dir / name for name in item.outputs),
+                        f" and no results file in {opts.out_dir} records it")
 
 
 @dataclass
@@ -324,7 +322,7 @@ def run_batch(
 def _run_one(engine: Engine, batch: Batch, opts: BatchOptions, writer: bool,
              on_step: Callable[[int, int], None] | None) -> list[results.Record]:
     """One device batch: its items planned again (references read now), run, written, recorded."""
-    from flux2klein_cli.core.runs.generate import png_metadata
+    from flux2klein_cli.core.runs import run_record
     from flux2klein_cli.core.runs.image_files import write_png
 
     start = time.perf_counter()
@@ -354,7 +352,7 @@ def _run_one(engine: Engine, batch: Batch, opts: BatchOptions, writer: bool,
                 for name, plan, run in zip(item.outputs, plans, runs[first:first + len(plans)], strict=True):
                     path = opts.out_dir / name
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    write_png(path, run.images[0], png_metadata(plan, run, 0, engine.options, lora), force=True)
+                    write_png(path, run.images[0], run_record.encode(plan, 0, engine.options, lora), force=True)
             except (Flux2KleinError, OSError) as e:
                 error = grouping.field_message(e) if isinstance(e, Flux2KleinError) else str(e)
         first += len(plans)

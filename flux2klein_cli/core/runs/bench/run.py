@@ -178,20 +178,20 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
 def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | None,
               busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
+    from dataclasses import replace
+
     from flux2klein_cli.core.compile.specs import configs_from_snapshot
     from flux2klein_cli.core.devices.distributed import DeviceOptions, run_mesh
     from flux2klein_cli.core.engine.cost import check_mesh
+    from flux2klein_cli.core.engine.plan import build_plan, model_facts
     from flux2klein_cli.core.hub.components import resolve_composed
-    from flux2klein_cli.core.runs.bench.pipeline import bench_pipeline
+    from flux2klein_cli.core.runs.bench.pipeline import bench_fields, bench_pipeline
 
     run_on = run_mesh(DeviceOptions(mesh=opts.mesh, tpu=opts.tpu))
     path = resolve_composed(opts.model, opts.transformer, opts.vae)
     check_mesh(run_on, configs_from_snapshot(path).transformer)
-    if opts.kv:
-        from flux2klein_cli.core.hub.checkpoint import Snapshot
-        from flux2klein_cli.core.runs.generate import check_kv_model
-
-        check_kv_model(Snapshot.open(path), opts.model)
+    fields = bench_fields(opts.batch, opts.height, opts.width, opts.steps, opts.reference_sizes())
+    build_plan(replace(fields, kv=opts.kv), model_facts(opts.model, model_dir=path))  # type: ignore[arg-type]
     with busy(f"benchmarking {opts.model}"):
         result = bench_pipeline(path, height=opts.height, width=opts.width, batch=opts.batch, steps=opts.steps,
                                 reps=opts.reps, dtype=opts.dtype, references=opts.reference_sizes(), kv=opts.kv,
