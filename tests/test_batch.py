@@ -65,9 +65,11 @@ TWELVE = [f"item {i}" for i in range(12)]
 
 def test_the_three_formats_give_the_same_requests(tmp_path: Path) -> None:
     jsonl = tmp_path / "m.jsonl"
-    jsonl.write_text('{"prompt": "a fox", "seeds": [3, 9], "images": ["ref.png"]}\n\n{"prompt": "a cat", "steps": 4}\n')
+    jsonl.write_text('{"prompt": "a fox", "seeds": [3, 9], "images": ["ref.png"]}\n\n'
+                     '{"prompt": "a cat", "steps": 4, "cache": "dbcache", "cache_taylorseer": true}\n')
     csv = tmp_path / "m.csv"
-    csv.write_text('prompt,seeds,images,steps\n"a fox","3;9",ref.png,\n"a cat",,,4\n')
+    csv.write_text('prompt,seeds,images,steps,cache,cache_taylorseer\n"a fox","3;9",ref.png,,,\n'
+                   '"a cat",,,4,dbcache,yes\n')
     text = tmp_path / "m.txt"
     text.write_text("a fox\n\n  a cat  \n")
     got = [manifest.read_manifest(p, DEFAULTS) for p in (jsonl, csv, text)]
@@ -77,6 +79,7 @@ def test_the_three_formats_give_the_same_requests(tmp_path: Path) -> None:
         assert fox.fields.prompts == ("a fox",) and fox.seeds == (3, 9) and fox.fields.num_images == 2
         assert fox.fields.references == (tmp_path / "ref.png",)  # relative to the manifest
         assert cat.fields.steps == 4 and cat.fields.height == 32  # the defaults under the line's fields
+        assert (cat.fields.cache, cat.fields.cache_taylorseer, fox.fields.cache) == ("dbcache", True, None)
     assert [e.line for e in got[0].entries] == [1, 3] and [e.index for e in got[0].entries] == [0, 1]
     assert [e.fields.prompts for e in got[2].entries] == [("a fox",), ("a cat",)]
 

@@ -105,15 +105,21 @@ def batch(
     lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
+    cache: o.CacheOpt = None,
+    cache_threshold: o.CacheThresholdOpt = None,
+    cache_warmup: o.CacheWarmupOpt = None,
+    cache_max_skips: o.CacheMaxSkipsOpt = None,
+    cache_blocks: o.CacheBlocksOpt = None,
+    cache_taylorseer: o.CacheTaylorseerOpt = None,
     as_json: o.JsonOpt = False,
 ) -> None:
     """Generate many images from a manifest: lines of one shape run together, each shape compiled once.
 
     Each line's fields (prompt, negative_prompt, seed or seeds or num_images, height, width, steps, guidance,
-    images, kv, output) fall back on the options. Finished items are recorded in DIR/results.jsonl; running
-    the same command again skips them (a changed line is redone). The first Ctrl-C / SIGTERM finishes the
-    current batch and exits 130; a second abandons it. Exit 0: all ok; 1: some failed or bad lines were
-    skipped; 2: unusable manifest.
+    images, kv, output, cache and its settings) fall back on the options. Finished items are recorded in
+    DIR/results.jsonl; running the same command again skips them (a changed line is redone). The first
+    Ctrl-C / SIGTERM finishes the current batch and exits 130; a second abandons it. Exit 0: all ok; 1: some
+    failed or bad lines were skipped; 2: unusable manifest.
 
     Examples:
 
@@ -149,7 +155,10 @@ def batch(
                             effort=effort.value, transformer=transformer, vae=vae, lora=tuple(lora)),
                 fields=dict(height=height, width=width, steps=steps, guidance=guidance,
                             negative_prompt=negative_prompt, seed=seed, num_images=num_images,
-                            max_sequence_length=max_sequence_length),
+                            max_sequence_length=max_sequence_length, cache=None if cache is None else cache.value,
+                            cache_threshold=cache_threshold, cache_warmup=cache_warmup,
+                            cache_max_skips=cache_max_skips, cache_blocks=cache_blocks,
+                            cache_taylorseer=cache_taylorseer),
                 batch=dict(output=output, batch_size=batch_size, strict=strict, force=force, format=manifest_format))
     if code:
         raise typer.Exit(code)

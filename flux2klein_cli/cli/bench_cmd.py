@@ -54,6 +54,12 @@ def bench(
                                               "\\[default: 16,64].")] = None,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
+    cache: o.CacheOpt = None,
+    cache_threshold: o.CacheThresholdOpt = None,
+    cache_warmup: o.CacheWarmupOpt = None,
+    cache_max_skips: o.CacheMaxSkipsOpt = None,
+    cache_blocks: o.CacheBlocksOpt = None,
+    cache_taylorseer: o.CacheTaylorseerOpt = None,
     as_json: o.JsonOpt = False,
 ) -> None:
     """Time the phases of a run: load, compile, text encoding, denoising, decoding.
@@ -105,6 +111,8 @@ def bench(
       flux2klein bench --model 4b --phase lora --ranks 16,64 --reps 3
 
       flux2klein bench --model 4b --phase decode --vae small-decoder --dtype fp32
+
+      flux2klein bench --model base-4b --cache fbcache   (the run without and with step caching)
     """
     with user_errors(SHAPE_FLAGS):
         from flux2klein_cli.core.runs.bench.run import BenchOptions, run_bench
@@ -114,6 +122,10 @@ def bench(
             dtype=dtype.value, refs=refs, kv=kv, mesh=mesh, tpu=tpu, unrolled=unrolled, diffusers=diffusers,
             compile_cache=compile_cache, effort=effort.value, save=not no_save, store=not no_store, lora=tuple(lora),
             ranks=ranks, transformer=transformer, vae=vae,
+            cache=tuple((name, value) for name, value in dict(
+                cache=None if cache is None else cache.value, cache_threshold=cache_threshold,
+                cache_warmup=cache_warmup, cache_max_skips=cache_max_skips, cache_blocks=cache_blocks,
+                cache_taylorseer=cache_taylorseer).items() if value is not None),
         )
         result = run_bench(opts, note=note, progress=None if as_json else note, warn=warn,
                            busy=nullcontext if as_json else status)
@@ -178,7 +190,8 @@ def _compile_table(result: dict[str, Any]) -> None:
 def _pipeline_table(result: dict[str, Any]) -> None:
     refs = result["references"]
     edit = f", {len(refs)} reference(s) ({', '.join(refs)})" if refs else ""
-    runs = {"plain": result} | ({"kv": result["kv"]} if "kv" in result else {})
+    runs = {"plain": result} | ({"kv": result["kv"]} if "kv" in result else {}) | (
+        {"cached": result["cache"]} if "cache" in result else {})
     table = Table(title=f"{result['model']} {result['width']}x{result['height']}, batch {result['batch']}, "
                         f"{result['steps']} steps, {result['dtype']}{edit}")
     table.add_column("phase")
@@ -210,6 +223,11 @@ def _pipeline_table(result: dict[str, Any]) -> None:
             prefix = f"{name}: " if len(runs) > 1 else ""
             output.result(f"{prefix}{len(run['timed_compiles'])} XLA program(s) compiled during the timed calls: "
                          f"{', '.join(run['timed_compiles'])}")
+    if "cache" in result:
+        cached, report = result["cache"], result["cache"]["report"]
+        output.result(f"step cache {report['cache']}: skipped {report['skipped_steps']} of {report['steps']} steps "
+                      f"(per CFG branch), {report['blocks_skipped']} of {report['blocks_total']} blocks; speed-up "
+                      f"denoise {cached['speedup']['denoise']:.2f}x, per image {cached['speedup']['per_image']:.2f}x")
     if "kv_speedup" in result:
         s, reuse = result["kv_speedup"], result["kv_reuse"]
         output.result(f"KV speed-up: transformer {s['transformer']:.2f}x (bound {s['bound']:.2f}x, "

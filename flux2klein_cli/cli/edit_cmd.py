@@ -13,6 +13,7 @@ from flux2klein_cli.cli.output import user_errors
 from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import FieldError
 from flux2klein_cli.core.hub.registry import DEFAULT_KV_MODEL, DEFAULT_MODEL
+from flux2klein_cli.core.pipeline.step_cache import CACHE_FIELDS
 
 
 def edit(
@@ -56,6 +57,12 @@ def edit(
     lora: o.LoraOpt = [],  # noqa: B006 (typer reads the default; it is never mutated)
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
+    cache: o.CacheOpt = None,
+    cache_threshold: o.CacheThresholdOpt = None,
+    cache_warmup: o.CacheWarmupOpt = None,
+    cache_max_skips: o.CacheMaxSkipsOpt = None,
+    cache_blocks: o.CacheBlocksOpt = None,
+    cache_taylorseer: o.CacheTaylorseerOpt = None,
     from_image: o.FromOpt = None,
     as_json: o.JsonOpt = False,
 ) -> None:
@@ -85,7 +92,9 @@ def edit(
         references=list(image), prompt=prompt, model=model, height=height, width=width, steps=steps, guidance=guidance,
         negative_prompt=negative_prompt, seed=seed, dtype=dtype.value, latents=latents, init_image=init_image,
         mask=mask, strength=strength, padding_mask_crop=padding_mask_crop, reference_max_area=reference_max_area,
-        max_sequence_length=max_sequence_length, kv=kv, lora=list(lora), transformer=transformer, vae=vae))
+        max_sequence_length=max_sequence_length, kv=kv, lora=list(lora), transformer=transformer, vae=vae,
+        cache=None if cache is None else cache.value, cache_threshold=cache_threshold, cache_warmup=cache_warmup,
+        cache_max_skips=cache_max_skips, cache_blocks=cache_blocks, cache_taylorseer=cache_taylorseer,))
     if not a["references"] and a["init_image"] is None:
         with user_errors():
             raise FieldError("references", "is missing: give a reference image, or an --init-image to start from")
@@ -99,5 +108,6 @@ def edit(
                     guidance=a["guidance"], negative_prompt=a["negative_prompt"], seed=a["seed"],
                     num_images=num_images, latents=a["latents"], max_sequence_length=a["max_sequence_length"],
                     kv=a["kv"], init_image=a["init_image"], mask=a["mask"], strength=a["strength"],
-                    padding_mask_crop=a["padding_mask_crop"], reference_max_area=a["reference_max_area"]),
+                    padding_mask_crop=a["padding_mask_crop"], reference_max_area=a["reference_max_area"],
+                    **{name: a[name] for name in CACHE_FIELDS}),
     )

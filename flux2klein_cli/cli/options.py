@@ -20,6 +20,7 @@ from flux2klein_cli.core import choices
 from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.hub.registry import aliases, sampling
+from flux2klein_cli.core.pipeline.step_cache import DEFAULTS as STEP_CACHE_DEFAULTS
 
 
 def _enum(name: str, values: tuple[str, ...] | dict[str, str]) -> type[StrEnum]:
@@ -31,6 +32,7 @@ Effort = _enum("Effort", choices.EFFORTS)
 Layout = _enum("Layout", choices.LAYOUTS)
 Quantize = _enum("Quantize", choices.QUANTIZE)
 Phase = _enum("Phase", choices.PHASES)
+CacheMode = _enum("CacheMode", choices.CACHE_MODES)
 
 E = TypeVar("E", bound=StrEnum)
 
@@ -130,6 +132,30 @@ NumProcessesOpt = Annotated[int | None, typer.Option("--num-processes", help="Mu
                                                      "processes.")]
 ProcessIdOpt = Annotated[int | None, typer.Option("--process-id", help="Multi-process run: this process's index "
                                                   "(0 writes outputs).")]
+
+
+# Step caching (generate and edit): the defaults are core/pipeline/step_cache.py's, per mode.
+_FB, _DB = STEP_CACHE_DEFAULTS["fbcache"], STEP_CACHE_DEFAULTS["dbcache"]
+CacheOpt = Annotated[CacheMode | None, choice_option(
+    CacheMode, choices.check_cache_mode, "--cache", help="Step caching, for base models (about 50 steps with "
+    "CFG): each step runs the first block(s) and, when their output moved less than --cache-threshold since the "
+    "last full step, reuses the other blocks' last output instead of running them. fbcache: one first block; "
+    "dbcache: --cache-blocks. \\[default: none]")]
+CacheThresholdOpt = Annotated[float | None, float_option(
+    "--cache-threshold", help="With --cache: the relative change of the first blocks' output under which a step is "
+    f"cached; higher is faster and less exact \\[default: {_FB['threshold']} fbcache, {_DB['threshold']} dbcache]")]
+CacheWarmupOpt = Annotated[int | None, typer.Option(
+    "--cache-warmup", metavar="STEPS", help="With --cache: steps run in full before any is cached "
+    f"\\[default: {_FB['warmup']}]")]
+CacheMaxSkipsOpt = Annotated[int | None, typer.Option(
+    "--cache-max-skips", metavar="STEPS", help="With --cache: the most steps cached in a row "
+    f"\\[default: {_FB['max_skips']}]")]
+CacheBlocksOpt = Annotated[int | None, typer.Option(
+    "--cache-blocks", metavar="N", help="With --cache dbcache: the first blocks run every step, double blocks "
+    f"(up to 5 on 4B, 8 on 9B) \\[default: {_DB['blocks']}]")]
+CacheTaylorseerOpt = Annotated[bool | None, typer.Option(
+    "--cache-taylorseer/--no-cache-taylorseer", help="With --cache dbcache: extrapolate the cached output from "
+    "the last two full steps (TaylorSeer, order 1) instead of reusing the last one \\[default: no]")]
 
 
 TransformerOpt = Annotated[str | None, typer.Option(

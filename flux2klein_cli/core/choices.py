@@ -18,6 +18,7 @@ DEFAULT_LAYOUT = "flat"
 QUANTIZE = ("none", "int8")  # `convert --quantize`: weight schemes; see models/quantized.py
 PHASES = ("pipeline", "ttfi", "load", "transformer-compile", "steps", "lora", "decode")  # what `bench` times
 MESH_AXES = ("data", "fsdp", "tensor", "context")
+CACHE_MODES = ("none", "fbcache", "dbcache")  # step caching; see pipeline/step_cache.py
 
 
 def _one_of(name: str, allowed: tuple[str, ...] | dict[str, str], message: str) -> str:
@@ -45,6 +46,10 @@ def check_quantize(name: str) -> str:
 
 def check_phase(name: str) -> str:
     return _one_of(name, PHASES, "unknown phase {name}: use one of {allowed}")
+
+
+def check_cache_mode(name: str) -> str:
+    return _one_of(name, CACHE_MODES, "--cache must be one of {allowed}, got {name}")
 
 
 def jax_dtype(name: str) -> Any:

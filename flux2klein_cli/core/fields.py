@@ -54,6 +54,13 @@ FIELDS: dict[str, Field] = {
     "dtype": Field("text"),
     "transformer": Field("text"),
     "vae": Field("text"),
+    # Step caching (core/pipeline/step_cache.py).
+    "cache": Field("text"),
+    "cache_threshold": Field("number"),
+    "cache_warmup": Field("whole"),
+    "cache_max_skips": Field("whole"),
+    "cache_blocks": Field("whole"),
+    "cache_taylorseer": Field("flag"),
     "from_image": Field(flag="--from"),
     "batch": Field(flag="--bs"),
     "batch_size": Field(flag="--bs"),

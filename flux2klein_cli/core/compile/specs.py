@@ -39,6 +39,7 @@ from flux2klein_cli.core.models.trace import TraceOptions
 from flux2klein_cli.core.pipeline import programs
 from flux2klein_cli.core.pipeline.denoise import (
     BATCHED_FIELDS,
+    CacheRule,
     DenoiseInputs,
     build_inputs,
     denoise_fn,
@@ -47,6 +48,7 @@ from flux2klein_cli.core.pipeline.denoise import (
 )
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.programs import RunShape
+from flux2klein_cli.core.pipeline.step_cache import StepCache
 
 # ----------------------------------------------------------------------------- configs
 
@@ -231,7 +233,8 @@ def denoise_fields(models: AbstractModels, run: RunShape, mesh: Mesh) -> dict[st
     def build(text: Any, negative: Any, references: Any, kv: Any, noise: Any, mask: Any) -> DenoiseInputs:
         return build_inputs(models.transformer.rope, grid, latents=noise, text=text, negative_text=negative,
                             references=references, reference_grids=grids, reference_kv=kv, schedule=schedule,
-                            guidance=1.0, init=run.init, noise=noise if run.mask else None, mask=mask)
+                            guidance=1.0, init=run.init, noise=noise if run.mask else None, mask=mask,
+                            cache_rule=None if run.cache is None else CacheRule.of(StepCache.with_form(run.cache)))
 
     inputs = jax.eval_shape(build, text_features(run.prompts), text_features(1) if run.cfg else None, references,
                             kv, noise, mask)
@@ -293,9 +296,10 @@ def denoise_program(models: AbstractModels, target: Target, run: RunShape) -> Pr
     inputs = denoise_inputs(denoise_fields(models, run, target.mesh))
     start = _input((), jnp.int32, target.mesh, batched=False)
     count = run.denoise_count
-    fn = denoise_fn(nnx.split(models.transformer)[0], count, trace_options(target))
-    return ProgramSpec(programs.denoise_name(count), fn, (models.states["transformer"], inputs, start),
-                       _key(models, "transformer", target, steps_per_call=count), target, model="transformer")
+    fn = denoise_fn(nnx.split(models.transformer)[0], count, trace_options(target), run.cache)
+    cache = {} if run.cache is None else {"step_cache": run.cache.as_key()}
+    return ProgramSpec(programs.denoise_name(count, run.cache), fn, (models.states["transformer"], inputs, start),
+                       _key(models, "transformer", target, steps_per_call=count, **cache), target, model="transformer")
 
 
 def _reference_kv_args(models: AbstractModels, run: RunShape, mesh: Mesh) -> tuple[Any, ...]:
@@ -368,7 +372,7 @@ def pipeline_programs(configs: ModelConfigs, run: RunShape, target: Target | Non
         programs.TEXT_ENCODER_NEGATIVE: lambda: text_encoder_program(
             models, target, 1, length, name=programs.TEXT_ENCODER_NEGATIVE),
         programs.NOISE: lambda: noise_program(target, run),
-        programs.denoise_name(run.denoise_count): lambda: denoise_program(models, target, run),
+        programs.denoise_name(run.denoise_count, run.cache): lambda: denoise_program(models, target, run),
         programs.VAE_DECODE: lambda: vae_decode_program(models, target, run),
         programs.REFERENCE_KV: lambda: reference_kv_program(models, target, run),
     }

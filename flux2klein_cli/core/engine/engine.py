@@ -68,6 +68,7 @@ class ImageRun:
     kv_cache: str | None  # with a KV edit: where the cache came from (computed, memory, disk)
     executables: list[dict[str, Any]]  # what the store did per program (empty: kept from an earlier run)
     seconds: dict[str, float]
+    cache: dict[str, Any] | None = None  # with a step cache: its settings and what it skipped
 
 
 @dataclass
@@ -189,7 +190,9 @@ class Engine:
 
         merged = merge_plans(plans)
         per_call = steps_per_call
-        if per_call is None and on_step is not None:
+        if merged.cache is not None:  # a step-cached loop keeps its cache inside one call
+            per_call = None
+        elif per_call is None and on_step is not None:
             per_call = progress_steps(merged.loop_steps, DEFAULTS.progress_calls)
         generating = f"generating {merged.batch} image(s), {merged.steps} steps"
         store = self.executables.store
@@ -229,7 +232,7 @@ class Engine:
         for plan in plans:
             count = plan.batch
             out.append(ImageRun(plan, result.images[first:first + count], list(merged.seeds[first:first + count]),
-                                merged.cfg, kv_source, report, seconds))
+                                merged.cfg, kv_source, report, seconds, result.cache))
             first += count
         return out
 

@@ -21,6 +21,7 @@ from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import FieldError
 from flux2klein_cli.core.inputs.images import ReferenceSource, read_reference
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.step_cache import StepCache, resolve_cache
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,13 @@ class RunFields:
     # resized to the output size, then pasted back into the init image (diffusers' padding_mask_crop).
     padding_mask_crop: int | None = None
     mask_alpha: bool = False  # a mask with transparency says it in alpha: transparent is repainted (serve)
+    # Step caching (core/pipeline/step_cache.py): none, fbcache or dbcache; None fields: the mode's defaults.
+    cache: str | None = None
+    cache_threshold: float | None = None
+    cache_warmup: int | None = None
+    cache_max_skips: int | None = None
+    cache_blocks: int | None = None
+    cache_taylorseer: bool | None = None
     lora_set: str | None = None  # one of the engine's LoRA sets (EngineOptions.lora_sets); None: its base weights
 
 
@@ -115,6 +123,7 @@ class RunPlan:
     crop_box: tuple[int, int, int, int] | None = None
     paste_image: np.ndarray | None = field(default=None, compare=False, repr=False)
     paste_mask: np.ndarray | None = field(default=None, compare=False, repr=False)
+    cache: StepCache | None = None  # step caching; None: every block every step
     lora_set: str | None = None  # the weights it runs with (Engine: the same executables for every set)
 
     @property
@@ -137,7 +146,8 @@ class RunPlan:
         return RunShape(height=self.height, width=self.width, geometry=self.geometry, batch=self.batch,
                         prompts=len(self.prompts), steps=self.loop_steps, references=init + self.reference_sizes,
                         cfg=self.cfg, max_sequence_length=self.max_sequence_length, dtype=dtype, kv=self.kv,
-                        steps_per_call=steps_per_call, init=bool(init), mask=self.mask is not None)
+                        steps_per_call=steps_per_call, init=bool(init), mask=self.mask is not None,
+                        cache=None if self.cache is None else self.cache.form)
 
     def batch_key(self) -> tuple[Any, ...]:
         """Plans with equal keys run together as one batch (Engine.run_batch): the same programs
@@ -145,7 +155,7 @@ class RunPlan:
         return (self.height, self.width, self.steps, self.guidance, self.cfg, self.max_sequence_length, self.kv,
                 self.num_images, self.negative_prompt if self.cfg else "", self.reference_names,
                 self.latents is None, self.init_image_name, self.mask_name, self.strength, self.reference_max_area,
-                self.padding_mask_crop, self.lora_set)
+                self.padding_mask_crop, self.cache, self.lora_set)
 
 
 def merge_plans(plans: Sequence[RunPlan]) -> RunPlan:
@@ -218,6 +228,7 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
     if sized:  # a size given whole fails before any image is read; else once it is known, below
         check_size(fields.height, fields.width, model)  # type: ignore[arg-type]
     conditioning = check_conditioning(fields)
+    cache = check_cache(fields, model)
     max_area = check_max_area(fields.reference_max_area, model)
     multiple = model.geometry.pixels_per_token
     names, references = [], []
@@ -254,7 +265,7 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         latents_name=None if fields.latents is None else str(fields.latents),
         init_image=None if init is None else init[1], init_image_name=None if init is None else init[0],
         mask=None if init is None else init[3], mask_name=None if init is None else init[2],
-        strength=conditioning, reference_max_area=max_area, lora_set=fields.lora_set,
+        strength=conditioning, reference_max_area=max_area, cache=cache, lora_set=fields.lora_set,
         **({} if crop is None else dict(zip(("padding_mask_crop", "crop_box", "paste_image", "paste_mask"), crop,
                                             strict=True))),
     )
@@ -279,6 +290,23 @@ def check_conditioning(fields: RunFields) -> float | None:
     if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
         raise FieldError("strength", f"must be a number in (0, 1], got {strength!r}")
     return float(strength)
+
+
+def check_cache(fields: RunFields, model: ModelFacts) -> StepCache | None:
+    """The request's step cache, its mode's defaults applied, checked against the model's blocks."""
+    for name in ("cache_threshold", "cache_warmup", "cache_max_skips", "cache_blocks"):
+        value = getattr(fields, name)
+        want = float if name == "cache_threshold" else int
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (want, int))):
+            raise FieldError(name, f"must be a {'number' if want is float else 'whole number'}, got {value!r}")
+    if fields.cache_taylorseer is not None and not isinstance(fields.cache_taylorseer, bool):
+        raise FieldError("cache_taylorseer", f"must be true or false, got {fields.cache_taylorseer!r}")
+    if fields.cache is not None and not isinstance(fields.cache, str):
+        raise FieldError("cache", f"must be text, got {fields.cache!r}")
+    return resolve_cache(fields.cache, double_blocks=int(model.transformer_config.get("num_layers", 8)),
+                         threshold=fields.cache_threshold, warmup=fields.cache_warmup,
+                         max_skips=fields.cache_max_skips, blocks=fields.cache_blocks,
+                         taylorseer=fields.cache_taylorseer)
 
 
 def check_max_area(area: int | None, model: ModelFacts) -> int:

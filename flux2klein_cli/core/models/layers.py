@@ -92,17 +92,21 @@ def run_blocks(
     *,
     xs: Any = None,
     scan: bool = True,
+    layers: tuple[int, int] | None = None,
 ) -> tuple[Carry, Any]:
     """Apply stacked blocks in order. With `scan` the body is traced and compiled once,
     so compile time does not grow with depth; without it the loop is unrolled (kept to
     measure the difference). `step(block, carry)` (or `step(block, carry, x)` with
     per-layer inputs `xs`, stacked on a leading layer axis) returns (new carry, per-layer
-    output); the outputs come back stacked on a leading layer axis."""
+    output); the outputs come back stacked on a leading layer axis. `layers` (start, stop):
+    only those blocks (and their rows of `xs`); None: all."""
     graphdef, state = nnx.split(blocks)
     # On CPU the stacked bf16 weights are sliced as raw 16-bit words (see `as_words`); words
     # not already given that way are made here, a copy for the call but not a float32 one.
     if trace.current().platform == "cpu":
         state = jax.tree.map(_to_words, state)
+    if layers is not None:  # sliced after the words are made, for the same reason
+        state, xs = jax.tree.map(lambda a: a[layers[0]:layers[1]], (state, xs))
 
     def body(c: Carry, layer: tuple[nnx.State, Any]) -> tuple[Carry, Any]:
         layer_state, x = layer

@@ -167,6 +167,39 @@ jax.tree_util.register_dataclass(
 )
 
 
+Streams = tuple[jax.Array, jax.Array]  # the image stream (B, N, D) and the text stream (B, T, D)
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """What every block reads besides the token streams, made once per forward by `embed`.
+    A pytree (the token counts are static), so it passes into scans and conds."""
+
+    mod_img: list[jax.Array]  # the double blocks' image-stream (shift, scale, gate) x 2: (B, 1 or N, D)
+    mod_txt: list[jax.Array]  # the same for the text stream, (B, 1, D)
+    mod_single: list[jax.Array]  # the single blocks' (shift, scale, gate): (B, 1 or S, D)
+    silu_temb: jax.Array  # (B, D) the SiLU'd time embedding (the output norm reads it)
+    rope: Rope
+    cache: ReferenceKV | None  # the references' cached K / V (KV edit), else None
+    n_txt: int
+    n_ref: int  # reference tokens ahead of the image tokens (extract only), else 0
+
+    def rows(self, start: jax.Array | int, size: int) -> BlockInputs:
+        """These inputs for the batch rows [start, start + size) (the rope and the batch-1
+        reference cache serve any rows)."""
+        def take(a: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_slice_in_dim(a, start, size, axis=0)
+
+        mods = jax.tree.map(take, (self.mod_img, self.mod_txt, self.mod_single, self.silu_temb))
+        return BlockInputs(*mods, self.rope, self.cache, self.n_txt, self.n_ref)
+
+
+jax.tree_util.register_dataclass(
+    BlockInputs, data_fields=["mod_img", "mod_txt", "mod_single", "silu_temb", "rope", "cache"],
+    meta_fields=["n_txt", "n_ref"],
+)
+
+
 def _with_batch(x: jax.Array, batch: int) -> jax.Array:
     # One cache serves every image of a batch (and both CFG branches).
     return jnp.broadcast_to(x, (batch, *x.shape[1:]))
@@ -440,6 +473,11 @@ class Flux2Transformer(nnx.Module):
         txt = jnp.zeros((batch, 0, self.config.joint_attention_dim), self.dtype)
         return self.extract(refs, img, txt, jnp.zeros((batch,), jnp.float32), rope)[1]
 
+    @property
+    def depth(self) -> int:
+        """Blocks in order: the double blocks, then the single blocks."""
+        return self.config.num_layers + self.config.num_single_layers
+
     def _embed_time(self, sigma: jax.Array) -> jax.Array:
         """The SiLU'd time embedding that every modulation reads."""
         # The reference casts sigma to the model dtype before scaling it to the 0..1000 range.
@@ -450,6 +488,17 @@ class Flux2Transformer(nnx.Module):
         self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, *,
         refs: jax.Array | None = None, cache: ReferenceKV | None = None,
     ) -> tuple[jax.Array, ReferenceKV | None]:
+        streams, inputs = self.embed(img, txt, sigma, rope, refs=refs, cache=cache)
+        (img, _), double_kv, single_kv = self.blocks(streams, inputs)
+        kv = None if refs is None else ReferenceKV(*double_kv, *single_kv)
+        return self.head(img, inputs), kv
+
+    def embed(
+        self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, *,
+        refs: jax.Array | None = None, cache: ReferenceKV | None = None,
+    ) -> tuple[Streams, BlockInputs]:
+        """The blocks' inputs: the embedded image stream (reference tokens first when
+        extracting) and text stream, and what every block reads besides them."""
         dt = self.dtype
         n_txt, n_img, n_ref = txt.shape[1], img.shape[1], 0 if refs is None else refs.shape[1]
         # 1. Timestep embedding and the modulation parameters of both streams and the single blocks.
@@ -471,32 +520,57 @@ class Flux2Transformer(nnx.Module):
         seq = tokens(img.shape[0])
         img = constrain(self.x_embedder(img.astype(dt)), BATCH_AXES, seq, None)
         txt = constrain(self.context_embedder(txt.astype(dt)), BATCH_AXES, None, None)
+        return (img, txt), BlockInputs(mod_img, mod_txt, mod_single, silu_temb, rope, cache, n_txt, n_ref)
+
+    def blocks(
+        self, streams: Streams, inputs: BlockInputs, start: int = 0, stop: int | None = None
+    ) -> tuple[Streams, KV | None, KV | None]:
+        """Blocks [start, stop) of `depth` (None: to the end) on the streams; with each stack's
+        reference K / V when extracting (None for a stack not run). A step cache runs the first
+        blocks and the rest as two calls."""
+        stop = self.depth if stop is None else stop
+        n_double, n_single = self.config.num_layers, self.config.num_single_layers
+        n_txt, n_ref, rope, cache = inputs.n_txt, inputs.n_ref, inputs.rope, inputs.cache
+        img, txt = streams
+        seq = tokens(img.shape[0])
+        double_kv = single_kv = None
 
         # 4. Double-stream blocks: each stream its own weights, one joint attention (cached
         #    reference K / V enter per block as scan inputs).
         def double_step(block: DoubleBlock, carry: tuple[jax.Array, jax.Array], kv: KV | None = None) -> Any:
-            img, txt, ref_kv = block(*carry, mod_img, mod_txt, rope, RefMode(n_txt, n_ref, kv))
+            img, txt, ref_kv = block(*carry, inputs.mod_img, inputs.mod_txt, rope, RefMode(n_txt, n_ref, kv))
             return (constrain(img, BATCH_AXES, seq, None), constrain(txt, BATCH_AXES, None, None)), ref_kv
 
-        double_xs = None if cache is None else (cache.double_k, cache.double_v)
-        (img, txt), double_kv = run_blocks(
-            self.transformer_blocks, (img, txt), double_step, xs=double_xs, scan=self.scan_layers
-        )
+        if start < n_double:
+            xs = None if cache is None else (cache.double_k, cache.double_v)
+            (img, txt), double_kv = run_blocks(
+                self.transformer_blocks, (img, txt), double_step, xs=xs, scan=self.scan_layers,
+                layers=_layer_range(start, min(stop, n_double), n_double),
+            )
 
         # 5. Single-stream blocks over the joint sequence [txt, (ref,) img].
         def single_step(block: SingleBlock, x: jax.Array, kv: KV | None = None) -> Any:
-            x, ref_kv = block(x, mod_single, rope, RefMode(n_txt, n_ref, kv))
+            x, ref_kv = block(x, inputs.mod_single, rope, RefMode(n_txt, n_ref, kv))
             return constrain(x, BATCH_AXES, seq, None), ref_kv
 
-        single_xs = None if cache is None else (cache.single_k, cache.single_v)
-        x, single_kv = run_blocks(
-            self.single_transformer_blocks, jnp.concatenate([txt, img], axis=1), single_step, xs=single_xs,
-            scan=self.scan_layers,
-        )
-        # 6. Output layers on the image tokens: the modulated LayerNorm, then the projection.
-        out = self.norm_out(x[:, n_txt + n_ref :], silu_temb)
-        kv = None if refs is None else ReferenceKV(*double_kv, *single_kv)
-        return self.proj_out(out), kv
+        if stop > n_double:
+            xs = None if cache is None else (cache.single_k, cache.single_v)
+            x, single_kv = run_blocks(
+                self.single_transformer_blocks, jnp.concatenate([txt, img], axis=1), single_step, xs=xs,
+                scan=self.scan_layers, layers=_layer_range(max(start - n_double, 0), stop - n_double, n_single),
+            )
+            txt, img = x[:, :n_txt], x[:, n_txt:]
+        return (img, txt), double_kv, single_kv
+
+    def head(self, img: jax.Array, inputs: BlockInputs) -> jax.Array:
+        """6. Output layers on the image tokens of the image stream (after any reference
+        tokens): the modulated LayerNorm, then the projection."""
+        return self.proj_out(self.norm_out(img[:, inputs.n_ref :], inputs.silu_temb))
+
+
+def _layer_range(start: int, stop: int, count: int) -> tuple[int, int] | None:
+    """run_blocks' `layers` for blocks [start, stop) of a stack of `count`; None for all of them."""
+    return None if (start, stop) == (0, count) else (start, stop)
 
 
 def _per_token(segments: list[tuple[jax.Array, int]]) -> jax.Array:

@@ -29,11 +29,19 @@ from flux2klein_cli.core.hub.checkpoint import LoadedModels, Snapshot, load_mode
 from flux2klein_cli.core.models.layers import as_words
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import programs, tokens
-from flux2klein_cli.core.pipeline.denoise import DenoiseInputs, build_inputs, denoise_fn, noise_fn, reference_kv_fn
+from flux2klein_cli.core.pipeline.denoise import (
+    CacheRule,
+    DenoiseInputs,
+    build_inputs,
+    denoise_fn,
+    noise_fn,
+    reference_kv_fn,
+)
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.pixels import paste_back, postprocess
 from flux2klein_cli.core.pipeline.prompt_tokenizer import PromptTokenizer
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, from_step, make_schedule, start_step
+from flux2klein_cli.core.pipeline.step_cache import StepCache, cache_report
 from flux2klein_cli.core.weights.configs import read_json
 
 if TYPE_CHECKING:
@@ -83,6 +91,7 @@ class Decoded:
 
     images: np.ndarray  # (B, H, W, 3) uint8
     seconds: dict[str, float]
+    cache: dict[str, Any] | None = None  # with a step cache: its settings and what it skipped (cache_report)
 
 
 def timed(seconds: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
@@ -124,7 +133,7 @@ class KleinPipeline:
         self._encode = programs.jit_module_call(models.vae, programs.encode_tokens)
         self._decode = programs.jit_module_call(models.vae, programs.decode_latents)
         self._denoise_graph = nnx.split(models.transformer)[0]
-        self._denoise: dict[int | None, Any] = {}  # steps per call -> jitted loop
+        self._denoise: dict[tuple[Any, Any], Any] = {}  # (steps per call, step cache form) -> jitted loop
         self._reference_kv = reference_kv_fn(nnx.split(models.transformer)[0])
         self.warn: Callable[[str], None] = warn or (lambda message: None)
         self.lora = lora
@@ -267,16 +276,20 @@ class KleinPipeline:
 
     def denoise(self, inputs: DenoiseInputs, steps: int, per_call: int | None = None,
                 on_step: StepCallback | None = None, compiled: Programs | None = None,
-                on_latents: Callable[[int, Any], None] | None = None) -> jax.Array:
+                cache: StepCache | None = None, on_latents: Callable[[int, Any], None] | None = None) -> Any:
         """The loop in one call, or `per_call` steps a call with `on_step(done, steps)` after
         each (and `on_latents(done, latents)` before it). Call i + 1 is queued before call i is
         waited for, so the device never idles between calls; each call's latents are the next
-        one's input, so the images are the same either way."""
+        one's input, so the images are the same either way. With a step `cache` (its rule in
+        `inputs`): one call, which returns (latents, CacheRecord)."""
         count = programs.denoise_count(steps, per_call)
-        name = programs.denoise_name(count)
-        if count not in self._denoise:
-            self._denoise[count] = denoise_fn(self._denoise_graph, count)
-        program = self._denoise[count]
+        form = None if cache is None else cache.form
+        if form is not None and count is not None:
+            raise ValueError("a step-cached loop runs in one call")
+        name = programs.denoise_name(count, form)
+        if (count, form) not in self._denoise:
+            self._denoise[(count, form)] = denoise_fn(self._denoise_graph, count, cache=form)
+        program = self._denoise[(count, form)]
         if count is None:
             out = self._call(compiled, name, program, self.transformer_state, inputs, np.int32(0))
             if on_step is not None:
@@ -329,7 +342,8 @@ class KleinPipeline:
         inputs = build_inputs(
             self.models.transformer.rope, grid, latents=noise, text=text, negative_text=negative, references=refs,
             reference_grids=grids, reference_kv=reference_kv, schedule=schedule, guidance=plan.guidance,
-            init=plan.init_image is not None, noise=None if plan.mask is None else noise, mask=plan.mask)
+            init=plan.init_image is not None, noise=None if plan.mask is None else noise, mask=plan.mask,
+            cache_rule=None if plan.cache is None else CacheRule.of(plan.cache))
         on_latents = None
         if on_chunk is not None:
             def on_latents(done: int, chunk: Any) -> None:
@@ -337,7 +351,12 @@ class KleinPipeline:
                     plan, np.nan_to_num(self._decoded(chunk, compiled)))))
 
         latents = timed(seconds, "denoise", lambda: self.denoise(inputs, plan.loop_steps, per_call, on_step,
-                                                                 compiled, on_latents))
+                                                                 compiled, plan.cache, on_latents))
+        cache = None
+        if plan.cache is not None:
+            latents, record = latents
+            cache = cache_report(plan.cache, self._to_host(record.cached), self._to_host(record.difference),
+                                 2 if plan.cfg else 1, self.models.transformer.depth)
         pixels = timed(seconds, "decode", lambda: self._decoded(latents, compiled))
         if not np.isfinite(pixels).all():
             stages = [("the text encoder", text), ("the text encoder (negative prompt)", negative),
@@ -346,7 +365,7 @@ class KleinPipeline:
             raise NonFiniteError(f"{first_non_finite(stages, self._to_host) or 'the VAE decode'} produced "
                                  f"non-finite values (NaN or inf); no image was written. Check the weights "
                                  f"(flux2klein inspect MODEL) and --guidance")
-        return Decoded(self._finish(plan, pixels), seconds)
+        return Decoded(self._finish(plan, pixels), seconds, cache)
 
     def _decoded(self, latents: Any, compiled: Programs | None) -> np.ndarray:
         """(B, h, w, C) latents through the VAE decode program: (B, H, W, 3) float32 on the host."""

@@ -21,6 +21,7 @@ from flux2klein_cli.core.devices.sharding import BATCH_AXES, batch_shards, const
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.step_cache import CacheForm
 
 # ----------------------------------------------------------------------------- names
 
@@ -47,10 +48,11 @@ def denoise_count(steps: int, per_call: int | None) -> int | None:
     return None if per_call in (None, steps) else per_call
 
 
-def denoise_name(count: int | None) -> str:
+def denoise_name(count: int | None, cache: CacheForm | None = None) -> str:
     """The program's name: `denoise` for the whole loop, `denoise_by_<k>` for k steps a call,
-    so each form is its own stored entry."""
-    return "denoise" if count is None else f"denoise_by_{count}"
+    a step-cached loop's with its form's suffix, so each form is its own stored entry."""
+    name = "denoise" if count is None else f"denoise_by_{count}"
+    return name if cache is None else name + cache.suffix
 
 
 # ----------------------------------------------------------------------------- the run
@@ -76,6 +78,7 @@ class RunShape:
     # `steps` counts the steps the loop runs (from the strength's start step on).
     init: bool = False
     mask: bool = False  # inpainting: the init image's mask blends every step
+    cache: CacheForm | None = None  # a step cache's form (its numbers are the program's inputs)
 
     def __post_init__(self) -> None:
         """A shape no run can have is a bug of its builder: requests are checked by their plan
@@ -90,6 +93,8 @@ class RunShape:
             (self.mask and not self.init, "a mask needs an init image"),
             (self.steps_per_call is not None and (self.steps_per_call < 1 or self.steps % self.steps_per_call != 0),
              f"steps per call {self.steps_per_call} does not divide {self.steps} steps"),
+            (self.cache is not None and self.steps_per_call is not None,
+             "a step-cached loop runs in one call (its cache lives in the loop)"),
         ]
         for wrong, why in problems:
             if wrong:
@@ -112,7 +117,7 @@ class RunShape:
         names = [TEXT_ENCODER]
         if self.cfg and negative_text_name(self.prompts) != TEXT_ENCODER:
             names.append(TEXT_ENCODER_NEGATIVE)
-        names += [NOISE, denoise_name(self.denoise_count), VAE_DECODE]
+        names += [NOISE, denoise_name(self.denoise_count, self.cache), VAE_DECODE]
         names += [vae_encode_name(h, w) for h, w in dict.fromkeys(self.references)]  # distinct sizes, in order
         if self.kv:
             names.append(REFERENCE_KV)

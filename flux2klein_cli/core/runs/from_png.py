@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.pipeline.step_cache import CACHE_FIELDS
 from flux2klein_cli.core.runs.image_files import read_run_metadata
 from flux2klein_cli.core.runs.run_record import decode
 
@@ -48,6 +49,8 @@ def overlay(png: Mapping[str, Any], arguments: Mapping[str, Any], given: Collect
     for group in GROUPS:
         if any(name in given for name in group):
             taken -= set(group)
+    if "cache" in given:  # another mode (or none) takes its own defaults, not the PNG's settings
+        taken -= set(CACHE_FIELDS)
     merged = dict(arguments)
     merged.update({name: png[name] for name in taken})
     named = [*(png["references"] if "references" in taken else ()),

@@ -84,6 +84,7 @@ class GenerateReport:
     cpu_kernels: dict[str, str | None] | None
     seconds: dict[str, float]
     components: dict[str, str] = field(default_factory=dict)
+    cache: dict[str, Any] | None = None  # with a step cache: its settings and what it skipped
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -144,7 +145,7 @@ def run_generate(
         height=plan.height, width=plan.width, steps=plan.steps, guidance=plan.guidance, cfg=run.cfg,
         references=list(plan.reference_names), dtype=options.dtype, lora=lora, kv=plan.kv, kv_cache=run.kv_cache,
         mesh=None if mesh is None else dict(mesh.shape), writer=writer, executables=run.executables,
-        cpu_kernels=cpu_kernels(), seconds={k: round(v, 4) for k, v in seconds.items()},
+        cpu_kernels=cpu_kernels(), seconds={k: round(v, 4) for k, v in seconds.items()}, cache=run.cache,
     )
 
 

@@ -5,9 +5,11 @@ and `inspect` read it.
 Record 3 (written now, `record: 3`) names each value by its request field (RunFields) or engine
 option (EngineOptions), as core/fields.py reads them: prompt, negative_prompt, seed (or latents,
 the noise file), steps, guidance, height, width, references, init_image, mask, strength,
-padding_mask_crop, kv, reference_max_area, max_sequence_length; model, transformer, vae, dtype,
-lora; and version (flux2klein's). Record 2 (no `record` key, written before) held the same
-values but `size` as WIDTHxHEIGHT and the noise file as seed `latents:PATH`: it reads as record 3.
+padding_mask_crop, kv, reference_max_area, max_sequence_length, a step cache's settings (cache,
+cache_threshold, cache_warmup, cache_max_skips, cache_blocks, cache_taylorseer, all of them as
+resolved); model, transformer, vae, dtype, lora; and version (flux2klein's). Record 2 (no `record`
+key, written before) held the same values but `size` as WIDTHxHEIGHT and the noise file as seed
+`latents:PATH`: it reads as record 3.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from flux2klein_cli.core.fields import read
 
 RECORD = 3
 LATENTS_PREFIX = "latents:"  # record 2's seed of a run that started from a noise file
-TEXTS = ("prompt", "negative_prompt", "model", "transformer", "vae", "dtype")
+TEXTS = ("prompt", "negative_prompt", "model", "transformer", "vae", "dtype", "cache")
 PATHS = ("latents", "init_image", "mask")
-WHOLES = ("seed", "steps", "height", "width", "padding_mask_crop", "reference_max_area", "max_sequence_length")
-NUMBERS = ("guidance", "strength")
+WHOLES = ("seed", "steps", "height", "width", "padding_mask_crop", "reference_max_area", "max_sequence_length",
+          "cache_warmup", "cache_max_skips", "cache_blocks")
+NUMBERS = ("guidance", "strength", "cache_threshold")
+FLAGS = ("cache_taylorseer",)  # kv is read apart: absent means false
 
 
 def encode(plan: Any, index: int, options: Any, lora: list[dict[str, Any]]) -> dict[str, Any]:
@@ -42,6 +46,7 @@ def encode(plan: Any, index: int, options: Any, lora: list[dict[str, Any]]) -> d
         negative_prompt=plan.negative_prompt if plan.cfg else "", **noise, steps=plan.steps, guidance=plan.guidance,
         height=plan.height, width=plan.width, references=list(plan.reference_names), **init,
         max_sequence_length=plan.max_sequence_length, **({"kv": True} if plan.kv else {}),
+        **({} if plan.cache is None else plan.cache.as_metadata()),
         **({"reference_max_area": plan.reference_max_area} if plan.reference_names else {}),
         model=options.model, **options.components, dtype=options.dtype, **({"lora": lora} if lora else {}),
         version=__version__,
@@ -89,7 +94,7 @@ def decode(meta: Mapping[str, Any], where: str | Path) -> dict[str, Any]:
     try:
         values = _record_2(meta) if version < 3 else dict(meta)
         out: dict[str, Any] = {}
-        for name in (*TEXTS, *PATHS, *WHOLES, *NUMBERS):
+        for name in (*TEXTS, *PATHS, *WHOLES, *NUMBERS, *FLAGS):
             if values.get(name) is not None:
                 out[name] = read(name, values[name])
         for name in PATHS:

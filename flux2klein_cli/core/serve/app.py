@@ -136,6 +136,13 @@ def _request_models() -> tuple[type, type]:
         guidance: float | None = None
         negative_prompt: str = ""
         lora_set: str | None = None  # or model: MODEL+SET
+        # Step caching (base models): core/pipeline/step_cache.py; None: the mode's defaults.
+        cache: str | None = None
+        cache_threshold: float | None = None
+        cache_warmup: int | None = None
+        cache_max_skips: int | None = None
+        cache_blocks: int | None = None
+        cache_taylorseer: bool | None = None
 
     class EditRequest(ImageRequest):
         """`POST /v1/images/edits`: the form fields beside the image files."""

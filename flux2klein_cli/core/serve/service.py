@@ -22,6 +22,7 @@ from flux2klein_cli.core.engine.engine import Engine, ImageRun
 from flux2klein_cli.core.engine.plan import ReferenceSource, RunFields, RunPlan
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.fields import api_param
+from flux2klein_cli.core.pipeline.step_cache import CACHE_FIELDS
 from flux2klein_cli.core.serve.batcher import (
     Batcher,
     BatchReport,
@@ -172,6 +173,7 @@ def run_fields(body: Mapping[str, Any], references: Sequence[ReferenceSource], m
         seed=body.get("seed", 0), num_images=n, max_sequence_length=max_sequence_length,
         kv=bool(body.get("kv")), init_image=init_image, mask=mask, strength=body.get("strength"),
         padding_mask_crop=body.get("padding_mask_crop"), mask_alpha=True, lora_set=lora_set,
+        **{name: body.get(name) for name in CACHE_FIELDS},
     )
 
 
@@ -287,6 +289,9 @@ class Service:
         if partial_images and self.lockstep:
             raise FieldError("partial_images", "is not available on a server of several processes; use 0")
         plan = self.engine.plan(fields)
+        if partial_images and plan.cache is not None:
+            raise FieldError("partial_images", "cannot come from a step-cached run (its loop runs in one call); "
+                             "use 0, or no cache")
         output = output_of(body, plan, distilled)
         if self.admission is not None:
             self.admission.check(plan)
@@ -376,7 +381,9 @@ class Service:
 
 def response_body(request: ServeRequest, served: Served) -> dict[str, Any]:
     """The Images API's answer: the images and what they are."""
-    return {"created": int(time.time()), "data": served.data, **request.output.fields(), "usage": request.usage}
+    cache = {} if served.run.cache is None else {"cache": served.run.cache}  # what a step cache skipped
+    return {"created": int(time.time()), "data": served.data, **request.output.fields(), "usage": request.usage,
+            **cache}
 
 
 def partial_events(request: ServeRequest, index: int, images: Sequence[str]) -> list[dict[str, Any]]:

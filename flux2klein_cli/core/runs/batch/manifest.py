@@ -22,6 +22,7 @@ from flux2klein_cli.core import limits
 from flux2klein_cli.core.engine.plan import RunFields
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.fields import FIELDS, manifest_key, read
+from flux2klein_cli.core.pipeline.step_cache import CACHE_FIELDS
 
 DEFAULT_OUTPUT = "{index:05d}-{seed}.png"
 FORMATS = ("jsonl", "csv", "text")
@@ -63,7 +64,7 @@ class LineError(Exception):
 # The fields a line may give (core/fields.py spells and reads them; CSV cells are converted first).
 LINE_FIELDS = ("prompt", "negative_prompt", "seed", "seeds", "num_images", "height", "width", "steps", "guidance",
                "max_sequence_length", "references", "kv", "output", "init_image", "mask", "strength",
-               "padding_mask_crop", "reference_max_area")
+               "padding_mask_crop", "reference_max_area", *CACHE_FIELDS)
 KEYS = {manifest_key(name): name for name in LINE_FIELDS}  # a line's key -> its field
 FILE_FIELDS = ("init_image", "mask")  # one path each, relative to the manifest like `images`
 
@@ -122,14 +123,14 @@ def _csv_value(name: str, cell: str) -> Any:
         return [part.strip() for part in cell.split(LIST_SEPARATOR) if part.strip()]
     if name == "seeds":
         return [_csv_number(name, part.strip(), int) for part in cell.split(LIST_SEPARATOR) if part.strip()]
-    if name == "kv":
+    kind = FIELDS[KEYS[name]].kind if name in KEYS else None
+    if kind == "flag":
         lowered = cell.strip().lower()
         if lowered in ("true", "1", "yes"):
             return True
         if lowered in ("false", "0", "no"):
             return False
-        raise LineError(f"kv must be true or false, got {cell!r}")
-    kind = FIELDS[KEYS[name]].kind if name in KEYS else None
+        raise LineError(f"{name} must be true or false, got {cell!r}")
     if kind == "whole":
         return _csv_number(name, cell.strip(), int)
     if kind == "number":

@@ -52,6 +52,7 @@ def bench_pipeline(
     effort: str = "default",
     warn: Callable[[str], None] | None = None,
     lora: list[str] | None = None,
+    cache: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Load, first call and steady-state phases of a text-to-image (or edit) run on the `Engine`,
     planned as `generate` plans it (the references are random images of the given sizes).
@@ -69,7 +70,8 @@ def bench_pipeline(
     when the steady state holds no compilation). With `kv` the same edit runs plain and with
     the reference KV cache (each timed request computes its cache: no reuse), and the
     speed-up is reported beside the token-count bound, with the saving of reusing one cache
-    over four prompts.
+    over four prompts. With `cache` (RunFields' step cache fields) the same run is timed with
+    that step cache too: what it skipped and its speed-up, denoising and per image.
     """
     from flux2klein_cli.core.engine.engine import Engine, EngineOptions
 
@@ -87,6 +89,11 @@ def bench_pipeline(
                   steps=plan.steps, batch=batch, height=height, width=width,
                   references=[f"{w}x{h}" for h, w in references], store=store_info,
                   **_time_plan(engine, plan, reps), devices=device_memory(pipeline))
+    if cache:
+        cached = _time_plan(engine, engine.plan(dataclasses.replace(fields, **cache)), reps)
+        result["cache"] = dict(cached, speedup=dict(
+            denoise=result["phases"]["denoise"]["median"] / cached["phases"]["denoise"]["median"],
+            per_image=result["per_image_s"] / cached["per_image_s"]))
     if not kv:
         return result
     kv_plan = engine.plan(dataclasses.replace(fields, kv=True))
@@ -152,6 +159,7 @@ def _time_plan(engine: Any, plan: Any, reps: int) -> dict[str, Any]:
 
     result, first = call()
     executables = list(result.executables) if engine.executables.store is not None else None
+    cache = {} if result.cache is None else {"report": result.cache}  # what a step cache skipped
     with xla_builds() as built:
         runs = [call()[1] for _ in range(reps)]
     phases = list(first)
@@ -159,7 +167,7 @@ def _time_plan(engine: Any, plan: Any, reps: int) -> dict[str, Any]:
     compile_s = sum(max(first[p] - steady[p]["median"], 0.0) for p in phases)
     total = {"min": sum(steady[p]["min"] for p in phases), "median": sum(steady[p]["median"] for p in phases)}
     return dict(compile_s=compile_s, first_call_s=sum(first.values()), first_call=first, phases=steady, run_s=total,
-                per_image_s=total["median"] / plan.batch, executables=executables, timed_compiles=built)
+                per_image_s=total["median"] / plan.batch, executables=executables, timed_compiles=built, **cache)
 
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax's dispatch.BACKEND_COMPILE_EVENT

@@ -20,7 +20,7 @@ from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 # Options only some phases use, by phase (as fields); given with another phase they are exit 2.
 PHASE_FIELDS: dict[str, tuple[str, ...]] = {
     "ttfi": ("diffusers",),
-    "pipeline": ("mesh", "tpu", "compile_cache", "no_save", "effort", "no_store", "lora", "refs"),
+    "pipeline": ("mesh", "tpu", "compile_cache", "no_save", "effort", "no_store", "lora", "refs", "cache"),
     "lora": ("ranks",),
 }
 DEFAULT_RANKS = "16,64"
@@ -51,13 +51,16 @@ class BenchOptions:
     ranks: str | None = None
     transformer: str | None = None
     vae: str | None = None
+    # pipeline: a step cache's fields (RunFields' cache, cache_threshold, ...; None ones left out):
+    # the run is timed without and with it.
+    cache: tuple[tuple[str, Any], ...] = ()
 
     def given(self) -> dict[str, bool]:
         """The phase-specific options given, by field."""
         return {"diffusers": self.diffusers, "mesh": bool(self.mesh), "tpu": bool(self.tpu),
                 "compile_cache": self.compile_cache is not None, "no_save": not self.save,
                 "effort": self.effort != "default", "no_store": not self.store, "lora": bool(self.lora),
-                "ranks": self.ranks is not None, "refs": bool(self.reference_sizes())}
+                "ranks": self.ranks is not None, "refs": bool(self.reference_sizes()), "cache": bool(self.cache)}
 
     def reference_sizes(self) -> tuple[tuple[int, int], ...]:
         """(height, width) of each reference of the timed edit; () for text to image."""
@@ -193,7 +196,7 @@ def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | Non
         result = bench_pipeline(path, height=opts.height, width=opts.width, batch=opts.batch, steps=opts.steps,
                                 reps=opts.reps, dtype=opts.dtype, references=opts.reference_sizes(), kv=opts.kv,
                                 mesh=run_on, store=opts.store, compile_cache=opts.compile_cache, save=opts.save,
-                                effort=opts.effort, warn=warn, lora=list(opts.lora))
+                                effort=opts.effort, warn=warn, lora=list(opts.lora), cache=dict(opts.cache))
     return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
 
 
