@@ -1,7 +1,8 @@
 """What batch and serve add to bench's figure, measured in one process (no drift between
 processes): for REPS runs of a BS-plan batch, bench's figure (the sum of the pipeline's phases),
 the engine's wall time around them, writing each image as batch does (`write_png`: PNG, fsync,
-rename) and encoding it as serve does (PNG + base64). Prints one JSON object.
+rename) and encoding it as serve does (base64 of PNG, JPEG and WebP at the default compression).
+Prints one JSON object.
 
     python benchmarks/engine_overhead.py --model /tmp/round/medium --size 512 --bs 4
 """
@@ -30,7 +31,7 @@ def main() -> None:
     from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.runs.image_files import write_png
-    from flux2klein_cli.core.serve.service import encode_png
+    from flux2klein_cli.core.serve.service import Output, encode
 
     engine = open_engine(EngineOptions(model=args.model, dtype=args.dtype), resolve_model, warn=lambda m: None)
 
@@ -39,7 +40,8 @@ def main() -> None:
                                       height=args.size, width=args.size)) for i in range(args.bs)]
 
     engine.run_batch(plans(0))  # loads or compiles the shape
-    phases, walls, writes, encodes = [], [], [], []
+    formats = ("png", "jpeg", "webp")
+    phases, walls, writes, encodes = [], [], [], {fmt: [] for fmt in formats}
     with tempfile.TemporaryDirectory() as out:
         for rep in range(1, args.reps + 1):
             batch = plans(rep)
@@ -51,14 +53,16 @@ def main() -> None:
             for i, run in enumerate(runs):
                 write_png(Path(out) / f"{rep}-{i}.png", run.images[0], {"prompt": batch[i].prompts[0]}, force=False)
             writes.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            for run in runs:
-                encode_png(run.images[0])
-            encodes.append(time.perf_counter() - start)
+            for fmt in formats:
+                start = time.perf_counter()
+                for run in runs:
+                    encode(run.images[0], Output(fmt, None, "high", f"{args.size}x{args.size}"))
+                encodes[fmt].append(time.perf_counter() - start)
     ms = lambda values: round(statistics.median(values) * 1000 / args.bs, 1)  # noqa: E731 (per image)
     print(json.dumps({"size": args.size, "bs": args.bs, "reps": args.reps,
                       "per_image_ms": {"bench_phases": ms(phases), "engine_wall": ms(walls),
-                                       "write_png": ms(writes), "encode_png_b64": ms(encodes)}}))
+                                       "write_png": ms(writes),
+                                       **{f"encode_{fmt}_b64": ms(encodes[fmt]) for fmt in formats}}}))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ concurrency (default 1, 4, 8), printing throughput and p50 / p99 latency (docs/b
 Only loopback URLs are accepted (it is a benchmark of this host, not a load tool for others'),
 every request has a timeout, and the whole run stops after --max-seconds. Each request carries a
 distinct seed; 429s are counted apart (and not retried), as are other failures. --json prints one
-object per concurrency level on stdout.
+object per concurrency level on stdout. With --partial-images K the requests stream (stream: true)
+and the first partial image's latency is measured too (p50 / p99). --output-format picks the format.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Level:
     images_per_second: float
     p50_ms: float | None
     p99_ms: float | None
+    first_partial_p50_ms: float | None = None  # streamed: from sending to the first partial image event
+    first_partial_p99_ms: float | None = None
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -59,6 +62,7 @@ def check_loopback(url: str) -> None:
 
 async def level(client: httpx.AsyncClient, args: argparse.Namespace, concurrency: int, deadline: float) -> Level:
     latencies: list[float] = []
+    firsts: list[float] = []
     counts = {"ok": 0, "rejected": 0, "failed": 0, "images": 0}
     next_index = 0
 
@@ -68,18 +72,26 @@ async def level(client: httpx.AsyncClient, args: argparse.Namespace, concurrency
             index = next_index
             next_index += 1
             body = {"prompt": args.prompt, "size": args.size, "n": args.n, "seed": index,
-                    "response_format": "b64_json", **({"steps": args.steps} if args.steps else {})}
+                    "response_format": "b64_json", "output_format": args.output_format,
+                    **({"steps": args.steps} if args.steps else {})}
             start = time.perf_counter()
             try:
-                response = await client.post("/v1/images/generations", json=body, timeout=args.timeout)
+                if args.partial_images is not None:
+                    status, images, first = await streamed(client, body, args, start)
+                    if first is not None:
+                        firsts.append(first)
+                else:
+                    response = await client.post("/v1/images/generations", json=body, timeout=args.timeout)
+                    status = response.status_code
+                    images = len(response.json()["data"]) if status == 200 else 0
             except httpx.HTTPError:
                 counts["failed"] += 1
                 continue
-            if response.status_code == 200:
+            if status == 200 and images:
                 latencies.append(time.perf_counter() - start)
                 counts["ok"] += 1
-                counts["images"] += len(response.json()["data"])
-            elif response.status_code == 429:
+                counts["images"] += images
+            elif status == 429:
                 counts["rejected"] += 1
             else:
                 counts["failed"] += 1
@@ -87,12 +99,30 @@ async def level(client: httpx.AsyncClient, args: argparse.Namespace, concurrency
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     seconds = time.perf_counter() - start
-    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
+    ms = lambda value: None if value is None else round(value * 1000, 1)  # noqa: E731
     return Level(concurrency=concurrency, requests=sum(counts[k] for k in ("ok", "rejected", "failed")),
                  ok=counts["ok"], rejected=counts["rejected"], failed=counts["failed"], images=counts["images"],
                  seconds=round(seconds, 3), images_per_second=round(counts["images"] / seconds, 3) if seconds else 0,
-                 p50_ms=None if p50 is None else round(p50 * 1000, 1),
-                 p99_ms=None if p99 is None else round(p99 * 1000, 1))
+                 p50_ms=ms(percentile(latencies, 50)), p99_ms=ms(percentile(latencies, 99)),
+                 first_partial_p50_ms=ms(percentile(firsts, 50)), first_partial_p99_ms=ms(percentile(firsts, 99)))
+
+
+async def streamed(client: httpx.AsyncClient, body: dict, args: argparse.Namespace,
+                   start: float) -> tuple[int, int, float | None]:
+    """(status, images completed, seconds to the first partial image) of one streamed request."""
+    body = {**body, "stream": True, "partial_images": args.partial_images}
+    first, images = None, 0
+    async with client.stream("POST", "/v1/images/generations", json=body, timeout=args.timeout) as response:
+        if response.status_code != 200:
+            return response.status_code, 0, None
+        async for line in response.aiter_lines():
+            if line == "event: image_generation.partial_image" and first is None:
+                first = time.perf_counter() - start
+            elif line == "event: image_generation.completed":
+                images += 1
+            elif line == "event: error":
+                return 500, 0, first
+    return 200, images, first
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -129,6 +159,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="default: the model's")
     parser.add_argument("-n", type=int, default=1, help="images per request")
     parser.add_argument("--prompt", default="a lighthouse at dawn, volumetric light")
+    parser.add_argument("--output-format", default="png", choices=["png", "jpeg", "webp"])
+    parser.add_argument("--partial-images", type=int, default=None, choices=[0, 1, 2, 3],
+                        help="stream the requests with this many partial images (default: no stream)")
     parser.add_argument("--requests", type=int, default=32, help="requests per concurrency level (at most 1000)")
     parser.add_argument("--concurrency", type=lambda t: [int(c) for c in t.split(",")], default=[1, 4, 8])
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
