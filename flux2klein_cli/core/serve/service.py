@@ -272,9 +272,6 @@ class Service:
             raise FieldError("lora_set", f"is {given!r} but model {name!r} picks {chosen!r}; give one")
         return chosen or given
 
-    def check_model(self, name: str | None) -> None:
-        self.lora_set({"model": name})
-
     def plan(self, body: Mapping[str, Any], references: Sequence[ReferenceSource] = (),
              init_image: ReferenceSource | None = None, mask: ReferenceSource | None = None, *,
              edit: bool = False) -> ServeRequest:
