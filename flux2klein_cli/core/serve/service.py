@@ -177,15 +177,13 @@ def run_fields(body: Mapping[str, Any], references: Sequence[ReferenceSource], m
     )
 
 
-def output_of(body: Mapping[str, Any], plan: RunPlan, distilled: bool) -> Output:
-    """The output a request asks for: its format and compression, and the tier of the steps run."""
-    from flux2klein_cli.core.hub.registry import quality_of
+def output_format(body: Mapping[str, Any]) -> tuple[str, int | None]:
+    """The format a request's images go back in, and its compression (None for lossless PNG)."""
     from flux2klein_cli.core.runs.image_files import IMAGE_FORMATS
 
     image_format = _choice(body, "output_format", IMAGE_FORMATS, "png")
     compression = _bounded(body, "output_compression", 0, 100)
-    return Output(image_format, None if image_format == "png" else compression, quality_of(distilled, plan.steps),
-                  f"{plan.width}x{plan.height}")
+    return image_format, None if image_format == "png" else compression
 
 
 def usage_of(plan: RunPlan, text_tokens: int) -> dict[str, Any]:
@@ -276,6 +274,8 @@ class Service:
              init_image: ReferenceSource | None = None, mask: ReferenceSource | None = None, *,
              edit: bool = False) -> ServeRequest:
         """A request checked against the model (FieldError / UserInputError: 400). No device work."""
+        from flux2klein_cli.core.hub.registry import quality_of
+
         distilled = self.engine.facts.distilled
         fields = run_fields(body, references, self.options.max_sequence_length, init_image, mask,
                             distilled=distilled, lora_set=self.lora_set(body))
@@ -285,11 +285,12 @@ class Service:
             raise FieldError("partial_images", "needs stream: true (partial images come as server-sent events)")
         if partial_images and self.lockstep:
             raise FieldError("partial_images", "is not available on a server of several processes; use 0")
+        image_format, compression = output_format(body)  # before any image is read
         plan = self.engine.plan(fields)
         if partial_images and plan.cache is not None:
             raise FieldError("partial_images", "cannot come from a step-cached run (its loop runs in one call); "
                              "use 0, or no cache")
-        output = output_of(body, plan, distilled)
+        output = Output(image_format, compression, quality_of(distilled, plan.steps), f"{plan.width}x{plan.height}")
         if self.admission is not None:
             self.admission.check(plan)
         _, mask_rows = self.engine.pipeline.tokenizer([plan.prompts[0]], plan.max_sequence_length)
