@@ -87,7 +87,9 @@ def main() -> None:
         result = engine.run(plan)
         seconds = time.perf_counter() - start
         skipped = None if result.cache is None else result.cache["skipped_steps"]
-        print(f"{cache or 'uncached'} seed {seed}: {seconds:.1f} s, skipped {skipped}", file=sys.stderr, flush=True)
+        phases = {k: round(v, 1) for k, v in result.seconds.items() if k != "total"}
+        print(f"{cache or 'uncached'} seed {seed}: {seconds:.1f} s {phases}, skipped {skipped}", file=sys.stderr,
+              flush=True)
         return result, seconds
 
     # Quality first: each seed's uncached image, then each setting's; these runs also compile
@@ -106,14 +108,19 @@ def main() -> None:
     uncached: dict[str, Any] = {}
     if args.reps:
         times: list[list[float]] = [[] for _ in range(len(settings) + 1)]
+        denoise: list[list[float]] = [[] for _ in range(len(settings) + 1)]
         for _ in range(args.reps):  # A/B interleaved: each round times every setting once
             for i, cache in enumerate([{}, *settings]):
-                times[i].append(run(cache, args.seeds[0])[1])
+                result, seconds = run(cache, args.seeds[0])
+                times[i].append(seconds)
+                denoise[i].append(result.seconds["denoise"])
         base = statistics.median(times[0])
         for row, t in zip(rows, times[1:], strict=True):
             row["seconds_median"] = round(statistics.median(t), 3)
             row["speedup_median"] = round(base / statistics.median(t), 3)
             row["speedup_per_round"] = [round(a / b, 3) for a, b in zip(times[0], t, strict=True)]
+        for row, d in zip(rows, denoise[1:], strict=True):
+            row["denoise_speedup_median"] = round(statistics.median(denoise[0]) / statistics.median(d), 3)
         uncached = {"seconds_median": round(base, 3), "seconds": [round(t, 3) for t in times[0]]}
     print(json.dumps({"model": str(args.model), "size": args.size, "steps": args.steps, "guidance": args.guidance,
                       "dtype": args.dtype, "seeds": args.seeds, "reps": args.reps, "uncached": uncached,
