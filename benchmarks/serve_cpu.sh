@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # serve against bench (docs/benchmarks.md, "serve as OpenAI clients call it"): the medium checkpoint,
-# SIZE x SIZE (default 512), bf16, a warm executable store, every server on 127.0.0.1 with --max-batch 8.
+# SIZE x SIZE (default 512), DTYPE (default bf16), a warm executable store, every server on 127.0.0.1 with --max-batch 8.
 #   1. bench at batch 1 and 8 (the references), before and after the rounds;
 #   2. ROUNDS rounds, each starting one server with --encode-threads 0 (the worker encodes) and one
 #      with the default (encoding beside the device thread), in turns: concurrency 1 ($REQUESTS
@@ -11,8 +11,9 @@ set -eu
 . "$(dirname "$0")/cpu_common.sh"
 ROUNDS=${ROUNDS:-3}
 SIZE=${SIZE:-512}
+DTYPE=${DTYPE:-bf16}  # fp32 on a CPU without bf16 arithmetic (no AVX512-BF16 or AMX)
 bench() {
-  "$PY" -m flux2klein_cli bench --model "$M" --height "$SIZE" --width "$SIZE" --bs "$1" --reps "$2" --dtype bf16 --json \
+  "$PY" -m flux2klein_cli bench --model "$M" --height "$SIZE" --width "$SIZE" --bs "$1" --reps "$2" --dtype "$DTYPE" --json \
     2>>"$OUT/log.txt" | "$PY" -c "import json,sys; r=json.load(sys.stdin); print(json.dumps({'bench_bs': $1,
     'per_image_s': round(r['per_image_s'], 3)}))"
 }
@@ -22,7 +23,7 @@ load() { "$PY" benchmarks/serve_load.py --url "http://127.0.0.1:$port" --size "$
 for round in $(seq "$ROUNDS"); do
   for threads in 0 default; do
     flag=(); [ "$threads" = default ] || flag=(--encode-threads "$threads")
-    start_server --model "$M" --max-batch 8 --warm "${SIZE}x$SIZE" "${flag[@]}"
+    start_server --model "$M" --dtype "$DTYPE" --max-batch 8 --warm "${SIZE}x$SIZE" "${flag[@]}"
     load --requests 2 --concurrency 1 >/dev/null  # the first requests after warming
     echo "{\"round\": $round, \"encode_threads\": \"$threads\"}"
     load --requests "$REQUESTS" --concurrency 1
