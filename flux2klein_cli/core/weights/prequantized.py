@@ -99,3 +99,4 @@ def component_forms(directory: str | Path, model: nnx.Module, plan_for: Callable
         return ()
     forms = kept_forms(open_weights(directory), model, plan_for(model))
     return tuple(sorted((".".join(path), name) for path, name in forms.items()))
+
