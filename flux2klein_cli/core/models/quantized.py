@@ -187,6 +187,19 @@ def prequantize_abstract(model: nnx.Module, forms: Mapping[tuple[str, ...], str]
     return model
 
 
+def held_forms(model: nnx.Module) -> dict[str, int]:
+    """How many of a model's linears are held quantized, by form: "int8" (convert --quantize int8, a
+    scale per output channel) or a WEIGHT_FORMS name (a scanned stack counts once)."""
+    counts: dict[str, int] = {}
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, QuantizedLinear):
+            kernel, scale = module.kernel.get_value(), module.scale.get_value()
+            name = next((n for n, f in WEIGHT_FORMS.items() if jnp.dtype(f.values) == kernel.dtype
+                         and (f.block is None) == (scale.ndim < kernel.ndim)), "int8")
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def _replace(parent: nnx.Module, name: str, module: nnx.Module) -> None:
     """Swap the child `name` of `parent`: an attribute, or an item of an nnx.List (`to_out.0`)."""
     if isinstance(parent, nnx.List):
