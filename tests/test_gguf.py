@@ -174,3 +174,28 @@ def test_q8_0_image_is_close_to_the_unquantized_one(tiny: Path, tmp_path: Path) 
     quantized = generate(tiny, file, path, tmp_path / "q8.png")
     assert not np.array_equal(plain, quantized)  # the rounding is there, and small
     assert ssim(plain, quantized) >= 0.99
+
+
+def test_convert_writes_q8_0_as_stored_and_loads_it_mapped(tiny: Path, tmp_path: Path) -> None:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from flux2klein_cli.core.hub.components import compose, resolve_overrides
+    from flux2klein_cli.core.models.transformer import load_transformer
+    from flux2klein_cli.core.weights.converted import load_component
+
+    file = write_gguf(tiny, tmp_path / "klein-tiny-Q8_0.gguf", "Q8_0")
+    out = tmp_path / "converted"
+    result = cli("convert", tiny, "--transformer", file, "--dtype", "fp32", "--out", out, "--json")
+    assert result.exit_code == 0, result.stderr
+    manifest = json.loads((out / "flux2klein-manifest.json").read_text())["components"]["transformer"]
+    assert manifest["source_format"] == "gguf" and set(manifest["prequantized"].values()) == {"q8_0"}
+    direct = load_transformer(compose(tiny, resolve_overrides(transformer=str(file))) / "transformer",
+                              dtype=jnp.float32)
+    mapped = load_component("transformer", out, dtype=jnp.float32)
+    a, b = (dict(nnx.to_flat_state(nnx.state(m))) for m in (direct, mapped))
+    assert a.keys() == b.keys()
+    for path in a:
+        x, y = np.asarray(a[path].get_value()), np.asarray(b[path].get_value())
+        assert x.dtype == y.dtype and np.array_equal(x, y), path
+    assert {np.asarray(v.get_value()).dtype.name for v in b.values()} >= {"int8", "float16"}
