@@ -199,3 +199,32 @@ def test_convert_writes_q8_0_as_stored_and_loads_it_mapped(tiny: Path, tmp_path:
         x, y = np.asarray(a[path].get_value()), np.asarray(b[path].get_value())
         assert x.dtype == y.dtype and np.array_equal(x, y), path
     assert {np.asarray(v.get_value()).dtype.name for v in b.values()} >= {"int8", "float16"}
+
+
+def test_a_lora_on_q8_0_linears_is_merged_then_rounded_again(tiny: Path, tmp_path: Path) -> None:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from flux2klein_cli.core.hub.components import compose, resolve_overrides
+    from flux2klein_cli.core.lora.files import LoraSpec
+    from flux2klein_cli.core.lora.merge import LoraDeltas
+    from flux2klein_cli.core.lora.random_lora import write_random_lora
+    from flux2klein_cli.core.models.transformer import load_transformer
+
+    file = write_gguf(tiny, tmp_path / "klein-tiny-Q8_0.gguf", "Q8_0")
+    lora = write_random_lora(tmp_path / "lora.safetensors", tiny / "transformer", rank=4, std=0.05)
+    deltas = LoraDeltas.read([LoraSpec.parse(str(lora))])
+    folder = compose(tiny, resolve_overrides(transformer=str(file))) / "transformer"
+    plain = dict(nnx.to_flat_state(nnx.state(load_transformer(tiny / "transformer", dtype=jnp.float32,
+                                                                deltas=deltas))))
+    bare = dict(nnx.to_flat_state(nnx.state(load_transformer(folder, dtype=jnp.float32))))
+    merged = dict(nnx.to_flat_state(nnx.state(load_transformer(folder, dtype=jnp.float32, deltas=deltas))))
+    path = ("transformer_blocks", "attn", "to_q")
+    kernel, scale = (np.asarray(merged[(*path, leaf)].get_value()) for leaf in ("kernel", "scale"))
+    assert kernel.dtype == np.int8 and scale.dtype == np.float16  # still held as Q8_0
+    assert not np.array_equal(kernel, np.asarray(bare[(*path, "kernel")].get_value()))  # the LoRA is in
+    layers, rows, out = kernel.shape
+    weight = (kernel.reshape(layers, -1, 32, out) * scale[:, :, None, :].astype(np.float32)).reshape(kernel.shape)
+    expected = np.asarray(plain[(*path, "kernel")].get_value())  # float weights + LoRA, unrounded
+    # Two roundings at most: the file's and the merged weight's, each within half a block scale.
+    assert np.abs(weight - expected).max() <= float(np.abs(scale).max())
