@@ -133,8 +133,9 @@ ProcessIdOpt = Annotated[int | None, typer.Option("--process-id", help="Multi-pr
 
 
 TransformerOpt = Annotated[str | None, typer.Option(
-    "--transformer", help="Take the transformer from PATH instead of --model: a diffusers component folder, or one "
-    ".safetensors file in diffusers or BFL keys (the config stays --model's).")]
+    "--transformer", help="Take the transformer from PATH instead of --model: a diffusers component folder, one "
+    ".safetensors file in diffusers or BFL keys, a .gguf file (BF16, Q8_0, Q4_K_M, ...) or BFL's fp8 / nvfp4 file "
+    "(the config stays --model's).")]
 VaeOpt = Annotated[str | None, typer.Option(
     "--vae", help="Take the VAE from PATH instead of --model: a component folder, one .safetensors file, or "
     "small-decoder (black-forest-labs/FLUX.2-small-decoder; `flux2klein fetch small-decoder` downloads it).")]
