@@ -132,7 +132,7 @@ def diffusers_image(model: Path, gguf_file: Path, noise: np.ndarray, size: int =
     import torch
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel, GGUFQuantizationConfig
 
-    from flux2klein_cli.core.runs.images import postprocess
+    from flux2klein_cli.core.pipeline.pixels import postprocess
 
     transformer = Flux2Transformer2DModel.from_single_file(
         str(gguf_file), quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32), config=str(model),
