@@ -227,37 +227,3 @@ class Engine:
         stats.shapes_kept = self.executables.shapes_kept
         stats.executable_bytes = self.executables.executable_bytes
 
-
-def check_engine_options(options: EngineOptions) -> None:
-    """What an engine's options must satisfy before anything loads (a missing LoRA fails here)."""
-    from flux2klein_cli.core.choices import check_effort, jax_dtype
-
-    check_effort(options.effort)
-    jax_dtype(options.dtype)
-    options.devices.check()
-    from flux2klein_cli.core.lora.files import LoraSpec, resolve_lora
-
-    for text in options.lora:
-        resolve_lora(LoraSpec.parse(text))
-
-
-def composing(options: EngineOptions, resolve: Callable[[str], Path]) -> Callable[[str], Path]:
-    """`resolve`, composing --transformer / --vae from elsewhere into the snapshot when given."""
-    if not (options.transformer or options.vae):
-        return resolve
-    from flux2klein_cli.core.hub.components import compose, resolve_overrides
-
-    sources = resolve_overrides(options.transformer, options.vae)
-    return lambda model: compose(resolve(model), sources)
-
-
-def open_engine(options: EngineOptions, resolve: Callable[[str], Path], *, warn: Warn,
-                on_phase: Callable[[str], None] = lambda phase: None) -> Engine:
-    """Check the options, resolve the model (composing --transformer / --vae), make the mesh
-    and load the engine: what `batch` and `serve` do before their first plan."""
-    from flux2klein_cli.core.devices.distributed import run_mesh
-
-    check_engine_options(options)
-    on_phase("loading model")
-    model_dir = composing(options, resolve)(options.model)
-    return Engine.load(options, model_dir, mesh=run_mesh(options.devices), warn=warn)

@@ -62,6 +62,11 @@ class ModelFacts:
     transformer_config: dict[str, Any] = field(repr=False, compare=False)
     default_side: int = DEFAULTS.side
 
+    @property
+    def max_side(self) -> int:
+        """The largest side in pixels its position encoding tells apart."""
+        return max_side(self.transformer_config, self.geometry.pixels_per_token)
+
     @classmethod
     def of(cls, name: str, configs: Any) -> ModelFacts:
         """From a `compile.specs.ModelConfigs` (a snapshot's or the registry's)."""
@@ -180,22 +185,26 @@ def max_side(transformer_config: dict[str, Any], pixels_per_token: int) -> int:
 
 
 def check_size(height: int, width: int, model: ModelFacts) -> None:
-    """The one size rule of a run (output and references): the limits' sides and pixels at the
-    model's multiple, and what its position embedding reaches."""
-    multiple = model.geometry.pixels_per_token
-    limit = max_side(model.transformer_config, multiple)
-    for name, value in (("height", height), ("width", width)):
-        limits.check_int(name, value, multiple, 2**31, "px")
-        if value > limit:
-            raise FieldError(name, f"{value} is above this model's limit of {limit} px (its position encoding "
-                             f"tells {limit // multiple} tokens apart per side)")
-    limits.check_size(height, width, multiple)
+    """The size rule of a run (output and references) at this model's multiple and position range."""
+    limits.check_size(height, width, model.geometry.pixels_per_token, model.max_side)
+
+
+def check_paths(fields: RunFields) -> None:
+    """Every file a request names fits the filesystem's name limits (before any is read)."""
+    from flux2klein_cli.core.paths import check_name_length
+
+    named = [*(("references", source) for source in fields.references), ("init_image", fields.init_image),
+             ("mask", fields.mask), ("latents", fields.latents)]
+    for name, source in named:
+        if isinstance(source, Path):
+            check_name_length(source, name)
 
 
 def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
     """Every check of a request, once, in the order that costs least; defaults applied."""
     from flux2klein_cli.core.inputs.images import preprocess_reference
 
+    check_paths(fields)
     prompts = check_prompts(fields.prompts, fields.negative_prompt)
     if isinstance(fields.num_images, bool) or not isinstance(fields.num_images, int) or fields.num_images < 1:
         raise FieldError("num_images", f"must be a whole number of at least 1, got {fields.num_images!r}")

@@ -160,7 +160,8 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
         return model_dir
     model_dir = Path(model_dir).resolve()
     if (model_dir / CONVERTED_MANIFEST).is_file():
-        raise UserInputError(f"{model_dir} is a converted directory: --transformer / --vae apply to a diffusers "
+        raise UserInputError(f"{model_dir} is a converted directory: {{field:transformer}} / {{field:vae}} apply to "
+                             "a diffusers "
                              "snapshot (convert the overridden snapshot instead)")
     if not (model_dir / "model_index.json").is_file():
         raise UserInputError(f"{model_dir}: no model_index.json (not a FLUX.2 [klein] snapshot)")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.defaults import DEFAULTS
-from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 
 
 @dataclass
@@ -61,7 +61,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
 
     check_effort(opts.effort)
     if opts.mesh and opts.tpu:
-        raise UserInputError("give --mesh or --tpu, not both (a TPU preset sets its own mesh)")
+        raise FieldError("mesh", "or {field:tpu}: give one, not both (a TPU preset sets its own mesh)")
     preset = parse_preset(opts.tpu) if opts.tpu else None
     from flux2klein_cli.core.devices.mesh import MeshSpec
 

@@ -254,8 +254,11 @@ def parity_check(
     """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk. With
     `init_image` (and `mask`), against diffusers' inpaint pipeline. The request is planned as
     `generate` plans it, before anything loads."""
+
     from flux2klein_cli.core.engine.plan import build_plan, model_facts
-    from flux2klein_cli.core.runs.image_files import plan_outputs, write_png
+    from flux2klein_cli.core.runs import run_record
+    from flux2klein_cli.core.runs.image_files import write_png
+    from flux2klein_cli.core.runs.outputs import plan_outputs
 
     require_parity("parity")  # before anything is loaded or written
     fields = RunFields(prompts=(prompt,), references=tuple(Path(p) for p in references), height=height, width=width,
@@ -270,7 +273,7 @@ def parity_check(
     engine = Engine.load(options, model_dir, warn=warn)
     run = run_parity(engine, fields, dtype)
     plan = run.plan
-    meta = dict(prompt=prompt, seed=seed, steps=plan.steps, guidance=plan.guidance, model=model)
+    meta = run_record.encode(plan, 0, options, engine.lora_records)  # `generate --from` reruns it
     for name, image in (("ours", run.ours[0]), ("diffusers", run.reference[0]),
                         ("diff", difference_image(run.ours[0], run.reference[0]))):
         write_png(targets[name], image, meta, force=force)

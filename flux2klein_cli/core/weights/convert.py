@@ -28,7 +28,7 @@ from flux2klein_cli.core.choices import DEFAULT_LAYOUT, check_dtype, check_layou
 from flux2klein_cli.core.choices import check_quantize as check_quantize_name
 from flux2klein_cli.core.devices.mesh import default_mesh
 from flux2klein_cli.core.devices.sharding import replicated_rule
-from flux2klein_cli.core.errors import CheckpointError, UserInputError
+from flux2klein_cli.core.errors import CheckpointError, FieldError, UserInputError
 from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
 from flux2klein_cli.core.models.quantized import (
     QUANTIZED_STACKS,
@@ -295,7 +295,8 @@ def check_quantize(quantize: str | None, layout: str) -> str | None:
         return None
     check_quantize_name(quantize)
     if layout != "flat":
-        raise UserInputError(f"--quantize {quantize} needs --layout flat (quantized Orbax checkpoints are not written)")
+        raise FieldError("quantize", f"{quantize} needs {{field:layout}} flat (quantized Orbax checkpoints are not "
+                         "written)")
     return quantize
 
 
