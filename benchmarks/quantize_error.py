@@ -227,12 +227,21 @@ def velocity_errors(preset: str, height: int, width: int, steps: int, seed: int 
     from pathlib import Path
 
     from flux2klein_cli.core.engine.engine import Engine, EngineOptions
-    from flux2klein_cli.core.engine.plan import RunFields
+    from flux2klein_cli.core.engine.opening import Opening
+    from flux2klein_cli.core.engine.plan import RunFields, build_plan
+    from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.pipeline.denoise import denoise_fn
     from flux2klein_cli.core.weights.convert import convert
 
+    request = RunFields(prompts=("a red fox in the snow",), steps=steps, guidance=1.0, height=height, width=width,
+                        seed=seed)
+
     def engine(directory: Path, dtype: str) -> Engine:
-        return Engine.load(EngineOptions(model=str(directory), dtype=dtype, store=False), directory, warn=print)
+        """Opened as generate opens one, the request checked against what this host holds."""
+        opening = Opening(EngineOptions(model=str(directory), dtype=dtype, store=False), resolve_model,
+                          lambda facts: build_plan(request, facts))
+        opening.admitted(print)
+        return opening.load(print)
 
     with tempfile.TemporaryDirectory(prefix="quantize-error-") as tmp:
         root = Path(tmp)
@@ -249,8 +258,7 @@ def velocity_errors(preset: str, height: int, width: int, steps: int, seed: int 
             return run_loop(inputs, *args, **kwargs)
 
         reference.pipeline.denoise = capture  # the loop's inputs: text features, noise, schedule
-        reference.run(reference.plan(RunFields(prompts=("a red fox in the snow",), steps=steps, guidance=1.0,
-                                               height=height, width=width, seed=seed)))
+        reference.run(reference.plan(request))
         inputs = captured["inputs"]
         sigmas = np.asarray(inputs.sigmas)
 

@@ -48,19 +48,17 @@ def parity(
 
     Example: flux2klein parity --model 4b --steps 4 --height 512 --width 512 --json
     """
-    from functools import partial
-
     from flux2klein_cli.core.devices.runtime import configure_jax
-    from flux2klein_cli.core.hub.components import resolve_composed
+    from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.runs.parity import parity_check
 
     configure_jax()
     with user_errors():
         report = parity_check(
-            model=model, resolve=partial(resolve_composed, transformer=transformer, vae=vae),
-            prompt=prompt, references=list(image), height=height, width=width,
+            model=model, resolve=resolve_model, prompt=prompt, references=list(image), height=height, width=width,
             steps=steps, guidance=guidance, seed=seed, dtype=dtype.value, out_dir=out_dir, force=force, lora=lora,
             init_image=init_image, mask=mask, strength=strength,
+            transformer=transformer, vae=vae,
         )
     passed = report["ssim"] >= threshold
     report["threshold"], report["passed"] = threshold, passed

@@ -105,6 +105,17 @@ class Opening(Generic[T]):
         self.admission = Admission(configs, self.options.dtype, self.mesh)
         return self.admission
 
+    def admitted(self, warn: Warn, plan_of: Callable[[T], Any] = lambda planned: planned) -> T:
+        """`resolve`, then the plan (`plan_of(planned)`) refused if this host cannot hold it (a
+        `FieldError`, as every door refuses) and announced if it will take long; `planned`."""
+        admission = self.resolve()
+        plan = plan_of(self.planned)
+        admission.check(plan)
+        message = admission.long_run(plan)
+        if message:
+            warn(message)
+        return self.planned
+
     def load(self, warn: Warn) -> Engine:
         """The engine, its weights read (after `resolve`'s checks, which it runs if not yet run)."""
         self.resolve()

@@ -339,12 +339,17 @@ def check_sampling(model: ModelFacts, *, batch: int, max_sequence_length: int, s
     return chosen
 
 
-def build_shape(model: ModelFacts, *, dtype: Any, height: int | None = None, width: int | None = None,
-                steps: int | None = None, guidance: float | None = None, batch: int = 1, prompts: int = 1,
-                references: Sequence[tuple[int, int]] = (), max_sequence_length: int = DEFAULTS.max_sequence_length,
-                kv: bool = False, steps_per_call: int | None = None) -> Any:
-    """A run's shape without its pixels (`compile`, `bench`): the checks of `build_plan` on the
-    fields a shape has, the same defaults, and the shape of that plan."""
+def build_shape(model: ModelFacts, *, dtype: Any, steps_per_call: int | None = None, **fields: Any) -> Any:
+    """A run's shape without its pixels (`compile`, `bench`): `shape_plan(model, **fields)`'s shape."""
+    return shape_plan(model, **fields).shape(dtype, steps_per_call)
+
+
+def shape_plan(model: ModelFacts, *, height: int | None = None, width: int | None = None, steps: int | None = None,
+               guidance: float | None = None, batch: int = 1, prompts: int = 1,
+               references: Sequence[tuple[int, int]] = (), max_sequence_length: int = DEFAULTS.max_sequence_length,
+               kv: bool = False) -> RunPlan:
+    """A plan without pixels (empty prompts, no images read): the checks of `build_plan` on the
+    fields a shape has, and the same defaults."""
     limits.check_int("prompts", prompts, 1, limits.LIMITS.images)
     if batch % prompts:
         raise FieldError("batch", f"{batch} is not a multiple of the {prompts} prompts")
@@ -354,11 +359,10 @@ def build_shape(model: ModelFacts, *, dtype: Any, height: int | None = None, wid
     height, width = side if height is None else height, side if width is None else width
     for size in ((height, width), *references):
         check_size(*size, model)
-    plan = RunPlan(model=model.name, prompts=("",) * prompts, negative_prompt="", seeds=tuple(range(batch)),
+    return RunPlan(model=model.name, prompts=("",) * prompts, negative_prompt="", seeds=tuple(range(batch)),
                    num_images=batch // prompts, height=height, width=width, steps=chosen.steps,
                    guidance=float(chosen.guidance), cfg=chosen.cfg, max_sequence_length=max_sequence_length, kv=kv,
                    geometry=model.geometry, reference_sizes=tuple(references))
-    return plan.shape(dtype, steps_per_call)
 
 
 def model_facts(model: str, *, transformer: str | None = None, vae: str | None = None,
