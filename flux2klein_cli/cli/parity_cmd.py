@@ -36,15 +36,16 @@ def parity(
     init_image: o.InitImageOpt = None,
     mask: o.MaskOpt = None,
     strength: o.StrengthOpt = None,
+    padding_mask_crop: o.PaddingMaskCropOpt = None,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,
 ) -> None:
     """Compare with diffusers' pipeline: SSIM, PSNR and max pixel difference.
 
-    Needs the \\[parity] extra (torch, diffusers). With --init-image (and --mask), against
-    diffusers' Flux2KleinInpaintPipeline, the noise drawn by torch from --seed. Writes both
-    images and a difference image; exits 1 when SSIM is below --threshold.
+    Needs the \\[parity] extra (torch, diffusers). With --init-image (and --mask, and
+    --padding-mask-crop), against diffusers' Flux2KleinInpaintPipeline, the noise drawn by torch
+    from --seed. Writes both images and a difference image; exits 1 when SSIM is below --threshold.
 
     Example: flux2klein parity --model 4b --steps 4 --height 512 --width 512 --json
     """
@@ -57,7 +58,7 @@ def parity(
         report = parity_check(
             model=model, resolve=resolve_model, prompt=prompt, references=list(image), height=height, width=width,
             steps=steps, guidance=guidance, seed=seed, dtype=dtype.value, out_dir=out_dir, force=force, lora=lora,
-            init_image=init_image, mask=mask, strength=strength,
+            init_image=init_image, mask=mask, strength=strength, padding_mask_crop=padding_mask_crop,
             transformer=transformer, vae=vae,
         )
     passed = report["ssim"] >= threshold

@@ -301,5 +301,6 @@ def parity_check(
         files={name: str(path) for name, path in targets.items()},
         lora=engine.lora_records,
         **({} if init_image is None else {"init_image": str(init_image), "mask": None if mask is None else str(mask),
-                                          "strength": plan.strength, "pipeline": INPAINT_PIPELINE}),
+                                          "strength": plan.strength, "pipeline": INPAINT_PIPELINE,
+                                          "padding_mask_crop": padding_mask_crop}),
     )
