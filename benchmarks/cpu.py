@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.models import cpu_matmul
 
 
@@ -210,7 +211,7 @@ def main() -> None:
             sub_parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
             sub_parser.add_argument("--steps", type=int, default=4)
         else:
-            sub_parser.add_argument("--text-tokens", type=int, default=512)
+            sub_parser.add_argument("--text-tokens", type=int, default=DEFAULTS.max_sequence_length)
     args = parser.parse_args()
     status = cpu_matmul.status()
     out = {"cpu_matmul": status.name, "why": status.reason}

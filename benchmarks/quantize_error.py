@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.hub import random_checkpoint as rc
 from flux2klein_cli.core.models.layers import layer_norm, linear, silu
 from flux2klein_cli.core.models.quantized import QuantizedLinear, quantize_abstract, quantize_weights
@@ -293,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", choices=("4b", "9b"), default="4b")
     parser.add_argument("--height", type=int, default=512)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--text-tokens", type=int, default=DEFAULTS.max_sequence_length)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sigma", type=float, default=0.5, help="the timestep (noise level) of the modulation")
     parser.add_argument("--velocity", metavar="PRESET", help="the whole transformer's velocity per step on a "

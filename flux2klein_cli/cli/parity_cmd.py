@@ -11,6 +11,7 @@ from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, note, plain, show_table, user_errors
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core import choices
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
@@ -20,8 +21,8 @@ def parity(
                       ] = "a red fox in snow, golden hour",
     image: Annotated[list[Path], typer.Option("--image", "-i", help="Reference image(s): compares an edit.")
                      ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
-    height: Annotated[int | None, typer.Option("--height", help="Output height \\[default: 1024 or the first "
-                                               "reference's].")] = None,
+    height: Annotated[int | None, typer.Option("--height", help=f"Output height \\[default: {DEFAULTS.side} or the "
+                                               "first reference's].")] = None,
     width: Annotated[int | None, typer.Option("--width", help="Output width \\[default: as height].")] = None,
     steps: o.StepsOpt = None,
     guidance: o.GuidanceOpt = None,
