@@ -331,12 +331,18 @@ def check_sampling(model: ModelFacts, *, batch: int, max_sequence_length: int, s
     chosen = sampling(model.distilled, steps, guidance)
     limits.check_guidance(chosen.guidance)
     limits.check_reference_count(references)
-    if kv and not model.kv:
-        raise FieldError("kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
-                         f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
+    check_kv_model(model, "kv" if kv else None)
     if kv and not references:
         raise FieldError("kv", "needs at least one reference image ({field:references})")
     return chosen
+
+
+def check_kv_model(model: ModelFacts, field: str | None) -> None:
+    """A reference KV cache (`kv`, `kv_cache_dir`: the field asking for one; None: none asked)
+    holds what only a KV-trained checkpoint computes."""
+    if field is not None and not model.kv:
+        raise FieldError(field, f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
+                         f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
 
 
 def build_shape(model: ModelFacts, *, dtype: Any, steps_per_call: int | None = None, **fields: Any) -> Any:

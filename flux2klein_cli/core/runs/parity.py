@@ -119,7 +119,6 @@ class InitImages:
 
     init_image: Any
     mask: Any = None
-    padding_mask_crop: int | None = None  # diffusers' padding_mask_crop (its output is then PIL only)
 
 
 def read_sources(fields: RunFields) -> tuple[list[Any], InitImages | None]:
@@ -131,7 +130,7 @@ def read_sources(fields: RunFields) -> tuple[list[Any], InitImages | None]:
     if fields.init_image is None:
         return references, None
     mask = None if fields.mask is None else read_reference(fields.mask)[1]
-    return references, InitImages(read_reference(fields.init_image)[1], mask, fields.padding_mask_crop)
+    return references, InitImages(read_reference(fields.init_image)[1], mask)
 
 
 def torch_noise(shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -156,8 +155,8 @@ def run_reference(reference: Any, plan: RunPlan, noise_nchw: np.ndarray, pil_ref
         mask = init.mask if init.mask is not None else Image.new("L", init.init_image.size, 255)
         kwargs.update(image=init.init_image, mask_image=mask, strength=plan.strength,
                       generator=torch.Generator().manual_seed(plan.seeds[0]))
-        if init.padding_mask_crop is not None:
-            kwargs.update(padding_mask_crop=init.padding_mask_crop, output_type="pil")
+        if plan.padding_mask_crop is not None:  # diffusers' output is then PIL only
+            kwargs.update(padding_mask_crop=plan.padding_mask_crop, output_type="pil")
         if pil_references:
             kwargs["image_reference"] = pil_references[0] if len(pil_references) == 1 else pil_references
     elif pil_references:
@@ -170,7 +169,7 @@ def run_reference(reference: Any, plan: RunPlan, noise_nchw: np.ndarray, pil_ref
         kwargs["negative_prompt_embeds"] = negative
     if type(reference).__name__ != "Flux2KleinKVPipeline":  # distilled only: it takes no guidance argument
         kwargs["guidance_scale"] = plan.guidance
-    if init is not None and init.padding_mask_crop is not None:
+    if plan.padding_mask_crop is not None:
         # diffusers 0.42's paste back is broken: apply_overlay's "crop" resize is Flux2ImageProcessor's
         # override, a plain centre crop, so the box gets the middle of the made image at the wrong
         # scale. Compared with its intent instead: VaeImageProcessor's own resize (cover, centre crop).

@@ -106,14 +106,6 @@ class BenchOptions:
         return shape_plan(facts, height=self.height, width=self.width, steps=self.steps, batch=self.batch,
                           references=self.reference_sizes(), kv=self.kv)
 
-    def engine(self) -> EngineOptions:
-        """The engine the timed phases run on, opened as every door opens one."""
-        from flux2klein_cli.core.devices.distributed import DeviceOptions
-
-        return EngineOptions(model=self.model, dtype=self.dtype, devices=DeviceOptions(mesh=self.mesh, tpu=self.tpu),
-                             compile_cache=self.compile_cache, save_executables=self.save, effort=self.effort,
-                             transformer=self.transformer, vae=self.vae, lora=self.lora, store=self.store)
-
 
 def _quiet(message: str) -> AbstractContextManager[Any]:
     return nullcontext()
@@ -126,6 +118,11 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
     `progress` (None: quiet) what is being timed, `busy(message)` wraps a long measurement
     (a spinner), `warn` gets the executable store's warnings."""
     opts.check()
+    return {"model": opts.model, "phase": opts.phase, "dtype": opts.dtype, **_measure(opts, note, progress, warn, busy)}
+
+
+def _measure(opts: BenchOptions, note: Callable[[str], None], progress: Callable[[str], None] | None,
+             warn: Callable[[str], None] | None, busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
     if opts.phase == "transformer-compile":  # abstract shapes: no checkpoint to resolve
         from flux2klein_cli.core.runs.bench.transformer_compile import bench_transformer_compile
 
@@ -135,16 +132,16 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
         from flux2klein_cli.core.runs.bench.plan import bench_without_slice
 
         with busy(f"compiling {opts.model} for {opts.tpu}"):
-            result = bench_without_slice(opts.model, tpu=opts.tpu, height=opts.height, width=opts.width,
-                                         batch=opts.batch, steps=opts.steps, references=opts.reference_sizes(),
-                                         kv=opts.kv, dtype=opts.dtype, compile_cache=opts.compile_cache,
-                                         save=opts.save and opts.store, effort=opts.effort, warn=warn)
-        return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
+            return bench_without_slice(opts.model, tpu=opts.tpu, height=opts.height, width=opts.width,
+                                       batch=opts.batch, steps=opts.steps, references=opts.reference_sizes(),
+                                       kv=opts.kv, dtype=opts.dtype, compile_cache=opts.compile_cache,
+                                       save=opts.save and opts.store, effort=opts.effort, warn=warn)
     from flux2klein_cli.core.devices.runtime import configure_jax
 
-    if opts.phase in ("steps", "pipeline"):  # on an engine, opened as generate opens one
+    if opts.phase in ("steps", "pipeline", "decode"):  # timed in this process
         configure_jax()
-        return _on_engine(opts, warn, busy)
+    if opts.phase in ("steps", "pipeline"):  # on an engine, opened as generate opens one
+        return _on_engine(opts, warn or (lambda message: None), busy)
     from flux2klein_cli.core.engine.plan import model_facts
     from flux2klein_cli.core.hub.components import resolve_composed
 
@@ -153,55 +150,50 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
     if opts.phase == "load":
         from flux2klein_cli.core.runs.bench.load import bench_load, load_kinds
 
-        result = bench_load(path, convert=True, dtype=opts.dtype, reps=opts.reps, kinds=load_kinds(note),
-                            log=progress)
-        return dict(phase=opts.phase, **result)
+        return bench_load(path, convert=True, dtype=opts.dtype, reps=opts.reps, kinds=load_kinds(note), log=progress)
     if opts.phase == "lora":
         from flux2klein_cli.core.runs.bench.lora import bench_lora, parse_ranks
 
-        result = bench_lora(path, ranks=parse_ranks(opts.ranks or DEFAULT_RANKS), dtype=opts.dtype, reps=opts.reps,
-                            log=progress)
-        return dict(phase=opts.phase, **result)
+        return bench_lora(path, ranks=parse_ranks(opts.ranks or DEFAULT_RANKS), dtype=opts.dtype, reps=opts.reps,
+                          log=progress)
     if opts.phase == "decode":
         from flux2klein_cli.core.choices import jax_dtype
         from flux2klein_cli.core.runs.bench.decode import bench_decode
 
-        configure_jax()
-        result = bench_decode(path, height=planned.height, width=planned.width, batch=opts.batch, reps=opts.reps,
-                              dtype=jax_dtype(opts.dtype), log=progress)
-        return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
+        return bench_decode(path, height=planned.height, width=planned.width, batch=opts.batch, reps=opts.reps,
+                            dtype=jax_dtype(opts.dtype), log=progress)
     from flux2klein_cli.core.runs.bench.ttfi import bench_ttfi
 
     with busy(f"timing first images of {opts.model}"):  # the run generate plans for these options
-        result = bench_ttfi(path, height=planned.height, width=planned.width, steps=planned.steps,
-                            guidance=planned.guidance, reps=opts.reps, dtype=opts.dtype, diffusers=opts.diffusers)
-    return dict(model=opts.model, phase=opts.phase, **result)
+        return bench_ttfi(path, height=planned.height, width=planned.width, steps=planned.steps,
+                          guidance=planned.guidance, reps=opts.reps, dtype=opts.dtype, diffusers=opts.diffusers)
 
 
-def _on_engine(opts: BenchOptions, warn: Callable[[str], None] | None,
+def _on_engine(opts: BenchOptions, warn: Callable[[str], None],
                busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
     """The pipeline and steps phases: the engine opened with every check generate runs (options,
     paths, the plan, the mesh, what this host holds), then timed."""
     from dataclasses import replace
 
+    from flux2klein_cli.core.devices.distributed import DeviceOptions
     from flux2klein_cli.core.engine.opening import Opening
     from flux2klein_cli.core.engine.plan import build_plan
     from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.runs.bench.pipeline import bench_fields, bench_pipeline
     from flux2klein_cli.core.runs.bench.steps import bench_steps
 
-    warn = warn or (lambda message: None)
+    options = EngineOptions(model=opts.model, dtype=opts.dtype, devices=DeviceOptions(mesh=opts.mesh, tpu=opts.tpu),
+                            compile_cache=opts.compile_cache, save_executables=opts.save, effort=opts.effort,
+                            transformer=opts.transformer, vae=opts.vae, lora=opts.lora, store=opts.store)
     steps = opts.steps or (STEPS_PHASE_STEPS if opts.phase == "steps" else None)
     fields = bench_fields(opts.batch, opts.height, opts.width, steps, opts.reference_sizes())
-    opening = Opening(opts.engine(), resolve_model, lambda facts: build_plan(replace(fields, kv=opts.kv), facts))
+    opening = Opening(options, resolve_model, lambda facts: build_plan(replace(fields, kv=opts.kv), facts))
     opening.admitted(warn)
     if opts.phase == "steps":  # what a progress bar costs the denoising loop
         with busy(f"timing the denoising loop of {opts.model}"):
-            result = bench_steps(opening.load(warn), opening.planned, reps=opts.reps, per_call=(1, 2))
-    else:
-        with busy(f"benchmarking {opts.model}"):
-            result = bench_pipeline(opening, fields, reps=opts.reps, kv=opts.kv, warn=warn)
-    return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
+            return bench_steps(opening.load(warn), opening.planned, reps=opts.reps, per_call=(1, 2))
+    with busy(f"benchmarking {opts.model}"):
+        return bench_pipeline(opening, fields, reps=opts.reps, kv=opts.kv, warn=warn)
 
 
 def _on_tpu_host(tpu: str) -> bool:
