@@ -68,15 +68,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from flux2klein_cli.core.engine.engine import EngineOptions
-    from flux2klein_cli.core.engine.opening import open_engine
+    from flux2klein_cli.core.engine.opening import Opening
     from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
     from flux2klein_cli.core.hub.snapshot import resolve_model
 
     if not (args.model / "model_index.json").is_file():
         write_random_checkpoint(args.model, args.preset, distilled=False)
-    engine = open_engine(EngineOptions(model=str(args.model), dtype=args.dtype, store=False), resolve_model,
-                         warn=lambda message: None)
+    engine = Opening(EngineOptions(model=str(args.model), dtype=args.dtype, store=False), resolve_model).load(
+        lambda message: None)
     settings = [setting_fields(s) for s in args.cache]
 
     def run(cache: dict[str, Any], seed: int) -> tuple[Any, float]:

@@ -101,7 +101,7 @@ def test_bad_overrides_are_one_line_errors(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match="no such file or folder"):
         resolve_overrides(transformer=str(tmp_path / "missing.safetensors"))
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(UserInputError, match="expected a .safetensors file"):
+    with pytest.raises(UserInputError, match="expected a .safetensors or .gguf file"):
         resolve_overrides(vae=str(tmp_path / "notes.txt"))
     with pytest.raises(UserInputError, match="is a vae, not a transformer"):
         resolve_overrides(transformer="small-decoder")

@@ -228,7 +228,8 @@ def snapshot_problems(root: Path) -> list[str]:
 def _weight_problems(folder: Path, component: str) -> list[str]:
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if not indexes:
-        if not any(p.is_file() for p in folder.glob("*.safetensors")):
+        # A transformer may be one GGUF file (core/weights/gguf_file.py).
+        if not any(p.is_file() for p in (*folder.glob("*.safetensors"), *folder.glob("*.gguf"))):
             return [f"{component}/ has no .safetensors weights"]
         return []
     try:

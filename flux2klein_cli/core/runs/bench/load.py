@@ -158,7 +158,7 @@ def convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype: 
 
 def _bench_component(model_dir: Path, converted: dict[str, Path], name: str, dtype: str, reps: int,
                      kinds: Sequence[str], say: Callable[[str], None], cold: bool = False) -> dict[str, Any]:
-    weights = sorted((model_dir / name).glob("*.safetensors"))
+    weights = sorted((model_dir / name).glob("*.safetensors")) + sorted((model_dir / name).glob("*.gguf"))
     out: dict[str, Any] = {"file_bytes": sum(p.stat().st_size for p in weights)}
     plans: list[tuple[str, list[Path], list[str]]] = []
     if "safetensors" in kinds:
