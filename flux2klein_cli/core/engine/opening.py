@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 from flux2klein_cli.core.engine.cost import Admission, check_mesh
 from flux2klein_cli.core.engine.engine import Engine, EngineOptions, Warn
 from flux2klein_cli.core.engine.plan import ModelFacts, check_kv_model, model_facts
+from flux2klein_cli.core.errors import FieldError
 
 T = TypeVar("T")
 Phase = Callable[[str], None]
