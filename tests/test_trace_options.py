@@ -6,29 +6,37 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from flux2klein_cli.core import settings
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.models import cpu_matmul, layers, trace
+from flux2klein_cli.core.models import kernels, layers, trace
 from flux2klein_cli.core.models.trace import TraceOptions
 
 
 def test_each_platform_gets_its_forms(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(trace.GPU_ATTENTION_ENV, raising=False)
-    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status(None, "no AMX"))
+    for name in (settings.GPU_ATTENTION, settings.CPU_MATMUL):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(kernels, "plugin_status", lambda: kernels.Status(None, "no AMX"))
     kinds = {p: TraceOptions.for_platform(p).attention for p in ("cpu", "gpu", "tpu", "rocm")}
     assert kinds == {"cpu": "blocked", "gpu": "cudnn", "tpu": "splash", "rocm": "xla"}
-    assert not TraceOptions.for_platform("cpu").onemkl and "onemkl" not in TraceOptions.for_platform("cpu").as_key()
-    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("onemkl-amx-bf16:x", "test"))
-    assert TraceOptions.for_platform("cpu").onemkl and TraceOptions.for_platform("cpu").as_key()["onemkl"]
-    assert not TraceOptions.for_platform("tpu").onemkl
-    monkeypatch.setenv(trace.GPU_ATTENTION_ENV, "xla")
+    cpu = TraceOptions.for_platform("cpu")
+    assert cpu.kernels is None and "kernels" not in cpu.as_key()
+    monkeypatch.setattr(kernels, "plugin_status", lambda: kernels.Status("amx", "test"))
+    assert TraceOptions.for_platform("cpu").as_key()["kernels"] == "amx"
+    assert TraceOptions.for_platform("tpu").kernels is None
+    # bf16 dots accumulate in float32 on CPU only; FLUX2KLEIN_CPU_MATMUL=xla keeps the forms as written.
+    assert TraceOptions.for_platform("cpu").bf16_dots in ("f32-result", "f32-operands")
+    assert {TraceOptions.for_platform(p).bf16_dots for p in ("gpu", "tpu")} == {"native"}
+    monkeypatch.setenv(settings.CPU_MATMUL, "xla")
+    assert TraceOptions.for_platform("cpu").bf16_dots == "native"
+    monkeypatch.setenv(settings.GPU_ATTENTION, "xla")
     assert TraceOptions.for_platform("gpu").attention == "xla"
     assert TraceOptions.for_platform("tpu", convs_as_matmuls=True).as_key() == {
         "platform": "tpu", "attention": "splash", "convs_as_matmuls": True, "idle_axes": "auto"}
     with pytest.raises(ValueError, match="attention"):
         TraceOptions("cpu", "flash")
-    monkeypatch.setenv(trace.IDLE_AXES_ENV, "replicate")
+    monkeypatch.setenv(settings.IDLE_AXES, "replicate")
     assert TraceOptions.for_platform("tpu").idle_axes == "replicate"
-    monkeypatch.setenv(trace.IDLE_AXES_ENV, "copies")
+    monkeypatch.setenv(settings.IDLE_AXES, "copies")
     with pytest.raises(UserInputError, match="FLUX2KLEIN_IDLE_AXES"):
         TraceOptions.for_platform("tpu")
 

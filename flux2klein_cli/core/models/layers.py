@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from flux2klein_cli.core.devices.sharding import STACKED
-from flux2klein_cli.core.models import cpu_matmul, tpu_attention, trace
+from flux2klein_cli.core.models import tpu_attention, trace
 
 B = TypeVar("B", bound=nnx.Module)
 Carry = TypeVar("Carry")
@@ -37,10 +37,11 @@ class ZeroInitRngs:
 
 def linear(d_in: int, d_out: int, *, dtype: Any, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
     """A torch-style Linear; the kernel is (in, out), loaded from torch's (out, in)."""
-    # cpu_matmul.dot_general: bf16 on AMX CPUs through oneMKL, XLA's dot everywhere else.
+    # The dot in the trace options' form (core/models/trace.py): on CPU float32 sums of bf16, on AMX
+    # CPUs the kernel plugin's.
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs,
-        dot_general=cpu_matmul.dot_general,
+        dot_general=trace.dot_general,
     )
 
 
@@ -101,7 +102,7 @@ def run_blocks(
     graphdef, state = nnx.split(blocks)
     # On CPU the stacked bf16 weights are sliced as raw 16-bit words (see `as_words`); words
     # not already given that way are made here, a copy for the call but not a float32 one.
-    if trace.current().platform == "cpu":
+    if trace.current().weights_as_words:
         state = jax.tree.map(_to_words, state)
 
     def body(c: Carry, layer: tuple[nnx.State, Any]) -> tuple[Carry, Any]:
@@ -201,13 +202,14 @@ def gpu_fused_attention(q: jax.Array) -> bool:
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh) in the form the trace
     options name: the Pallas splash kernel on TPU (core/models/tpu_attention.py), cuDNN's fused
-    kernel on NVIDIA GPUs, the query-blocked form on the host CPU (in the oneMKL shim on AMX CPUs)."""
+    kernel on NVIDIA GPUs, the query-blocked form on the host CPU (in the kernel plugin on AMX CPUs)."""
     options = trace.current()
     if options.attention.startswith("splash") and tpu_attention.supports(q, k, v):
         return tpu_attention.splash_attention(q, k, v)
-    if options.onemkl and cpu_matmul.attention_eligible(q, k, v):
-        return cpu_matmul.attention(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k, v, _blocked_scaled)
-    if options.platform == "cpu":
+    kernels = trace.plugin(options)
+    if kernels is not None and kernels.attention_eligible(q, k, v):
+        return kernels.attention(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k, v, _blocked_scaled)
+    if options.attention == "blocked":
         return _blocked_attention(q, k, v)
     if gpu_fused_attention(q):
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")

@@ -14,8 +14,8 @@ padded text tokens too:
     gives it;
   * RMSNorm statistics in float32; RoPE angles in float32, cos/sin cast to the model dtype;
   * SiLU in float32; attention scores and softmax in float32, the weights rounded to the
-    model dtype before P @ V (jax.nn.dot_product_attention's form; on AMX CPUs the oneMKL
-    shim's, core/models/cpu_matmul.py).
+    model dtype before P @ V (jax.nn.dot_product_attention's form; on AMX CPUs the kernel
+    plugin's, core/models/cpu_matmul.py).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core.devices.sharding import model_rule
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.models import cpu_matmul, trace
+from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, silu, stack_blocks
 from flux2klein_cli.core.weights.configs import pick, read_config
 from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
@@ -177,8 +177,9 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale:
     def xla(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
 
-    if trace.current().onemkl and cpu_matmul.masked_attention_eligible(q, k, v, mask):
-        out = cpu_matmul.masked_attention(q, k, v, mask, scale, xla)  # AMX CPUs: the oneMKL shim
+    kernels = trace.plugin()
+    if kernels is not None and kernels.masked_attention_eligible(q, k, v, mask):
+        out = kernels.masked_attention(q, k, v, mask, scale, xla)  # AMX CPUs: the kernel plugin
     else:
         out = xla(q, k, v, mask)
     return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(v.dtype)
