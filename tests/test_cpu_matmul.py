@@ -220,9 +220,9 @@ def test_the_vaes_norm_silu_conv_takes_one_shim_call_only_on_the_onemkl_path() -
 def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plugin and the dot form are in the trace options each program's key holds; the setting
     that chooses them is in every key too."""
-    forms = {TraceOptions("cpu", "blocked", kernels=k, bf16_dots=d).as_key()["kernels" if k else "bf16_dots"]
-             for k, d in ((None, "f32-operands"), ("amx", "native"), (None, "f32-result"))}
-    assert forms == {"f32-operands", "amx", "f32-result"}
+    forms = {TraceOptions("cpu", "blocked", kernels=k, bf16_compute=d).as_key()["kernels" if k else "bf16_compute"]
+             for k, d in ((None, "f32"), ("amx", "bf16"), (None, "f32-accumulate"))}
+    assert forms == {"f32", "amx", "f32-accumulate"}
     spec = target.ProgramSpec("axpy", jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),))
     keys = set()
     for value in ("auto", "xla"):

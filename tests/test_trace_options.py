@@ -24,10 +24,10 @@ def test_each_platform_gets_its_forms(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TraceOptions.for_platform("cpu").as_key()["kernels"] == "amx"
     assert TraceOptions.for_platform("tpu").kernels is None
     # bf16 dots accumulate in float32 on CPU only; FLUX2KLEIN_CPU_MATMUL=xla keeps the forms as written.
-    assert TraceOptions.for_platform("cpu").bf16_dots in ("f32-result", "f32-operands")
-    assert {TraceOptions.for_platform(p).bf16_dots for p in ("gpu", "tpu")} == {"native"}
+    assert TraceOptions.for_platform("cpu").bf16_compute in ("f32-accumulate", "f32")
+    assert {TraceOptions.for_platform(p).bf16_compute for p in ("gpu", "tpu")} == {"bf16"}
     monkeypatch.setenv(settings.CPU_MATMUL, "xla")
-    assert TraceOptions.for_platform("cpu").bf16_dots == "native"
+    assert TraceOptions.for_platform("cpu").bf16_compute == "bf16"
     monkeypatch.setenv(settings.GPU_ATTENTION, "xla")
     assert TraceOptions.for_platform("gpu").attention == "xla"
     assert TraceOptions.for_platform("tpu", convs_as_matmuls=True).as_key() == {

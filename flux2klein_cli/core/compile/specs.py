@@ -135,18 +135,16 @@ class AbstractModels:
     @classmethod
     def build(cls, configs: ModelConfigs, dtype: Any = jnp.bfloat16) -> AbstractModels:
         from flux2klein_cli.core.models.quantized import quantize_abstract
-        from flux2klein_cli.core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
-        from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
+        from flux2klein_cli.core.models.qwen3 import Qwen3Config, abstract_text_encoder
+        from flux2klein_cli.core.models.transformer import TransformerConfig, abstract_transformer
         from flux2klein_cli.core.models.vae import VAEConfig, abstract_vae
 
         # Built as the loaders build them (load_transformer, load_qwen3, load_vae).
         tcfg = TransformerConfig.from_dict(configs.transformer)
         qcfg = Qwen3Config.from_dict(configs.text_encoder)
         return cls(
-            transformer=quantize_abstract(nnx.eval_shape(lambda: Flux2Transformer(
-                tcfg, dtype=dtype, scan_layers=True, rngs=nnx.Rngs(0))), configs.quantize),
-            text_encoder=quantize_abstract(nnx.eval_shape(lambda: Qwen3TextEncoder(
-                qcfg, dtype=dtype, rngs=nnx.Rngs(0))), configs.quantize),
+            transformer=quantize_abstract(abstract_transformer(tcfg, dtype=dtype), configs.quantize),
+            text_encoder=quantize_abstract(abstract_text_encoder(qcfg, dtype=dtype), configs.quantize),
             vae=abstract_vae(VAEConfig.from_dict(configs.vae), dtype=dtype),
             configs=configs, dtype=dtype,
         )

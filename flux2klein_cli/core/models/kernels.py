@@ -8,7 +8,7 @@ and the AMX tiles' intrinsics, for Intel CPUs with AMX. It is imported only when
   * oneMKL's runtime library is installed (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the
     environment's lib/);
 and it is used when its shim then builds and loads (the plugin's `load`). Everywhere else the
-programs keep XLA's own forms, with bf16 dots accumulated in float32 (`cpu_bf16_dots`).
+programs keep XLA's own forms, with bf16 dots accumulated in float32 (`cpu_bf16_compute`).
 """
 
 from __future__ import annotations
@@ -76,17 +76,17 @@ def plugin_module(name: str) -> ModuleType:
     return cpu_matmul
 
 
-def cpu_bf16_dots() -> str:
-    """How this CPU's programs run a bf16 dot (trace.BF16_DOT_FORMS): accumulated in float32, with
-    bf16 operands on a CPU with a bf16 dot instruction and widened ones elsewhere; `native` (as
-    the models write it) under FLUX2KLEIN_CPU_MATMUL=xla."""
+def cpu_bf16_compute() -> str:
+    """How this CPU's programs compute a bf16 model (trace.BF16_COMPUTE_FORMS): every dot
+    accumulated in float32, with bf16 operands on a CPU with a bf16 dot instruction, and with
+    float32 activations elsewhere; `bf16` (as the models write it) under FLUX2KLEIN_CPU_MATMUL=xla."""
     if settings.cpu_matmul() == "xla":
-        return "native"
-    return "f32-result" if cpu.has_bf16_dot(cpu.cpu_flags()) else "f32-operands"
+        return "bf16"
+    return "f32-accumulate" if cpu.has_bf16_dot(cpu.cpu_flags()) else "f32"
 
 
 def report() -> dict[str, str | None]:
     """For a run's report: what this CPU's bf16 work runs on (`onemkl`: the plugin's name, or null
-    for XLA's own forms), why, and how its bf16 dots accumulate."""
+    for XLA's own forms), why, and how a bf16 model computes."""
     chosen = plugin_status()
-    return {"onemkl": chosen.name, "why": chosen.reason, "bf16_dots": cpu_bf16_dots()}
+    return {"onemkl": chosen.name, "why": chosen.reason, "bf16_compute": cpu_bf16_compute()}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 import jax
@@ -20,6 +21,24 @@ Carry = TypeVar("Carry")
 # Parameters always come from a checkpoint; the initialiser is only traced (by nnx.eval_shape)
 # to learn shapes, and zeros trace far faster than random draws.
 ZEROS = nnx.initializers.zeros_init()
+
+
+_ABSTRACT: OrderedDict[Hashable, tuple[Any, Any]] = OrderedDict()
+_ABSTRACT_KEPT = 8  # models (config, dtype, form) whose abstract build a process keeps
+
+
+def abstract_module(build: Callable[[], B], key: Hashable) -> B:
+    """`nnx.eval_shape(build)`, built once per `key` (everything the build depends on) in a
+    process: a run builds each model abstractly three times (its cost check, its loader, its
+    executables' specs), and a build checks every attribute it sets while a merge of the cached
+    graph and shapes does not. Each call returns a new module (callers may swap its children)."""
+    cached = _ABSTRACT.get(key)
+    if cached is None:
+        cached = _ABSTRACT[key] = nnx.split(nnx.eval_shape(build))
+        while len(_ABSTRACT) > _ABSTRACT_KEPT:
+            _ABSTRACT.popitem(last=False)
+    _ABSTRACT.move_to_end(key)
+    return nnx.merge(*cached)
 
 
 class ZeroInitRngs:
@@ -41,7 +60,7 @@ def linear(d_in: int, d_out: int, *, dtype: Any, rngs: nnx.Rngs, bias: bool = Fa
     # CPUs the kernel plugin's.
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs,
-        dot_general=trace.dot_general,
+        dot_general=trace.dot_general, promote_dtype=trace.promote_dtype,
     )
 
 

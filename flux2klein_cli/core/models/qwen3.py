@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from flux2klein_cli.core.devices.sharding import model_rule
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models import trace
-from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, silu, stack_blocks
+from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, abstract_module, linear, run_blocks, silu, stack_blocks
 from flux2klein_cli.core.weights.configs import pick, read_config
 from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
 
@@ -222,14 +222,16 @@ class Qwen3TextEncoder(nnx.Module):
         if n > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {n} tokens exceeds max_position_embeddings")
         count = len(self.feature_layers)
+        dt = trace.current().activation_dtype(self.dtype)
         # 1. Token embeddings.
-        h = self.embed_tokens(input_ids.astype(jnp.int32)).astype(self.dtype)
+        h = self.embed_tokens(input_ids.astype(jnp.int32)).astype(dt)
 
         # 2. The causal mask over real (not padding) keys, and the RoPE tables.
         valid = attention_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((n, n), jnp.bool_))
         mask = causal[None, :, :] & valid[:, None, :]  # keys must be real tokens; queries are all kept
         cos, sin = _rope_tables(n, self.config.head_dim, self.config.rope_theta, self.dtype)
+        cos, sin = cos.astype(dt), sin.astype(dt)  # rounded as the reference rounds them, then widened
 
         # 3. A slot for each feature layer's output. The features live in the scan carry: one slot
         #    per feature layer plus a scratch slot that other layers write to, so each step is one
@@ -238,7 +240,7 @@ class Qwen3TextEncoder(nnx.Module):
         for slot, index in enumerate(self.feature_layers):
             if index > 0:
                 slots[index - 1] = slot  # hidden_states[k] is the output of decoder layer k - 1
-        feats = jnp.zeros((count + 1, b, n, self.config.hidden_size), self.dtype)
+        feats = jnp.zeros((count + 1, b, n, self.config.hidden_size), dt)
         if 0 in self.feature_layers:
             feats = feats.at[self.feature_layers.index(0)].set(h)
         slot_of = jnp.asarray(slots)
@@ -284,13 +286,22 @@ def load_qwen3(
     (text-encoder LoRA) merged on the way."""
     config = Qwen3Config.from_dict(read_config(directory), where=f"{directory}/config.json")
     return load_module(
-        lambda: Qwen3TextEncoder(config, feature_layers=feature_layers, dtype=dtype, rngs=nnx.Rngs(0)),
+        abstract_text_encoder(config, dtype=dtype, feature_layers=feature_layers),
         qwen3_key_plan,
         directory,
         mesh,
         sharding_rule=model_rule(mesh),
         deltas=deltas,
     )
+
+
+def abstract_text_encoder(config: Qwen3Config, *, dtype: Any = jnp.bfloat16,
+                          feature_layers: Sequence[int] = FEATURE_LAYERS) -> Qwen3TextEncoder:
+    """Shapes and dtypes only, built once per config, dtype and feature layers in a process
+    (layers.abstract_module)."""
+    layers = tuple(int(i) for i in feature_layers)
+    return abstract_module(lambda: Qwen3TextEncoder(config, feature_layers=layers, dtype=dtype, rngs=nnx.Rngs(0)),
+                           ("text_encoder", config, jnp.dtype(dtype).name, layers))
 
 
 def encode_prompts(

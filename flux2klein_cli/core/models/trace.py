@@ -7,9 +7,12 @@ program compiled from a CPU host gets the TPU forms without touching anything gl
 core/compile puts the options in its key. The options decide:
 
   * the attention form (`attention`) and the VAE's convolution form (`convs_as_matmuls`);
-  * how a bf16 dot or convolution runs (`bf16_dots`, `dot_general`, `conv_general_dilated`): as
-    written on TPU and GPU (their units accumulate in float32 inside), accumulated in float32 on
-    CPU, where XLA's bf16-result forms add converts around its float32 kernels;
+  * how a bf16 model computes (`bf16_compute`, `dot_general`, `conv_general_dilated`,
+    `promote_dtype`, `activation_dtype`): as written on TPU and GPU (their units accumulate in
+    float32 inside); on CPU every dot and convolution accumulates in float32, with bf16 operands
+    where the CPU has a bf16 dot instruction, and elsewhere with float32 activations throughout
+    (the weights stay bf16 in memory and are widened where they are used): such a CPU has no bf16
+    arithmetic, and XLA widens every bf16 operand to float32 anyway;
   * a kernel plugin (`kernels`): the AMX plugin (core/models/cpu_matmul.py) on CPUs with AMX and
     oneMKL takes the Linear dots, attention and the VAE's 3x3 convolutions; it is imported only
     there (core/models/kernels.py);
@@ -37,11 +40,11 @@ from flux2klein_cli.core.models import kernels
 # any host, for tests); cudnn: cuDNN's fused kernel; blocked: the query-blocked CPU form;
 # xla: XLA's own form, which materialises every score.
 ATTENTION_KINDS = ("splash", "splash-interpret", "cudnn", "blocked", "xla")
-# How a dot or convolution of bf16 operands runs. native: as written, its result bf16 (TPU, GPU);
-# f32-result: bf16 operands, a float32 result rounded to bf16 once (CPUs with a bf16 dot
-# instruction, where XLA's kernel takes bf16 in); f32-operands: both operands widened to float32
-# first (CPUs without one, where XLA's bf16-in kernel is slower than its float32 one).
-BF16_DOT_FORMS = ("native", "f32-result", "f32-operands")
+# How a bf16 model computes. bf16: as written, a dot's result bf16 (TPU, GPU); f32-accumulate: bf16
+# operands, each dot's and convolution's float32 result rounded to bf16 once (CPUs with a bf16 dot
+# instruction, where XLA's kernel takes bf16 in); f32: activations float32 throughout, bf16 weights
+# widened where used (CPUs without one, where XLA's bf16-in kernel is slower than its float32 one).
+BF16_COMPUTE_FORMS = ("bf16", "f32-accumulate", "f32")
 IDLE_FORMS = settings.IDLE_AXES_CHOICES
 INT8_COMPUTE_KINDS = settings.INT8_COMPUTE_CHOICES
 
@@ -54,14 +57,14 @@ class TraceOptions:
     idle_axes: str = "auto"  # one of IDLE_FORMS (core/devices/sharding.py)
     int8_compute: str = "weight-only"  # one of INT8_COMPUTE_KINDS (int8 models only)
     kernels: str | None = None  # one of kernels.PLUGINS, or None: XLA's own forms
-    bf16_dots: str = "native"  # one of BF16_DOT_FORMS
+    bf16_compute: str = "bf16"  # one of BF16_COMPUTE_FORMS
 
     def __post_init__(self) -> None:
         for field, value, allowed in (("attention", self.attention, ATTENTION_KINDS),
                                       ("idle_axes", self.idle_axes, IDLE_FORMS),
                                       ("int8_compute", self.int8_compute, INT8_COMPUTE_KINDS),
                                       ("kernels", self.kernels, (None, *kernels.PLUGINS)),
-                                      ("bf16_dots", self.bf16_dots, BF16_DOT_FORMS)):
+                                      ("bf16_compute", self.bf16_compute, BF16_COMPUTE_FORMS)):
             if value not in allowed:
                 raise ValueError(f"{field} {value!r} is not one of {allowed}")
 
@@ -78,10 +81,10 @@ class TraceOptions:
             attention = "cudnn"
         else:
             attention = "xla"
-        plugin, bf16_dots = (kernels.plugin_status().name, kernels.cpu_bf16_dots()) if platform == "cpu" else (
-            None, "native")
+        plugin, bf16_compute = (kernels.plugin_status().name, kernels.cpu_bf16_compute()) if platform == "cpu" else (
+            None, "bf16")
         return cls(platform, attention, convs_as_matmuls, idle_axes=settings.idle_axes(),
-                   int8_compute=settings.int8_compute(), kernels=plugin, bf16_dots=bf16_dots)
+                   int8_compute=settings.int8_compute(), kernels=plugin, bf16_compute=bf16_compute)
 
     @classmethod
     def local(cls) -> TraceOptions:
@@ -90,7 +93,7 @@ class TraceOptions:
     def as_key(self) -> dict[str, Any]:
         key = asdict(self)
         # Defaults that came after the key's first form are left out, so they leave it as it was.
-        for field, default in (("int8_compute", "weight-only"), ("kernels", None), ("bf16_dots", "native")):
+        for field, default in (("int8_compute", "weight-only"), ("kernels", None), ("bf16_compute", "bf16")):
             if key[field] == default:
                 del key[field]
         return key
@@ -99,6 +102,10 @@ class TraceOptions:
     def weights_as_words(self) -> bool:
         """Whether stacked bf16 weights enter the programs as uint16 words (models/layers.py)."""
         return self.platform == "cpu"
+
+    def activation_dtype(self, dtype: Any) -> Any:
+        """The dtype a model of `dtype` (its weights') computes its activations in."""
+        return jnp.float32 if self.bf16_compute == "f32" and dtype == jnp.bfloat16 else dtype
 
     def int8_dot_result(self, dtype: Any) -> Any:
         """The result dtype of an int8-weight dot with `dtype` activations: the activation dtype on
@@ -153,13 +160,15 @@ def plugin(options: TraceOptions | None = None) -> ModuleType | None:
 def _widened(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any,
              options: TraceOptions) -> tuple[jax.Array, jax.Array, Any, Any] | None:
     """For a bf16 x bf16 product that accumulates in float32 under `options`: the operands as
-    the form takes them, the result dtype to ask for, and the dtype to round it to; else None."""
-    if options.bf16_dots == "native" or lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
+    the form takes them, the result dtype to ask for, and the dtype to round it to; else None.
+    (In the f32 form the layers widen their operands before the product; one that comes bf16
+    anyway is widened here.)"""
+    if options.bf16_compute == "bf16" or lhs.dtype != jnp.bfloat16 or rhs.dtype != jnp.bfloat16:
         return None
     if preferred_element_type not in (None, jnp.bfloat16, jnp.float32):
         return None
     out = preferred_element_type or jnp.bfloat16
-    if options.bf16_dots == "f32-operands":
+    if options.bf16_compute == "f32":
         lhs, rhs = lhs.astype(jnp.float32), rhs.astype(jnp.float32)
     return lhs, rhs, jnp.float32, out
 
@@ -168,7 +177,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precisio
                 preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
     """`lax.dot_general` in the form the trace options name: every Linear layer's dot (nnx.Linear's
     `dot_general`) and the VAE's 1x1 convolutions. The kernel plugin's where it takes the
-    operands; else XLA's, a bf16 one accumulated in float32 where `bf16_dots` says so."""
+    operands; else XLA's, a bf16 one accumulated in float32 where `bf16_compute` says so."""
     options = current()
     kernels_module = plugin(options)
     if kernels_module is not None and kernels_module.dot_eligible(lhs, rhs, dimension_numbers,
@@ -194,7 +203,7 @@ def _xla_dot(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: 
 def conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides: Any, padding: Any, *args: Any,
                          preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
     """`lax.conv_general_dilated` in the form the trace options name (nnx.Conv's
-    `conv_general_dilated`): a bf16 one accumulated in float32 where `bf16_dots` says so."""
+    `conv_general_dilated`): a bf16 one accumulated in float32 where `bf16_compute` says so."""
     widened = _widened(lhs, rhs, preferred_element_type, current())
     if widened is None:
         return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, *args,
@@ -202,3 +211,11 @@ def conv_general_dilated(lhs: jax.Array, rhs: jax.Array, window_strides: Any, pa
     lhs, rhs, acc, out = widened
     return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, *args, preferred_element_type=acc,
                                         **kwargs).astype(out)
+
+
+def promote_dtype(args: tuple[Any, ...], *, dtype: Any = None, inexact: bool = True) -> Any:
+    """nnx.Linear's and nnx.Conv's `promote_dtype`: inputs, kernel and bias in the dtype the
+    module's (`dtype`) computes in under the trace options (`TraceOptions.activation_dtype`)."""
+    from flax.nnx.nn.dtypes import promote_dtype as promote
+
+    return promote(args, dtype=None if dtype is None else current().activation_dtype(dtype), inexact=inexact)

@@ -24,6 +24,7 @@ from flux2klein_cli.core.devices.sharding import BATCH_AXES, constrain, model_ru
 from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.layers import (
     RMSNorm,
+    abstract_module,
     dot_product_attention,
     layer_norm,
     linear,
@@ -238,7 +239,8 @@ class TimestepGuidanceEmbeddings(nnx.Module):
 
     def __call__(self, t: jax.Array) -> jax.Array:
         """t (B,) float32 timesteps in 0..1000 -> (B, D), before the SiLU the modulations apply."""
-        return self.timestep_embedder(timestep_embedding(t, self.channels).astype(self.dtype))
+        return self.timestep_embedder(timestep_embedding(t, self.channels).astype(
+            trace.current().activation_dtype(self.dtype)))
 
 
 class Modulation(nnx.Module):
@@ -437,7 +439,7 @@ class Flux2Transformer(nnx.Module):
         output size: this is the extract step without text or image tokens."""
         batch = refs.shape[0]
         img = jnp.zeros((batch, 0, self.config.in_channels), refs.dtype)
-        txt = jnp.zeros((batch, 0, self.config.joint_attention_dim), self.dtype)
+        txt = jnp.zeros((batch, 0, self.config.joint_attention_dim), trace.current().activation_dtype(self.dtype))
         return self.extract(refs, img, txt, jnp.zeros((batch,), jnp.float32), rope)[1]
 
     def _embed_time(self, sigma: jax.Array) -> jax.Array:
@@ -450,7 +452,7 @@ class Flux2Transformer(nnx.Module):
         self, img: jax.Array, txt: jax.Array, sigma: jax.Array, rope: Rope, *,
         refs: jax.Array | None = None, cache: ReferenceKV | None = None,
     ) -> tuple[jax.Array, ReferenceKV | None]:
-        dt = self.dtype
+        dt = trace.current().activation_dtype(self.dtype)
         n_txt, n_img, n_ref = txt.shape[1], img.shape[1], 0 if refs is None else refs.shape[1]
         # 1. Timestep embedding and the modulation parameters of both streams and the single blocks.
         silu_temb = self._embed_time(sigma)
@@ -523,10 +525,17 @@ def load_transformer(
     """Load a transformer/ folder straight into `dtype`, with `deltas` (LoRA) merged on the way."""
     config = TransformerConfig.from_dict(read_config(directory))
     return load_module(
-        lambda: Flux2Transformer(config, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
+        abstract_transformer(config, dtype=dtype, scan_layers=scan_layers),
         transformer_key_plan,
         directory,
         mesh,
         sharding_rule=model_rule(mesh),
         deltas=deltas,
     )
+
+
+def abstract_transformer(config: TransformerConfig, *, dtype: Any = jnp.bfloat16,
+                         scan_layers: bool = True) -> Flux2Transformer:
+    """Shapes and dtypes only, built once per config, dtype and form in a process (layers.abstract_module)."""
+    return abstract_module(lambda: Flux2Transformer(config, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
+                           ("transformer", config, jnp.dtype(dtype).name, scan_layers))

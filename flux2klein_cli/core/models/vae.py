@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models import trace
-from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, dot_product_attention, linear
+from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, abstract_module, dot_product_attention, linear
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
 
@@ -193,6 +193,7 @@ def conv(
     return Conv(
         d_in, d_out, (kernel, kernel), stride, padding=pad, use_bias=True, dtype=dtype, param_dtype=dtype,
         kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs, conv_general_dilated=trace.conv_general_dilated,
+        promote_dtype=trace.promote_dtype,
     )
 
 
@@ -476,7 +477,7 @@ class Flux2VAE(nnx.Module):
         if h % f or w % f:
             raise ValueError(f"VAE encode needs height and width divisible by {f}, got {h}x{w}")
         # 1. The encoder, then quant_conv: the posterior's mean and log-variance.
-        moments = self.encoder(pixels.astype(self.dtype))
+        moments = self.encoder(pixels.astype(trace.current().activation_dtype(self.dtype)))
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
         # 2. The mean alone (no sampling), 2x2-patchified and normalised by the latent statistics.
@@ -491,7 +492,7 @@ class Flux2VAE(nnx.Module):
                 f"VAE decode expects {self.config.patched_channels} latent channels, got {latents.shape[-1]}"
             )
         # 1. Undo the normalisation and the 2x2 patches.
-        z = unpatchify(self.bn.denormalize(latents)).astype(self.dtype)
+        z = unpatchify(self.bn.denormalize(latents)).astype(trace.current().activation_dtype(self.dtype))
         # 2. post_quant_conv, then the decoder.
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
@@ -512,7 +513,7 @@ def load_vae(directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | N
     """Build the VAE of a `vae/` component folder abstractly and load its weights in `dtype`
     (the latent statistics stay float32)."""
     config = VAEConfig.from_dict(read_config(directory))
-    return load_module(lambda: build_vae(config, dtype=dtype), vae_key_plan, directory, mesh)
+    return load_module(abstract_vae(config, dtype=dtype), vae_key_plan, directory, mesh)
 
 
 def build_vae(config: VAEConfig, *, dtype: Any = jnp.bfloat16) -> Flux2VAE:
@@ -521,5 +522,6 @@ def build_vae(config: VAEConfig, *, dtype: Any = jnp.bfloat16) -> Flux2VAE:
 
 
 def abstract_vae(config: VAEConfig, *, dtype: Any = jnp.bfloat16) -> Flux2VAE:
-    """Shapes and dtypes only: 0.3 s instead of 1 s with a real `nnx.Rngs` (see ZeroInitRngs)."""
-    return nnx.eval_shape(lambda: build_vae(config, dtype=dtype))
+    """Shapes and dtypes only (ZeroInitRngs: a third of the time a real `nnx.Rngs` takes), built once
+    per config and dtype in a process (layers.abstract_module)."""
+    return abstract_module(lambda: build_vae(config, dtype=dtype), ("vae", config, jnp.dtype(dtype).name))

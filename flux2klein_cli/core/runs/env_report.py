@@ -78,7 +78,7 @@ class EnvReport:
     process_count: int
     process_index: int
     host: dict[str, int | None]  # cpus, memory_bytes, available_bytes
-    cpu_bf16: dict[str, str | None]  # kernels.report(): onemkl (the plugin or None), why, bf16_dots
+    cpu_bf16: dict[str, str | None]  # kernels.report(): onemkl (the plugin or None), why, bf16_compute
     attention: dict[str, str]  # platform -> attention kind its programs take (trace.ATTENTION_KINDS)
     cache_root: str
     executable_store: StoreReport
