@@ -138,6 +138,7 @@ def main() -> None:
             done = subprocess.run([sys.executable, __file__, "--child", "torch" if name == "torch" else "jax"],
                                   env=env, capture_output=True, text=True, check=True)
             results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps({"round": len(results[name]), "flags": name, **results[name][-1]}), file=sys.stderr)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     print(f"cpu: {cpu}, {os.cpu_count()} CPUs; GFLOP/s, median of {args.rounds} rounds (each a process's best of 3)")
     for name, rs in results.items():

@@ -261,17 +261,10 @@ def _key(models: AbstractModels, component: str, target: Target, **extra: Any) -
             **extra}
 
 
-# Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
-# quicker; elsewhere they cost compile and run time (docs/benchmarks.md, "Ahead-of-time compilation").
-MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
-
-
 def trace_options(target: Target) -> TraceOptions:
-    """The forms the target's programs are traced in: its platform's attention (a TPU target
-    gets the TPU kernel from any host) and, at `fast` on a platform of MATMUL_CONV_PLATFORMS,
-    the VAE's 3x3 convolutions as matmuls. Part of each program's key."""
-    fast_convs = target.effort == "fast" and target.platform in MATMUL_CONV_PLATFORMS
-    return TraceOptions.for_platform(target.platform, convs_as_matmuls=fast_convs)
+    """The forms the target's programs are traced in (the backend dispatch's rule for its platform
+    and effort: a TPU target gets the TPU kernel from any host). Part of each program's key."""
+    return TraceOptions.for_platform(target.platform, effort=target.effort)
 
 
 def text_encoder_program(models: AbstractModels, target: Target, prompts: int, length: int,

@@ -255,8 +255,10 @@ class Qwen3TextEncoder(nnx.Module):
 
         # 4. The decoder layers, in one scan.
         (_, feats, _), _ = run_blocks(self.layers, (h, feats, jnp.int32(0)), step, scan=scan)
-        # 5. The features side by side per token: (K, B, L, H) -> (B, L, K, H) -> (B, L, K*H).
-        return jnp.transpose(feats[:count], (1, 2, 0, 3)).reshape(b, n, count * self.config.hidden_size)
+        # 5. The features side by side per token: (K, B, L, H) -> (B, L, K, H) -> (B, L, K*H), in the
+        #    model dtype whatever the activations' (the program's output does not depend on the CPU).
+        out = jnp.transpose(feats[:count], (1, 2, 0, 3)).reshape(b, n, count * self.config.hidden_size)
+        return out.astype(self.dtype)
 
 
 def qwen3_key_plan(model: Qwen3TextEncoder) -> KeyPlan:

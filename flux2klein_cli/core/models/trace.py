@@ -46,6 +46,9 @@ ATTENTION_KINDS = ("splash", "splash-interpret", "cudnn", "blocked", "xla")
 # widened where used (CPUs without one, where XLA's bf16-in kernel is slower than its float32 one).
 BF16_COMPUTE_FORMS = ("bf16", "f32-accumulate", "f32")
 IDLE_FORMS = settings.IDLE_AXES_CHOICES
+# Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
+# quicker; elsewhere they cost compile and run time (docs/benchmarks.md, "Ahead-of-time compilation").
+MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
 INT8_COMPUTE_KINDS = settings.INT8_COMPUTE_CHOICES
 
 
@@ -69,8 +72,8 @@ class TraceOptions:
                 raise ValueError(f"{field} {value!r} is not one of {allowed}")
 
     @classmethod
-    def for_platform(cls, platform: str, *, convs_as_matmuls: bool = False) -> TraceOptions:
-        """The forms a run on `platform` takes, with the settings that may change them
+    def for_platform(cls, platform: str, *, effort: str = "default") -> TraceOptions:
+        """The forms a run on `platform` at compile `effort` takes, with the settings that may change them
         (core/settings.py: FLUX2KLEIN_GPU_ATTENTION, FLUX2KLEIN_IDLE_AXES, FLUX2KLEIN_INT8_COMPUTE,
         FLUX2KLEIN_CPU_MATMUL). A CPU program runs on this host, so its forms follow this CPU."""
         if platform == "tpu":
@@ -83,6 +86,7 @@ class TraceOptions:
             attention = "xla"
         plugin, bf16_compute = (kernels.plugin_status().name, kernels.cpu_bf16_compute()) if platform == "cpu" else (
             None, "bf16")
+        convs_as_matmuls = effort == "fast" and platform in MATMUL_CONV_PLATFORMS
         return cls(platform, attention, convs_as_matmuls, idle_axes=settings.idle_axes(),
                    int8_compute=settings.int8_compute(), kernels=plugin, bf16_compute=bf16_compute)
 

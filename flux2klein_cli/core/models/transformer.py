@@ -497,7 +497,9 @@ class Flux2Transformer(nnx.Module):
         )
         # 6. Output layers on the image tokens: the modulated LayerNorm, then the projection.
         out = self.norm_out(x[:, n_txt + n_ref :], silu_temb)
-        kv = None if refs is None else ReferenceKV(*double_kv, *single_kv)
+        # Cached K / V keep the model dtype whatever the activations' (trace.activation_dtype): the
+        # cache's size and the stored caches' layout do not depend on the CPU that made them.
+        kv = None if refs is None else ReferenceKV(*(a.astype(self.dtype) for a in (*double_kv, *single_kv)))
         return self.proj_out(out), kv
 
 
