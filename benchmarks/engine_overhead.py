@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bf16")
     args = parser.parse_args()
 
-    from flux2klein_cli.core.engine.engine import EngineOptions, open_engine
+    from flux2klein_cli.core.engine.engine import EngineOptions
+    from flux2klein_cli.core.engine.opening import open_engine
     from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.runs.image_files import write_png

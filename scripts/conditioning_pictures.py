@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from flux2klein_cli.core.inputs import conditioning
+from flux2klein_cli.core.inputs.images import preprocess_reference
+from flux2klein_cli.core.pipeline.pixels import postprocess
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule, start_step
-from flux2klein_cli.core.runs import conditioning
-from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
 
 OUT = Path("docs/images")
 W, H, P = 192, 128, 16  # picture size, pixels per token

@@ -20,33 +20,37 @@ from collections.abc import Iterator
 from typing import Any
 from unittest import mock
 
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
 from flux2klein_cli.core.devices import sharding
 from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
+from flux2klein_cli.core.engine.engine import Engine
+from flux2klein_cli.core.engine.plan import RunFields
 from flux2klein_cli.core.models import transformer
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
+from tests.fixtures.engine import engine_on, upload
 from tests.test_pipeline_parity import synthetic_image
 
+REFERENCES = tuple(upload(synthetic_image(w, h, i), f"r{i}.png") for i, (w, h) in enumerate([(64, 64), (96, 64)]))
 
-def requests(kind: str, batch: int) -> dict[str, Request]:
+
+def requests(kind: str, batch: int) -> dict[str, RunFields]:
     """Small requests (1 step, 32 px, 16 text tokens): the meshes, not the sizes, are under test."""
-    refs = [preprocess_reference(synthetic_image(w, h, i), multiple_of=16)
-            for i, (w, h) in enumerate([(64, 64), (96, 64)])]
-    prompts = ["a red fox", "a lighthouse", "two cats", "a bowl of fruit"][: max(1, batch // 2)]
-    common = dict(prompts=prompts, num_images=batch // len(prompts), steps=1, guidance=1.0, height=32, width=32,
-                  seed=3, max_sequence_length=16)
+    prompts = ("a red fox", "a lighthouse", "two cats", "a bowl of fruit")[: max(1, batch // 2)]
+    common = dict(prompts=prompts, num_images=batch // len(prompts), steps=1, height=32, width=32, seed=3,
+                  max_sequence_length=16)
     if kind == "kv":
-        return {"kv-edit": Request(**common, references=refs, kv=True)}
+        return {"kv-edit": RunFields(**common, references=REFERENCES, kv=True)}
     if kind == "cfg":  # positive and negative branches as one batch of 2B inside the program
-        return {"cfg": Request(**dict(common, guidance=4.0), negative_prompt="blurry")}
-    return {"text-to-image": Request(**common), "edit-2-refs": Request(**common, references=refs)}
+        return {"cfg": RunFields(**dict(common, guidance=4.0), negative_prompt="blurry")}
+    return {"text-to-image": RunFields(**common), "edit-2-refs": RunFields(**common, references=REFERENCES)}
 
 
-def chosen(mesh: str, named: dict[str, Request]) -> tuple[str, dict[str, Request]]:
+def images_of(engine: Engine, fields: RunFields) -> np.ndarray:
+    return engine.run(engine.plan(fields)).images
+
+
+def chosen(mesh: str, named: dict[str, RunFields]) -> tuple[str, dict[str, RunFields]]:
     """`MESH@NAME,NAME`: the mesh and those of `named`; a bare mesh: all of them."""
     text, _, names = mesh.partition("@")
     return text, {n: r for n, r in named.items() if not names or n in names.split(",")}
@@ -54,7 +58,7 @@ def chosen(mesh: str, named: dict[str, Request]) -> tuple[str, dict[str, Request
 
 def main(runs: list[tuple[str, str]], meshes: list[str]) -> None:
     for path, kind in runs:
-        single = KleinPipeline.load(path, dtype=jnp.float32)
+        single = engine_on(path)
         expected: dict[tuple[str, int], np.ndarray] = {}
         for entry in meshes:
             spec = MeshSpec.parse(entry.partition("@")[0])
@@ -64,15 +68,15 @@ def main(runs: list[tuple[str, str]], meshes: list[str]) -> None:
                 continue
             for name, r in named.items():
                 if (name, batch) not in expected:
-                    expected[name, batch] = postprocess(single(r).images)
-            mesh = make_mesh(spec)
-            pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=mesh)
-            kernel = pipeline.models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
-            qkv = pipeline.models.transformer.single_transformer_blocks.attn.to_qkv_mlp_proj.kernel.get_value()
-            out_kernel = pipeline.models.transformer.transformer_blocks.attn.to_out[0].kernel.get_value()
+                    expected[name, batch] = images_of(single, r)
+            engine = engine_on(path, mesh=make_mesh(spec))
+            models = engine.pipeline.models
+            kernel = models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
+            qkv = models.transformer.single_transformer_blocks.attn.to_qkv_mlp_proj.kernel.get_value()
+            out_kernel = models.transformer.transformer_blocks.attn.to_out[0].kernel.get_value()
             assert isinstance(kernel.sharding, NamedSharding)
-            for name, request in named.items():
-                images = postprocess(pipeline(request).images)
+            for name, fields in named.items():
+                images = images_of(engine, fields)
                 diff = int(np.abs(images.astype(int) - expected[name, batch].astype(int)).max())
                 print(json.dumps(dict(mesh=text, request=name, max_diff=diff, std=float(images.std()),
                                       q_spec=[str(a) for a in kernel.sharding.spec],
@@ -85,31 +89,29 @@ def any_batch(plain: str, base: str, kv: str, meshes: list[str], size: int = 32)
     """At 32 px (4 image tokens) no idle axis divides the tokens, so the batch is copied there;
     at 64 px (16) the auto rule splits them over the idle axes (the sequence form). Each row
     names the token axes the transformer was traced with."""
-    refs = [preprocess_reference(synthetic_image(w, h, i), multiple_of=16)
-            for i, (w, h) in enumerate([(64, 64), (96, 64)])]
-    common = dict(steps=1, guidance=1.0, height=size, width=size, seed=3, max_sequence_length=16)
+    common = dict(steps=1, height=size, width=size, seed=3, max_sequence_length=16)
     cases = {
-        plain: {"text-to-image-1": Request(prompts=["a red fox"], **common),
-                "text-to-image-3": Request(prompts=["a red fox", "a lighthouse", "two cats"], **common),
-                "edit-2-refs-1": Request(prompts=["a red fox"], references=refs, **common)},
-        base: {"cfg-1": Request(prompts=["a red fox"], negative_prompt="blurry", **dict(common, guidance=4.0))},
-        kv: {"kv-edit-1": Request(prompts=["a red fox"], references=refs, kv=True, **common)},
+        plain: {"text-to-image-1": RunFields(prompts=("a red fox",), **common),
+                "text-to-image-3": RunFields(prompts=("a red fox", "a lighthouse", "two cats"), **common),
+                "edit-2-refs-1": RunFields(prompts=("a red fox",), references=REFERENCES, **common)},
+        base: {"cfg-1": RunFields(prompts=("a red fox",), negative_prompt="blurry", **dict(common, guidance=4.0))},
+        kv: {"kv-edit-1": RunFields(prompts=("a red fox",), references=REFERENCES, kv=True, **common)},
     }
     for path, requests_here in cases.items():
         on_meshes = [chosen(entry, requests_here) for entry in meshes]
         wanted = {name: r for _, named in on_meshes for name, r in named.items()}
         if not wanted:
             continue
-        single = KleinPipeline.load(path, dtype=jnp.float32)
-        expected = {name: postprocess(single(r).images) for name, r in wanted.items()}
+        single = engine_on(path)
+        expected = {name: images_of(single, r) for name, r in wanted.items()}
         for text, named in on_meshes:
             if not named:
                 continue
-            pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=make_mesh(MeshSpec.parse(text)))
-            kernel = pipeline.models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
-            for name, request in named.items():
+            engine = engine_on(path, mesh=make_mesh(MeshSpec.parse(text)))
+            kernel = engine.pipeline.models.transformer.transformer_blocks.attn.to_q.kernel.get_value()
+            for name, fields in named.items():
                 with recorded_token_axes() as seen:
-                    images = postprocess(pipeline(request).images)
+                    images = images_of(engine, fields)
                 diff = int(np.abs(images.astype(int) - expected[name].astype(int)).max())
                 print(json.dumps(dict(mesh=text, request=name, max_diff=diff, std=float(images.std()),
                                       images=len(images), q_spec=[str(a) for a in kernel.sharding.spec],
@@ -135,16 +137,16 @@ def cfg_against_diffusers(base: str, meshes: list[str]) -> None:
     against diffusers' run of the same request and noise, computed once."""
     from flux2klein_cli.core.runs.parity import compare, reference_pipeline, run_reference
 
-    request = Request(prompts=["a red fox in snow"], negative_prompt="blurry, low quality", steps=4, guidance=4.0,
-                      height=64, width=64, seed=1)
+    fields = RunFields(prompts=("a red fox in snow",), negative_prompt="blurry, low quality", steps=4, guidance=4.0,
+                       height=64, width=64, seed=1)
     reference: np.ndarray | None = None
     for text in meshes:
-        pipeline = KleinPipeline.load(base, dtype=jnp.float32, mesh=make_mesh(MeshSpec.parse(text)))
-        assert pipeline.uses_guidance(request.guidance)
+        engine = engine_on(base, mesh=make_mesh(MeshSpec.parse(text)))
+        plan = engine.plan(fields)
+        assert plan.cfg
         if reference is None:
-            request.latents, _ = pipeline.initial_noise(request, pipeline.geometry.grid(64, 64))
-            reference = run_reference(reference_pipeline(pipeline, "fp32"), request, request.latents, [])
-        metrics = compare(postprocess(pipeline(request).images), reference)
+            reference = run_reference(reference_pipeline(engine, "fp32"), plan, engine.initial_noise(plan), [])
+        metrics = compare(engine.run(plan).images, reference)
         print(json.dumps(dict(mesh=text, ssim=metrics.ssim, max_diff=metrics.max_diff,
                               std=float(reference.std()))), flush=True)
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 import json
 import sys
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
 from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 from flux2klein_cli.core.models.quantized import QuantizedLinear
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
-from flux2klein_cli.core.runs.images import postprocess
-from tests.mesh_worker import requests
+from tests.fixtures.engine import engine_on
+from tests.mesh_worker import images_of, requests
 
 
 def padded(spec: tuple, rank: int) -> tuple:
@@ -44,7 +42,7 @@ def scale_mismatches(model: nnx.Module) -> tuple[int, list[str]]:
 
 def main(plain: str, kv: str, meshes: list[str]) -> None:
     for path, kind in ((plain, "plain"), (kv, "kv")):
-        single = KleinPipeline.load(path, dtype=jnp.float32)
+        single = engine_on(path)
         expected: dict[tuple[str, int], np.ndarray] = {}
         for text in meshes:
             spec = MeshSpec.parse(text)
@@ -52,13 +50,13 @@ def main(plain: str, kv: str, meshes: list[str]) -> None:
             named = {k: r for k, r in requests(kind, batch).items() if k != "edit-2-refs"}  # plain + KV edit
             for name, r in named.items():
                 if (name, batch) not in expected:
-                    expected[name, batch] = postprocess(single(r).images)
-            pipeline = KleinPipeline.load(path, dtype=jnp.float32, mesh=make_mesh(spec))
-            seen, wrong = zip(*(scale_mismatches(m) for m in (pipeline.models.transformer,
-                                                              pipeline.models.text_encoder)), strict=True)
-            scale = pipeline.models.transformer.transformer_blocks.attn.to_out[0].scale.get_value()
-            for name, request in named.items():
-                images = postprocess(pipeline(request).images)
+                    expected[name, batch] = images_of(single, r)
+            engine = engine_on(path, mesh=make_mesh(spec))
+            models = engine.pipeline.models
+            seen, wrong = zip(*(scale_mismatches(m) for m in (models.transformer, models.text_encoder)), strict=True)
+            scale = models.transformer.transformer_blocks.attn.to_out[0].scale.get_value()
+            for name, fields in named.items():
+                images = images_of(engine, fields)
                 diff = int(np.abs(images.astype(int) - expected[name, batch].astype(int)).max())
                 print(json.dumps(dict(mesh=text, request=name, max_diff=diff, std=float(images.std()),
                                       quantized=list(seen), wrong=sum(wrong, []),

@@ -104,7 +104,7 @@ def test_inspect_checks_the_tokenizer_as_generate_does(env: Path, cache: Path) -
 def test_device_out_of_memory_is_exit_1_in_one_line(env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
-    def exhausted(self: KleinPipeline, request: object, on_step: object = None) -> None:
+    def exhausted(self: KleinPipeline, plan: object, **run: object) -> None:
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9 bytes.")
 
     monkeypatch.setattr(KleinPipeline, "__call__", exhausted)

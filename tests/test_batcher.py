@@ -1,11 +1,19 @@
-"""The serve batcher alone, with fake plans: no HTTP, no model (core/serve/batcher.py)."""
+"""The serve batcher alone, with fake plans and a clock moved by hand: no HTTP, no model, no
+sleeping (core/serve/batcher.py)."""
 
 from __future__ import annotations
 
+import queue
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+
+from flux2klein_cli.core.serve.batcher import Batcher
+
+GUARD_S = 30  # a hung worker fails the test instead of hanging it; no timing is asserted
 
 
 @dataclass(frozen=True)
@@ -19,8 +27,38 @@ class FakePlan:
         return (self.key,)
 
 
+class ManualClock:
+    """Time stands still until `advance`; a window waits until then (or a notify)."""
+
+    def __init__(self) -> None:
+        self.now_s, self.cond = 0.0, threading.Condition()
+        self.waiting = threading.Event()  # set while the worker waits in a window
+
+    def now(self) -> float:
+        return self.now_s
+
+    def wait(self, cond: threading.Condition, timeout: float) -> None:
+        self.cond = cond
+        self.waiting.set()
+        cond.wait()
+        self.waiting.clear()
+
+    def advance(self, seconds: float) -> None:
+        assert self.waiting.wait(GUARD_S), "the worker is not in a window"
+        with self.cond:
+            self.now_s += seconds
+            self.cond.notify_all()
+
+
+def started(run_batch: Any, clock: ManualClock, **options: Any) -> tuple[Batcher, queue.Queue]:
+    reports: queue.Queue = queue.Queue()
+    batcher = Batcher(run_batch, clock=clock, on_batch=reports.put, **options)
+    batcher.start()
+    return batcher, reports
+
+
 def test_the_batcher_gathers_same_key_plans_and_a_failing_batch_fails_only_its_own() -> None:
-    from flux2klein_cli.core.serve.batcher import Batcher, batch_count, padded_count
+    from flux2klein_cli.core.serve.batcher import batch_count, padded_count
 
     runs: list[list[str]] = []
 
@@ -30,11 +68,13 @@ def test_the_batcher_gathers_same_key_plans_and_a_failing_batch_fails_only_its_o
             raise RuntimeError("out of memory")
         return [f"{p.key}-result" for p in plans]
 
-    batcher = Batcher(run_batch, max_batch=4, wait_s=0.3, queue_size=8)  # type: ignore[arg-type]
-    tickets = [batcher.submit(FakePlan(key)) for key in ("a", "bad", "a", "a", "bad")]
+    clock = ManualClock()
+    batcher = Batcher(run_batch, max_batch=4, wait_s=0.3, queue_size=8, clock=clock)  # type: ignore[arg-type]
+    tickets = [batcher.submit(FakePlan(key)) for key in ("a", "bad", "a", "a", "bad")]  # type: ignore[arg-type]
     batcher.start()
     try:
-        results = [t.future.exception(timeout=30) or t.future.result() for t in tickets]
+        clock.advance(0.3)  # the a's window closes with three of four
+        results = [t.future.exception(timeout=GUARD_S) or t.future.result() for t in tickets]
     finally:
         batcher.close()
     assert results[0] == results[2] == results[3] == "a-result"
@@ -48,7 +88,7 @@ def test_the_batcher_gathers_same_key_plans_and_a_failing_batch_fails_only_its_o
 
 
 def test_the_batcher_cancels_queued_tickets_and_bounds_its_queue() -> None:
-    from flux2klein_cli.core.serve.batcher import Batcher, Cancelled, Draining, QueueFull
+    from flux2klein_cli.core.serve.batcher import Cancelled, Draining, QueueFull
 
     batcher = Batcher(lambda plans: list(plans), max_batch=2, wait_s=0.0, queue_size=2)  # not started
     first, second = batcher.submit(FakePlan("a")), batcher.submit(FakePlan("b"))  # type: ignore[arg-type]
@@ -66,37 +106,60 @@ def test_the_batcher_cancels_queued_tickets_and_bounds_its_queue() -> None:
 def test_the_window_is_waited_only_while_requests_come_together() -> None:
     """A lone request pays the window once; the next lone one starts at once; requests that arrive
     while a batch runs bring the window back, and are gathered into one batch."""
-    from flux2klein_cli.core.serve.batcher import Batcher, BatchReport
-
-    wait_s = 1.0
     release, running = threading.Event(), threading.Event()
     runs: list[list[str]] = []
-    reports: list[BatchReport] = []
 
     def run_batch(plans: list[FakePlan]) -> list[str]:
         runs.append([p.key for p in plans])
         running.set()
         if plans[0].key == "held":
-            assert release.wait(30)
+            assert release.wait(GUARD_S)
         return [p.key for p in plans]
 
-    batcher = Batcher(run_batch, max_batch=4, wait_s=wait_s, queue_size=8, pad=False,  # type: ignore[arg-type]
-                      on_batch=reports.append)
-    batcher.start()
+    clock = ManualClock()
+    batcher, reports = started(run_batch, clock, max_batch=4, wait_s=1.0, queue_size=8, pad=False)
     try:
-        for key in ("first", "second"):  # one at a time, as a lone closed-loop client sends them
-            assert batcher.submit(FakePlan(key)).future.result(timeout=30) == key  # type: ignore[arg-type]
+        first = batcher.submit(FakePlan("first"))  # type: ignore[arg-type]
+        clock.advance(1.0)  # no evidence yet of company: the window is waited
+        assert first.future.result(timeout=GUARD_S) == "first"
+        waited = [reports.get(timeout=GUARD_S).waited]
+        second = batcher.submit(FakePlan("second"))  # type: ignore[arg-type]
+        assert second.future.result(timeout=GUARD_S) == "second"  # alone last time: at once
+        waited.append(reports.get(timeout=GUARD_S).waited)
         running.clear()
         held = batcher.submit(FakePlan("held"))  # type: ignore[arg-type]
-        assert running.wait(30)
+        assert running.wait(GUARD_S)
         together = [batcher.submit(FakePlan("a")) for _ in range(3)]  # type: ignore[arg-type]
         release.set()
-        assert held.future.result(timeout=30) == "held"
-        assert [t.future.result(timeout=30) for t in together] == ["a"] * 3
+        assert held.future.result(timeout=GUARD_S) == "held"
+        clock.advance(1.0)  # they came while "held" ran: the window is back, and gathers them
+        assert [t.future.result(timeout=GUARD_S) for t in together] == ["a"] * 3
+        waited += [reports.get(timeout=GUARD_S).waited for _ in range(2)]
     finally:
         batcher.close()
     assert runs == [["first"], ["second"], ["held"], ["a", "a", "a"]]
-    waited = [report.waited[0] for report in reports]
-    assert waited[0] >= wait_s  # no evidence yet of company: the window is waited
-    assert waited[1] < wait_s / 2 and waited[2] < wait_s / 2  # alone last time: at once
-    assert len(reports[3].waited) == 3  # arrived while "held" ran: gathered
+    assert waited == [[1.0], [0.0], [0.0], [1.0, 1.0, 1.0]]
+
+
+def test_a_full_queue_is_429_and_a_drain_runs_what_was_queued_at_once() -> None:
+    """A queue of one whose request waits for company: another is 429 with Retry-After; the drain
+    ends the window (no company can come), runs the queued request, refuses new ones with 503."""
+    from flux2klein_cli.core.serve.batcher import Draining, QueueFull
+    from flux2klein_cli.core.serve.server import drain
+    from flux2klein_cli.core.serve.service import api_error
+
+    clock = ManualClock()
+    batcher, _ = started(lambda plans: [p.key for p in plans], clock, max_batch=2, wait_s=60.0, queue_size=1)
+    queued = batcher.submit(FakePlan("queued"))  # type: ignore[arg-type]
+    assert clock.waiting.wait(GUARD_S)  # in its window
+    with pytest.raises(QueueFull) as full:
+        batcher.submit(FakePlan("one too many"))  # type: ignore[arg-type]
+    refused = api_error(full.value)
+    assert (refused.status, refused.code) == (429, "queue_full") and int(refused.headers["Retry-After"]) >= 1
+    service, notes, stopped = SimpleNamespace(batcher=batcher, draining=False), [], threading.Event()
+    drain(service, GUARD_S, stopped.set, notes.append)
+    assert service.draining and stopped.is_set() and queued.future.result(timeout=0) == "queued"
+    assert notes == ["draining: 1 request(s) in flight, up to 30 s"] and clock.now() == 0.0
+    with pytest.raises(Draining) as late:
+        batcher.submit(FakePlan("late"))  # type: ignore[arg-type]
+    assert (api_error(late.value).status, api_error(late.value).code) == (503, "draining")

@@ -31,46 +31,41 @@ runner = CliRunner()
 SMALL = ["--height", "32", "--width", "32", "--max-sequence-length", "16", "--steps", "2"]
 
 
-def _swap_in(pipeline: object, executables: dict[str, object]) -> None:
-    """Replace the pipeline's jitted calls with the stored executables (which cannot retrace)."""
-    pipeline._text = executables["text_encoder"]  # type: ignore[attr-defined]
-    pipeline._denoise = {None: executables["denoise"]}  # type: ignore[attr-defined]
-    pipeline._decode = executables["vae_decode"]  # type: ignore[attr-defined]
-    encodes = [v for k, v in executables.items() if k.startswith("vae_encode_")]
-    if encodes:
-        pipeline._encode = encodes[0]  # type: ignore[attr-defined]
-    if "reference_kv" in executables:
-        pipeline._reference_kv = executables["reference_kv"]  # type: ignore[attr-defined]
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("kv", [False, True], ids=["edit", "kv-edit"])
-def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path, kv: bool) -> None:
-    """Executables compiled from configs alone accept the pipeline's real arguments (a Compiled
-    rejects any other tree, shape, dtype or sharding) and give its images."""
+def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path) -> None:
+    """Executables compiled from configs alone accept the engine's real arguments (a Compiled
+    rejects any other tree, shape, dtype or sharding: the engine would warn and jit instead)
+    and give its images: a KV edit of two prompts, which has every program a plain edit has and
+    the references-only pass (a plain edit's stored programs: tests/test_compile_counter.py)."""
+    from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+    from tests.fixtures.engine import engine_on, upload
 
     # The project's own writer: no torch needed, so the base tier runs this too.
-    checkpoint = write_random_checkpoint(tmp_path / "ckpt", "tiny", kv=kv, seed=int(kv))
-    run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
-                     dtype=jnp.float32, kv=kv)
+    checkpoint = write_random_checkpoint(tmp_path / "ckpt", "tiny", kv=True, seed=1)
+    run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((64, 96),), max_sequence_length=16,
+                     dtype=jnp.float32, kv=True)
     specs = P.pipeline_programs(P.model_configs(str(checkpoint)), run)
-    results = compile_all(specs, ExecutableStore(tmp_path))
+    results = compile_all(specs, ExecutableStore(tmp_path / "store"))
     executables = {info.name: compiled for compiled, info in results}
-    assert set(executables) == {"text_encoder", "noise", "denoise", "vae_decode", "vae_encode_32x48"} | (
-        {"reference_kv"} if kv else set())
+    assert set(executables) == {"text_encoder", "noise", "denoise", "vae_decode", "vae_encode_64x96", "reference_kv"}
 
-    pipeline = KleinPipeline.load(checkpoint, dtype=jnp.float32)
-    ref = np.random.default_rng(0).uniform(-1, 1, (32, 48, 3)).astype(np.float32)
-    req = Request(prompts=["a fox", "a cat"], steps=2, guidance=1.0, height=32, width=32, references=[ref],
-                  max_sequence_length=16, **({"kv": True} if kv else {}))
-    expected = pipeline(req).images
-    _swap_in(pipeline, executables)
-    np.testing.assert_allclose(pipeline(req).images, expected, atol=1e-5)
-    noise, seeds = pipeline.noise_latents(req, (2, 2))
-    assert seeds == [0, 1]
-    np.testing.assert_array_equal(np.asarray(executables["noise"](np.asarray(seeds, np.uint32))), np.asarray(noise))
+    from PIL import Image
+
+    ref = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), np.uint8))
+    fields = RunFields(prompts=("a fox", "a cat"), steps=2, height=32, width=32, references=(upload(ref),),
+                       max_sequence_length=16, kv=True)
+    jitted = engine_on(checkpoint)
+    plan = jitted.plan(fields)
+    assert plan.shape(jnp.float32) == run
+    warnings: list[str] = []
+    stored = engine_on(checkpoint, store=True, compile_cache=tmp_path / "store", warn=warnings.append)
+    done = stored.run(plan)
+    assert {r["name"]: r["status"] for r in done.executables} == dict.fromkeys(executables, "hit")
+    np.testing.assert_allclose(done.images.astype(int), jitted.run(plan).images, atol=1)
+    assert not warnings
+    noise = np.asarray(executables["noise"](np.asarray(plan.seeds, np.uint32)))
+    np.testing.assert_array_equal(noise.transpose(0, 3, 1, 2), jitted.initial_noise(plan))
 
 
 @pytest.mark.slow
@@ -83,7 +78,7 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
     import dataclasses
 
     from flux2klein_cli.core.compile.target import Target
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
+    from tests.fixtures.engine import engine_on
 
     run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
                      dtype=jnp.float32)
@@ -108,7 +103,7 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
         assert same_3x3_convolutions(default) > 0 and same_3x3_convolutions(fast) == 0, default.name
     executables = {info.name: compiled for compiled, info in compile_all(by_effort["fast"], ExecutableStore(tmp_path))}
 
-    pipeline = KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)
+    pipeline = engine_on(tiny_checkpoint).pipeline
     rng = np.random.default_rng(0)
     latents = rng.standard_normal((2, 2, 2, 128)).astype(np.float32)
     pixels = rng.uniform(-1, 1, (1, 32, 48, 3)).astype(np.float32)
@@ -177,12 +172,12 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
     [
         (["--tpu", "v9-4"], "unknown TPU preset 'v9-4': use one of v4-8,"),
         (["--tpu", "v6e-3"], "unknown TPU preset 'v6e-3'"),
-        (["--refs", "512by512"], "--refs: '512by512' is neither a count nor HEIGHTxWIDTH"),
+        (["--refs", "512by512"], "--refs '512by512' is neither a count nor HEIGHTxWIDTH"),
         (["--refs", "5"], "--refs gives 5 reference images; at most 4 are supported"),
         (["--refs", "512x500"], "width 500 is not a multiple of 16"),
         (["--height", "0", "--width", "64"], "--height must be at least 16 px, got 0"),
-        (["--mesh", "model=2"], "--mesh: unknown axis 'model'"),
-        (["--mesh", "fsdp=2", "--tpu", "v6e-4"], "give --mesh or --tpu, not both"),
+        (["--mesh", "model=2"], "--mesh names an unknown axis 'model'"),
+        (["--mesh", "fsdp=2", "--tpu", "v6e-4"], "--mesh or --tpu: give one, not both"),
         (["--kv", "--refs", "32x32"], "--kv needs a KV-trained checkpoint"),
         (["--kv"], "--kv needs a KV-trained checkpoint"),
         (["--dtype", "fp8"], "unknown dtype 'fp8'"),

@@ -34,13 +34,13 @@ def test_nothing_compiles_after_compile_in_this_or_a_new_process(tiny_checkpoint
                                                                   edit: bool) -> None:
     store = tmp_path / "store"
     env = dict(os.environ, JAX_PLATFORMS="cpu", FLUX2KLEIN_XLA_CACHE="off")
-    refs = ["--refs", "64x64,32x48"] if edit else []
+    refs = ["--refs", "64x64,64x96"] if edit else []
     done = subprocess.run([sys.executable, "-m", "flux2klein_cli", "compile", "--model", str(tiny_checkpoint),
                            "--height", "64", "--width", "64", "--steps", "2", "--dtype", "fp32", "--cache-dir",
                            str(store), *refs, "--json"], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     mode = ["--edit"] if edit else []
-    programs = {"text_encoder", "noise", "denoise", "vae_decode"} | ({"vae_encode_64x64", "vae_encode_32x48"}
+    programs = {"text_encoder", "noise", "denoise", "vae_decode"} | ({"vae_encode_64x64", "vae_encode_64x96"}
                                                                      if edit else set())
 
     # A new process: every program is a hit on what `compile` stored, nothing is compiled.

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
@@ -100,7 +101,7 @@ def test_bad_overrides_are_one_line_errors(tiny: Path, tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match="no such file or folder"):
         resolve_overrides(transformer=str(tmp_path / "missing.safetensors"))
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(UserInputError, match="expected a .safetensors file"):
+    with pytest.raises(UserInputError, match="expected a .safetensors or .gguf file"):
         resolve_overrides(vae=str(tmp_path / "notes.txt"))
     with pytest.raises(UserInputError, match="is a vae, not a transformer"):
         resolve_overrides(transformer="small-decoder")
@@ -122,7 +123,7 @@ def test_generate_with_overrides_names_them_and_draws_the_folder_image(tiny: Pat
                                                                          tmp_path: Path) -> None:
     from PIL import Image
 
-    from flux2klein_cli.core.runs.image_files import read_png_metadata
+    from flux2klein_cli.core.runs.image_files import read_run_metadata
 
     small = write_random_checkpoint(tmp_path / "small", with_small_decoder(preset("tiny")), components=("vae",))
     common = ("--height", 32, "--width", 32, "--steps", 2, "--dtype", "fp32", "--no-save")
@@ -132,11 +133,11 @@ def test_generate_with_overrides_names_them_and_draws_the_folder_image(tiny: Pat
               "--json")
     assert bfl.exit_code == 0, bfl.stderr
     assert json.loads(bfl.stdout)["transformer"] == str(bfl_file)
-    assert read_png_metadata(tmp_path / "bfl.png")["transformer"] == str(bfl_file)
+    assert read_run_metadata(tmp_path / "bfl.png")["transformer"] == str(bfl_file)
     assert np.array_equal(np.asarray(Image.open(tmp_path / "bfl.png")), np.asarray(Image.open(tmp_path / "plain.png")))
     vae = cli("generate", "a fox", "--model", tiny, "--vae", small / "vae", "-o", tmp_path / "vae.png", *common)
     assert vae.exit_code == 0, vae.stderr
-    assert read_png_metadata(tmp_path / "vae.png")["vae"] == str(small / "vae")
+    assert read_run_metadata(tmp_path / "vae.png")["vae"] == str(small / "vae")
 
 
 def test_inspect_and_convert_the_overridden_model(tiny: Path, bfl_file: Path, tmp_path: Path) -> None:
@@ -217,3 +218,8 @@ def test_parity_with_a_bfl_transformer_file_reads_it_through_from_single_file(ti
     assert result.exit_code == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["ssim"] >= 0.999 and report["max_diff"] <= 2, report
+    # Its PNGs carry generate's record: `--from` reruns ours, the transformer file included.
+    again = cli("generate", "--from", tmp_path / "out" / "ours.png", "-o", tmp_path / "again.png")
+    assert again.exit_code == 0, again.stderr
+    ours, rerun = (np.asarray(Image.open(p)) for p in (tmp_path / "out" / "ours.png", tmp_path / "again.png"))
+    assert np.array_equal(ours, rerun)

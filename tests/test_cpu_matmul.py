@@ -249,17 +249,16 @@ def test_on_amx_a_bf16_linear_runs_onemkl_and_agrees_with_xla() -> None:
 
 @amx
 def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_checkpoint: Path) -> None:
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-    from flux2klein_cli.core.runs.images import postprocess
+    from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.runs.parity import reference_pipeline, run_reference
+    from tests.fixtures.engine import engine_on
 
-    pipeline = KleinPipeline.load(tiny_checkpoint, dtype=jnp.bfloat16)
-    request = Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=64, width=64, seed=3)
-    noise, _ = pipeline.initial_noise(request, pipeline.geometry.grid(64, 64))
-    request.latents = noise
-    ours = postprocess(pipeline(request).images).astype(np.float32)
-    f32 = run_reference(reference_pipeline(pipeline, "fp32"), request, noise, []).astype(np.float32)
-    bf16 = run_reference(reference_pipeline(pipeline, "bf16"), request, noise, []).astype(np.float32)
+    engine = engine_on(tiny_checkpoint, dtype="bf16")
+    plan = engine.plan(RunFields(prompts=("a red fox in snow",), steps=4, height=64, width=64, seed=3))
+    noise = engine.initial_noise(plan)
+    ours = engine.run(plan).images.astype(np.float32)
+    f32 = run_reference(reference_pipeline(engine, "fp32"), plan, noise, []).astype(np.float32)
+    bf16 = run_reference(reference_pipeline(engine, "bf16"), plan, noise, []).astype(np.float32)
     ours_err, their_err = np.abs(ours - f32).mean(), np.abs(bf16 - f32).mean()
     assert their_err > 0  # bf16 does change diffusers' image, so the bound means something
     assert ours_err <= 1.25 * their_err, (ours_err, their_err)

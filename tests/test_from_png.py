@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.runs import from_png
-from flux2klein_cli.core.runs.image_files import read_png_metadata, write_png
+from flux2klein_cli.core.runs.image_files import read_run_metadata, write_png
 
 runner = CliRunner()
 TINY = ("--model", "tiny", "--height", "32", "--width", "48", "--steps", "1", "--max-sequence-length", "16")
@@ -41,7 +41,7 @@ def one_line_exit_2(result: Any, *needles: str) -> None:
 
 
 def made_png(path: Path, **changes: Any) -> Path:
-    """A PNG with the parameters generate writes (no model run)."""
+    """A PNG with the record 2 parameters generate wrote before record 3 (no model run)."""
     meta = dict(prompt="a fox", negative_prompt="", seed=3, steps=1, guidance=1.0, size="48x32", model="tiny",
                 references=[], dtype="bf16", version="0.1.0", max_sequence_length=16)
     meta.update(changes)
@@ -51,7 +51,8 @@ def made_png(path: Path, **changes: Any) -> Path:
 # --- reading the parameters back -----------------------------------------------------------------
 
 
-def test_parameters_as_the_commands_options(tmp_path: Path) -> None:
+def test_a_record_2_png_reads_as_the_fields_it_gave(tmp_path: Path) -> None:
+    """PNGs written before record 3 (`size`, a seed `latents:PATH`) read back as record 3's fields."""
     png = made_png(tmp_path / "a.png", lora=[{"path": "style.safetensors", "scale": 0.8, "sha256": "x"}],
                    transformer="other/repo")
     assert from_png.parameters(png, "generate") == dict(
@@ -62,6 +63,42 @@ def test_parameters_as_the_commands_options(tmp_path: Path) -> None:
     latents = made_png(tmp_path / "l.png", seed=f"latents:{noise}")
     got = from_png.parameters(latents, "generate")
     assert got["latents"] == noise and "seed" not in got
+
+
+def test_the_record_round_trips_a_plan(tmp_path: Path) -> None:
+    """encode -> PNG -> decode gives the fields and engine options that plan the same run again."""
+    from dataclasses import replace
+
+    from flux2klein_cli.core.compile.specs import model_configs
+    from flux2klein_cli.core.engine.engine import EngineOptions
+    from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, build_plan
+    from flux2klein_cli.core.runs import run_record
+
+    Image.fromarray(np.full((64, 96, 3), 90, np.uint8)).save(tmp_path / "init.png")
+    Image.fromarray(np.full((64, 96), 255, np.uint8)).save(tmp_path / "mask.png")
+    Image.fromarray(np.zeros((80, 64, 3), np.uint8)).save(tmp_path / "ref.png")
+    facts = ModelFacts.of("tiny", model_configs("tiny"))
+    fields = RunFields(prompts=("a fox", "a hare"), references=(tmp_path / "ref.png",), steps=3, guidance=2.5,
+                       negative_prompt="fog", seed=11, num_images=2, max_sequence_length=24,
+                       init_image=tmp_path / "init.png", mask=tmp_path / "mask.png", strength=0.6,
+                       padding_mask_crop=8, reference_max_area=64 * 64)
+    plan = build_plan(fields, facts)
+    options = EngineOptions(model="tiny", dtype="fp32", transformer="elsewhere/t", lora=("style.safetensors:0.5",))
+    lora = [{"path": "style.safetensors", "scale": 0.5}]
+    for index in range(plan.batch):
+        png = write_png(tmp_path / f"{index}.png", PIXELS, run_record.encode(plan, index, options, lora), force=False)
+        got = run_record.decode(read_run_metadata(png), png)
+        again = build_plan(RunFields(
+            prompts=(got["prompt"],), references=tuple(got["references"]), height=got["height"], width=got["width"],
+            steps=got["steps"], guidance=got["guidance"], negative_prompt=got["negative_prompt"], seed=got["seed"],
+            max_sequence_length=got["max_sequence_length"], init_image=got["init_image"], mask=got["mask"],
+            strength=got["strength"], padding_mask_crop=got["padding_mask_crop"],
+            reference_max_area=got["reference_max_area"]), facts)
+        image = replace(plan, prompts=(plan.prompts[index // 2],), seeds=(plan.seeds[index],), num_images=1,
+                        negative_prompt="")  # a distilled model has no negative pass: none is recorded
+        assert again == image and not plan.cfg
+        assert (got["model"], got["dtype"], got["transformer"], got["lora"]) == ("tiny", "fp32", "elsewhere/t",
+                                                                                  ["style.safetensors:0.5"])
 
 
 def test_options_given_win_and_groups_go_together(tmp_path: Path) -> None:
@@ -114,7 +151,8 @@ def test_newer_metadata_format(tmp_path: Path) -> None:
 
 def test_altered_parameters(tmp_path: Path) -> None:
     png = made_png(tmp_path / "a.png", steps="many")
-    one_line_exit_2(run("generate", "--from", png, "-o", tmp_path / "o.png"), "steps 'many' is not a whole number")
+    one_line_exit_2(run("generate", "--from", png, "-o", tmp_path / "o.png"),
+                    'its steps must be a whole number, got "many"; the PNG\'s parameters were altered')
 
 
 def test_missing_reference_and_edit_png(tmp_path: Path) -> None:
@@ -141,25 +179,25 @@ def test_generate_from_reruns_bit_for_bit_and_overrides(tmp_path: Path) -> None:
     again = run("generate", "--from", first, "-o", tmp_path / "b.png")
     assert again.exit_code == 0, again.stderr
     assert np.array_equal(pixels(first), pixels(tmp_path / "b.png"))
-    assert read_png_metadata(tmp_path / "b.png") == read_png_metadata(first)
+    assert read_run_metadata(tmp_path / "b.png") == read_run_metadata(first)
 
     other = run("generate", "--from", first, "--seed", 5, "-o", tmp_path / "c.png")
     assert other.exit_code == 0, other.stderr
     assert not np.array_equal(pixels(first), pixels(tmp_path / "c.png"))
-    assert read_png_metadata(tmp_path / "c.png") == {**read_png_metadata(first), "seed": 5}
+    assert read_run_metadata(tmp_path / "c.png") == {**read_run_metadata(first), "seed": 5}
 
     shown = run("inspect", first, "--json")
     assert shown.exit_code == 0, shown.stderr
-    assert json.loads(shown.stdout) == read_png_metadata(first)
+    assert json.loads(shown.stdout) == read_run_metadata(first)
     table = run("inspect", first)
     assert table.exit_code == 0 and "a fox in snow" in table.stdout + table.stderr
 
-    # A run from initial noise records latents:PATH and reruns from that file.
+    # A run from initial noise records its file and reruns from it.
     noise = tmp_path / "noise.npy"
     np.save(noise, np.random.default_rng(1).standard_normal((1, 128, 2, 3)).astype(np.float32))
     from_noise = run("generate", "a fox in snow", *TINY, "--latents", noise, "-o", tmp_path / "l.png")
     assert from_noise.exit_code == 0, from_noise.stderr
-    assert read_png_metadata(tmp_path / "l.png")["seed"] == f"latents:{noise}"
+    assert read_run_metadata(tmp_path / "l.png")["latents"] == str(noise)
     rerun = run("generate", "--from", tmp_path / "l.png", "-o", tmp_path / "l2.png")
     assert rerun.exit_code == 0, rerun.stderr
     assert np.array_equal(pixels(tmp_path / "l.png"), pixels(tmp_path / "l2.png"))
@@ -176,4 +214,4 @@ def test_edit_from_reruns_bit_for_bit(tmp_path: Path) -> None:
     again = run("edit", "--from", first, "-o", tmp_path / "e2.png")
     assert again.exit_code == 0, again.stderr
     assert np.array_equal(pixels(first), pixels(tmp_path / "e2.png"))
-    assert read_png_metadata(tmp_path / "e2.png") == read_png_metadata(first)
+    assert read_run_metadata(tmp_path / "e2.png") == read_run_metadata(first)

@@ -14,7 +14,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
-from flux2klein_cli.core.runs.image_files import read_png_metadata
+from flux2klein_cli.core.runs.image_files import read_run_metadata
 
 runner = CliRunner()
 
@@ -65,9 +65,10 @@ def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_
     for path, seed in zip(report["outputs"], (7, 8), strict=True):
         image = Image.open(path)
         assert image.size == (64, 48) and image.mode == "RGB"
-        meta = read_png_metadata(path)
+        meta = read_run_metadata(path)
         assert meta["prompt"] == "a red fox in snow" and meta["seed"] == seed and meta["steps"] == 2
-        assert meta["size"] == "64x48" and meta["model"] == str(tiny_checkpoint) and "version" in meta
+        assert (meta["width"], meta["height"]) == (64, 48) and meta["model"] == str(tiny_checkpoint)
+        assert meta["record"] == 3 and "version" in meta
     first, second = (np.asarray(Image.open(p)) for p in report["outputs"])
     assert not np.array_equal(first, second)  # different seeds, different noise
 
@@ -98,7 +99,7 @@ def test_edit_takes_the_first_reference_size(tiny_checkpoint: Path, tmp_path: Pa
     report = json.loads(result.stdout)
     assert (report["width"], report["height"]) == (96, 64)
     assert Image.open(out).size == (96, 64)
-    assert read_png_metadata(out)["references"] == [str(a), str(b)]
+    assert read_run_metadata(out)["references"] == [str(a), str(b)]
 
 
 @pytest.mark.slow
@@ -109,7 +110,7 @@ def test_prompt_file_gives_one_image_per_line(tiny_checkpoint: Path, tmp_path: P
                  "--height", 32, "--width", 32, "--steps", 1, "--json")
     assert result.exit_code == 0, result.stderr
     outputs = json.loads(result.stdout)["outputs"]
-    assert [read_png_metadata(p)["prompt"] for p in outputs] == ["a red fox", "a lighthouse at dawn"]
+    assert [read_run_metadata(p)["prompt"] for p in outputs] == ["a red fox", "a lighthouse at dawn"]
 
 
 BAD = {
@@ -120,7 +121,7 @@ BAD = {
     "height not multiple of 16": (["generate", "x", "--height", "100", "--width", "64"], "multiple of 16"),
     "width not multiple of 16": (["generate", "x", "--height", "64", "--width", "70"], "multiple of 16"),
     "empty prompt": (["generate", "  "], "PROMPT is empty"),
-    "no prompt": (["generate"], "no prompt"),
+    "no prompt": (["generate"], "PROMPT is missing: pass it or --prompt-file"),
     "steps under 1": (["generate", "x", "--steps", "0"], "--steps"),
     "latents of the wrong shape": (["generate", "x", "--height", "64", "--width", "64", "--latents",
                                     "{tmp}/noise.npy"], "shape"),

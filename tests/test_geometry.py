@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +15,13 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.compile import specs as P
 from flux2klein_cli.core.compile.keys import key_of, key_parts
+from flux2klein_cli.core.engine.engine import Engine
+from flux2klein_cli.core.engine.plan import RunFields
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.runs.images import preprocess_reference
-from flux2klein_cli.core.runs.parity import run_parity
+from tests.fixtures.engine import engine_on
 from tests.fixtures.tiny_configs import transformer_config, vae_config
-from tests.test_pipeline_parity import MAX_DIFF, MIN_SSIM, synthetic_image
+from tests.test_pipeline_parity import check, synthetic_image
 
 SHALLOW = LatentGeometry(pixels_per_token=8, channels=32)
 runner = CliRunner()
@@ -43,30 +42,22 @@ def test_a_transformer_of_another_latent_width_is_refused_naming_the_field() -> 
 
 
 @pytest.fixture(scope="module")
-def shallow(tiny_shallow_checkpoint: Path) -> KleinPipeline:
-    return KleinPipeline.load(tiny_shallow_checkpoint, dtype=jnp.float32)
-
-
-def check(pipeline: KleinPipeline, request: Request, references: tuple[Any, ...] = ()) -> None:
-    request.references = [preprocess_reference(image, multiple_of=8) for image in references]
-    run = run_parity(pipeline, request, list(references), "fp32")
-    assert run.ours.shape == run.reference.shape
-    assert run.metrics.ssim >= MIN_SSIM, run.metrics
-    assert run.metrics.max_diff <= MAX_DIFF, run.metrics
-    assert run.reference.std() > 10
+def shallow(tiny_shallow_checkpoint: Path) -> Engine:
+    return engine_on(tiny_shallow_checkpoint)
 
 
 @pytest.mark.slow
-def test_text_to_image_matches_diffusers_at_8_pixels_per_token(shallow: KleinPipeline) -> None:
-    assert shallow.geometry == SHALLOW
+def test_text_to_image_matches_diffusers_at_8_pixels_per_token(shallow: Engine) -> None:
+    assert shallow.pipeline.geometry == SHALLOW
     # 40x56 is no multiple of 16: only this geometry's 8 allows it.
-    check(shallow, Request(prompts=["a red fox in snow"], steps=3, guidance=1.0, height=40, width=56, seed=3))
+    check(shallow, RunFields(prompts=("a red fox in snow",), steps=3, height=40, width=56, seed=3))
 
 
 @pytest.mark.slow
-def test_edit_matches_diffusers_at_8_pixels_per_token(shallow: KleinPipeline) -> None:
+def test_edit_matches_diffusers_at_8_pixels_per_token(shallow: Engine) -> None:
     # The reference is cropped to multiples of 8 (100x75 -> 96x72), and sets the output size.
-    check(shallow, Request(prompts=["make it blue"], steps=2, guidance=1.0, seed=5), (synthetic_image(100, 75, 0),))
+    run = check(shallow, RunFields(prompts=("make it blue",), steps=2, seed=5), [synthetic_image(100, 75, 0)])
+    assert (run.plan.height, run.plan.width) == (72, 96)
 
 
 def test_store_keys_and_shapes_carry_the_geometry(tiny_shallow_checkpoint: Path, tiny_checkpoint: Path) -> None:

@@ -12,14 +12,12 @@ import pytest
 from PIL import Image
 
 from flux2klein_cli.core.errors import UserInputError
-from flux2klein_cli.core.runs.images import (
+from flux2klein_cli.core.inputs.images import (
     check_reference,
     load_reference,
-    postprocess,
     preprocess_reference,
-    reference_size,
-    validate_size,
 )
+from flux2klein_cli.core.pipeline.pixels import postprocess
 from tests.fixtures.reference import lazy
 
 # torch and diffusers on first use: the module collects on a base install (no torch).
@@ -101,8 +99,7 @@ def test_preprocess_matches_diffusers_exactly(case: str) -> None:
     ours = preprocess_reference(image, multiple_of=16)
     assert ours.dtype == np.float32 and ours.shape == expected.shape
     assert np.array_equal(ours, expected)
-    # The output size diffusers takes from the first reference, computed without pixels.
-    assert reference_size(width, height, multiple_of=16) == (exp_w, exp_h) == (ours.shape[1], ours.shape[0])
+    assert (exp_w, exp_h) == (ours.shape[1], ours.shape[0])  # the output size diffusers takes from it
     assert ours.min() >= -1.0 and ours.max() <= 1.0
 
 
@@ -111,12 +108,11 @@ def test_several_references_and_output_size_from_the_first() -> None:
     expected, exp_h, exp_w = diffusers_condition_images(images)
     for image, want in zip(images, expected, strict=True):
         assert np.array_equal(preprocess_reference(image, multiple_of=16), want)
-    assert (exp_w, exp_h) == reference_size(300, 170, multiple_of=16) == (288, 160)
+    assert (exp_w, exp_h) == (288, 160)
 
 
 def test_area_resize_uses_lanczos_then_crops_without_resampling() -> None:
     # 1300x900 -> int(1300*s) x int(900*s) = 1230x852 by Lanczos, then a centre crop to 1216x848.
-    assert reference_size(1300, 900, multiple_of=16) == (1216, 848)
     image = synthetic(1300, 900)
     resized = np.asarray(image.resize((1230, 852), Image.Resampling.LANCZOS)).astype(np.float32)
     want = 2.0 * (resized[2:850, 7:1223] / 255.0) - 1.0
@@ -220,25 +216,6 @@ def test_checks_accept_and_reject_what_diffusers_does(size: tuple[int, int]) -> 
     except UserInputError:
         ours_ok = False
     assert ours_ok == diffusers_ok
-
-
-@pytest.mark.parametrize("height,width", [(1000, 1024), (1024, 1000), (8, 64), (0, 64), (-16, 64)])
-def test_size_not_multiple_of_16_or_not_positive(height: int, width: int) -> None:
-    with pytest.raises(UserInputError) as err:
-        validate_size(height, width, multiple_of=16)
-    assert_one_line(err)
-
-
-def test_size_error_suggests_neighbours() -> None:
-    with pytest.raises(UserInputError, match="height 1000 is not a multiple of 16; use 992 or 1008"):
-        validate_size(1000, 1024, multiple_of=16)
-
-
-def test_valid_sizes() -> None:
-    validate_size(1024, 768, multiple_of=16)
-    validate_size(16, 16, multiple_of=16)
-    validate_size(None, None, multiple_of=16)  # not given: taken from the first reference
-    validate_size(None, 512, multiple_of=16)
 
 
 # --- postprocess -----------------------------------------------------------------------------------------

@@ -32,12 +32,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "lora": _MODEL_LAYER,
     "pipeline": _MODEL_LAYER | {"lora"},
     "compile": _MODEL_LAYER | {"lora", "pipeline"},
-    # The engine (plans and the long-lived Engine) and runs share a layer: the engine reads
-    # references and latents with runs' image modules, and generate / batch run on the engine.
-    "engine": _MODEL_LAYER | {"lora", "pipeline", "compile", "runs"},
-    "runs": _MODEL_LAYER | {"lora", "pipeline", "compile", "engine"},
-    "serve": _MODEL_LAYER | {"lora", "pipeline", "compile", "engine", "runs"},
-    "cli": _MODEL_LAYER | {"lora", "pipeline", "compile", "engine", "runs", "serve"},
+    # A request's inputs (references, init image and mask, noise files), read and sized on the
+    # foundations alone, so the engine's plan reads them from below.
+    "inputs": {"foundations"},
+    # The engine (plans and the long-lived Engine) is below every door: it imports nothing of runs.
+    "engine": _MODEL_LAYER | {"lora", "pipeline", "compile", "inputs"},
+    "runs": _MODEL_LAYER | {"lora", "pipeline", "compile", "inputs", "engine"},
+    "serve": _MODEL_LAYER | {"lora", "pipeline", "compile", "inputs", "engine", "runs"},
+    "cli": _MODEL_LAYER | {"lora", "pipeline", "compile", "inputs", "engine", "runs", "serve"},
     "__main__": {"cli"},
 }
 
@@ -146,11 +148,13 @@ def test_every_core_package_has_a_role() -> None:
 def test_the_layer_rule_catches_an_upward_import() -> None:
     up = {"flux2klein_cli.core.models.vae": {"flux2klein_cli.core.runs.generate", "flux2klein_cli.core.errors"},
           "flux2klein_cli.core.runs.generate": {"flux2klein_cli.cli.output"},
+          "flux2klein_cli.core.engine.plan": {"flux2klein_cli.core.runs.image_files", "flux2klein_cli.core.inputs"},
           "flux2klein_cli.core.devices.mesh": {"flux2klein_cli.core.hub.checkpoint"},
           "flux2klein_cli.core.errors": {"flux2klein_cli.core.choices"},
           "flux2klein_cli.cli.app": {"flux2klein_cli.core.runs.bench.run", "flux2klein_cli"}}
     assert layer_violations(up) == [
         "flux2klein_cli.core.devices.mesh -> flux2klein_cli.core.hub.checkpoint (devices -> hub)",
+        "flux2klein_cli.core.engine.plan -> flux2klein_cli.core.runs.image_files (engine -> runs)",
         "flux2klein_cli.core.models.vae -> flux2klein_cli.core.runs.generate (models -> runs)",
         "flux2klein_cli.core.runs.generate -> flux2klein_cli.cli.output (runs -> cli)",
     ]

@@ -4,27 +4,28 @@ the init image itself)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from PIL import Image
 
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from flux2klein_cli.core.engine.engine import Engine
+from flux2klein_cli.core.engine.plan import RunFields
+from flux2klein_cli.core.inputs import conditioning
+from flux2klein_cli.core.pipeline.pixels import postprocess
 from flux2klein_cli.core.pipeline.schedule import start_step
-from flux2klein_cli.core.runs import conditioning
-from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
-from flux2klein_cli.core.runs.parity import InitImages, run_parity
-from tests.test_pipeline_parity import MAX_DIFF, MIN_SSIM, synthetic_image
+from tests.fixtures.engine import engine_on, upload
+from tests.test_pipeline_parity import check, synthetic_image
 
 # Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def pipeline(tiny_checkpoint: Path) -> KleinPipeline:
-    return KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)
+def engine(tiny_checkpoint: Path) -> Engine:
+    return engine_on(tiny_checkpoint)
 
 
 def box_mask(width: int, height: int, box: tuple[int, int, int, int]) -> Image.Image:
@@ -36,24 +37,17 @@ def box_mask(width: int, height: int, box: tuple[int, int, int, int]) -> Image.I
     return Image.fromarray(pixels, "L")
 
 
-def run(pipeline: KleinPipeline, request: Request, init: Image.Image, mask: Image.Image | None,
+def run(engine: Engine, fields: RunFields, init: Image.Image, mask: Image.Image | None,
         references: list[Image.Image] = ()) -> np.ndarray:
-    multiple = pipeline.geometry.pixels_per_token
-    request.init_image = conditioning.preprocess_init_image(init, multiple_of=multiple)
-    if mask is not None:
-        pixels = conditioning.preprocess_mask(mask, init.size, multiple_of=multiple)
-        request.mask = conditioning.mask_to_grid(pixels, pipeline.geometry.grid(*request.init_image.shape[:2]))
-    request.references = [preprocess_reference(image, multiple_of=multiple) for image in references]
-    parity = run_parity(pipeline, request, list(references), "fp32", InitImages(init, mask))
-    assert parity.metrics.ssim >= MIN_SSIM, parity.metrics
-    assert parity.metrics.max_diff <= MAX_DIFF, parity.metrics
-    assert parity.reference.std() > 10
-    return parity.ours
+    """`fields` with `init` (and `mask`) through the engine and diffusers' inpaint pipeline: the same images."""
+    masked = replace(fields, init_image=upload(init, "init.png"),
+                     mask=None if mask is None else upload(mask, "mask.png"))
+    return check(engine, masked, references).ours
 
 
-def test_inpaint_matches_diffusers(pipeline: KleinPipeline) -> None:
+def test_inpaint_matches_diffusers(engine: Engine) -> None:
     init, mask = synthetic_image(96, 64, 10), box_mask(96, 64, (24, 8, 72, 40))
-    ours = run(pipeline, Request(prompts=["a red ball"], steps=4, guidance=1.0, seed=3, strength=0.6), init, mask)
+    ours = run(engine, RunFields(prompts=("a red ball",), steps=4, seed=3, strength=0.6), init, mask)
     # The kept part is the init image's own latents at the end: near the init image there.
     kept = postprocess(conditioning.preprocess_init_image(init, multiple_of=16)[None])[0]
     far = np.zeros((64, 96), bool)
@@ -64,25 +58,23 @@ def test_inpaint_matches_diffusers(pipeline: KleinPipeline) -> None:
     assert error[far].mean() < error[inside].mean()
 
 
-def test_inpaint_with_a_reference_image(pipeline: KleinPipeline) -> None:
+def test_inpaint_with_a_reference_image(engine: Engine) -> None:
     init, mask = synthetic_image(64, 64, 11), box_mask(64, 64, (8, 8, 40, 56))
-    run(pipeline, Request(prompts=["put the cat here"], steps=3, guidance=1.0, seed=5, strength=1.0), init, mask,
+    run(engine, RunFields(prompts=("put the cat here",), steps=3, seed=5, strength=1.0), init, mask,
         [synthetic_image(100, 75, 12)])
 
 
-def test_image_to_image_is_the_inpaint_pipeline_with_an_all_white_mask(pipeline: KleinPipeline) -> None:
+def test_image_to_image_is_the_inpaint_pipeline_with_an_all_white_mask(engine: Engine) -> None:
     # 8 steps at strength 0.5: the loop runs the last 4, from the init latents noised to sigma 4.
     assert start_step(8, 0.5) == 4
-    run(pipeline, Request(prompts=["make it night"], steps=8, guidance=1.0, seed=7, strength=0.5),
-        synthetic_image(80, 48, 13), None)
+    run(engine, RunFields(prompts=("make it night",), steps=8, seed=7, strength=0.5), synthetic_image(80, 64, 13), None)
 
 
 @pytest.mark.slow
 def test_inpaint_of_two_images_per_prompt_on_the_base_model(tiny_base_checkpoint: Path) -> None:
-    base = KleinPipeline.load(tiny_base_checkpoint, dtype=jnp.float32)
-    init, mask = synthetic_image(64, 48, 14), box_mask(64, 48, (0, 0, 40, 30))
-    run(base, Request(prompts=["a lighthouse"], negative_prompt="blurry", num_images=2, steps=4, guidance=3.0,
-                      seed=9, strength=0.75), init, mask)
+    init, mask = synthetic_image(64, 64, 14), box_mask(64, 64, (0, 0, 40, 30))
+    run(engine_on(tiny_base_checkpoint), RunFields(prompts=("a lighthouse",), negative_prompt="blurry", num_images=2,
+                                                   steps=4, guidance=3.0, seed=9, strength=0.75), init, mask)
 
 
 def test_mask_preprocessing_matches_diffusers() -> None:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.runs import conditioning
-from flux2klein_cli.core.runs.parity import InitImages, compare, reference_pipeline, run_parity, run_reference
+from flux2klein_cli.core.engine.plan import RunFields
+from flux2klein_cli.core.runs.parity import compare, read_sources, reference_pipeline, run_parity, run_reference
+from tests.fixtures.engine import engine_on, upload
 from tests.test_inpaint import box_mask
 from tests.test_pipeline_parity import synthetic_image
 
@@ -22,15 +21,14 @@ SSIM_MARGIN = 0.001  # our SSIM may be this much below diffusers' bf16 SSIM (mea
 
 @pytest.mark.slow
 def test_bf16_inpainting_is_as_close_to_fp32_as_diffusers_own_bf16(tiny_checkpoint: Path) -> None:
-    ours = KleinPipeline.load(tiny_checkpoint, dtype=jnp.bfloat16)
+    ours = engine_on(tiny_checkpoint, dtype="bf16")
     init, mask = synthetic_image(96, 64, 10), box_mask(96, 64, (24, 8, 72, 40))
-    request = Request(prompts=["a red ball"], steps=4, guidance=1.0, seed=3, strength=0.6)
-    request.init_image = conditioning.preprocess_init_image(init, multiple_of=16)
-    pixels = conditioning.preprocess_mask(mask, init.size, multiple_of=16)
-    request.mask = conditioning.mask_to_grid(pixels, ours.geometry.grid(64, 96))
-    images = InitImages(init, mask)
-    parity = run_parity(ours, request, [], "fp32", images)  # ours in bf16 against diffusers' fp32
-    theirs = run_reference(reference_pipeline(ours, "bf16", inpaint=True), request, request.latents, [], images)
+    fields = RunFields(prompts=("a red ball",), steps=4, seed=3, strength=0.6, init_image=upload(init, "init.png"),
+                       mask=upload(mask, "mask.png"))
+    parity = run_parity(ours, fields, "fp32")  # ours in bf16 against diffusers' fp32
+    references, images = read_sources(fields)
+    theirs = run_reference(reference_pipeline(ours, "bf16", inpaint=True), parity.plan, parity.plan.latents,
+                           references, images)
     fp32 = parity.reference.astype(np.float32)
 
     def error(run: np.ndarray) -> float:  # mean absolute difference from fp32, in 1/255 steps

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from PIL import Image
 
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, build_plan
 from flux2klein_cli.core.errors import FieldError
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.runs import conditioning
-from flux2klein_cli.core.runs.parity import InitImages, compare, run_parity
+from flux2klein_cli.core.inputs import conditioning
+from flux2klein_cli.core.pipeline.pixels import paste_back
+from tests.fixtures.engine import engine_on, upload
 from tests.test_bad_input import cache, env  # noqa: F401 (fixtures)
 from tests.test_inpaint import box_mask
-from tests.test_pipeline_parity import MAX_DIFF, MIN_SSIM, synthetic_image
+from tests.test_pipeline_parity import check, synthetic_image
 
 
 def processors() -> tuple[object, object]:
@@ -58,7 +57,7 @@ def test_the_crop_box_and_resizes_are_diffusers(size: tuple[int, int], box: tupl
     made = np.asarray(synthetic_image(*size, 22))
     pasted = VaeImageProcessor(vae_scale_factor=16).apply_overlay(mask, init, Image.fromarray(made), ours)
     np.testing.assert_array_equal(
-        conditioning.paste_back(made[None], np.asarray(init.convert("RGBA")), np.asarray(mask), ours)[0],
+        paste_back(made[None], np.asarray(init.convert("RGBA")), np.asarray(mask), ours)[0],
         np.asarray(pasted))
 
 
@@ -77,7 +76,7 @@ def test_diffusers_pastes_back_a_centre_crop() -> None:
     centre[y1:y2, x1:x2] = made[top:top + y2 - y1, left:left + x2 - x1]
     inside = np.asarray(mask) == 255
     np.testing.assert_array_equal(theirs[inside], centre[inside])
-    ours = conditioning.paste_back(made[None], np.asarray(init.convert("RGBA")), np.asarray(mask), box)[0]
+    ours = paste_back(made[None], np.asarray(init.convert("RGBA")), np.asarray(mask), box)[0]
     assert np.abs(ours[inside].astype(int) - theirs[inside]).mean() > 20
 
 
@@ -88,7 +87,7 @@ def test_the_paste_back_resizes_the_crop_into_its_box() -> None:
     box = conditioning.crop_box(mask, 96, 64, 8)
     assert box == (22, 12, 82, 52)  # 40x40 padded, grown to 60x40 (the output's 3:2)
     made = np.asarray(synthetic_image(96, 64, 24))
-    out = conditioning.paste_back(made[None], np.asarray(init.convert("RGBA")), np.asarray(mask), box)[0]
+    out = paste_back(made[None], np.asarray(init.convert("RGBA")), np.asarray(mask), box)[0]
     resized = np.asarray(Image.fromarray(made).resize((60, 40), Image.Resampling.LANCZOS))
     inside = np.asarray(mask) == 255
     np.testing.assert_array_equal(out[12:52, 22:82][inside[12:52, 22:82]], resized[inside[12:52, 22:82]])
@@ -117,24 +116,16 @@ def test_padding_mask_crop_is_checked_in_the_plan(tmp_path: Path) -> None:
             build_plan(fields, facts)
 
 
-@pytest.fixture(scope="module")
-def pipeline(tiny_checkpoint: Path) -> KleinPipeline:
-    return KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)
-
-
-def test_padding_mask_crop_matches_diffusers(pipeline: KleinPipeline) -> None:
+def test_padding_mask_crop_matches_diffusers(tiny_checkpoint: Path) -> None:
+    """The whole run, the paste back included, against diffusers' (its paste back mended: see
+    run_reference): the init image, exactly, outside the mask."""
     init, mask = synthetic_image(96, 64, 26), box_mask(96, 64, (40, 20, 64, 44))
-    box = conditioning.crop_box(mask, 96, 64, 8)
-    request = Request(prompts=["a red ball"], steps=4, guidance=1.0, seed=3, strength=0.8)
-    request.init_image = conditioning.preprocess_init_image(init, multiple_of=16, box=box)
-    pixels = conditioning.preprocess_mask(mask, init.size, multiple_of=16, box=box)
-    request.mask = conditioning.mask_to_grid(pixels, pipeline.geometry.grid(64, 96))
-    parity = run_parity(pipeline, request, [], "fp32", InitImages(init, mask, padding_mask_crop=8))
-    ours = conditioning.paste_back(parity.ours, np.asarray(init.convert("RGBA")), np.asarray(mask), box)
-    metrics = compare(ours, parity.reference)
-    assert metrics.ssim >= MIN_SSIM and metrics.max_diff <= MAX_DIFF, metrics
-    outside = np.asarray(mask) == 0  # the init image, exactly, in both
-    np.testing.assert_array_equal(parity.reference[0][outside], np.asarray(init)[outside])
+    parity = check(engine_on(tiny_checkpoint), RunFields(
+        prompts=("a red ball",), steps=4, seed=3, strength=0.8, init_image=upload(init, "init.png"),
+        mask=upload(mask, "mask.png"), padding_mask_crop=8))
+    outside = np.asarray(mask) == 0
+    for images in (parity.ours, parity.reference):
+        np.testing.assert_array_equal(images[0][outside], np.asarray(init)[outside])
     assert parity.reference[0][~outside].std() > 10
 
 

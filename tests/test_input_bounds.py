@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from flux2klein_cli.cli.flags import message
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.limits import LIMITS
 
@@ -20,8 +21,9 @@ def test_lora_bad_scale_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     from flux2klein_cli.core.lora.files import LoraSpec
 
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UserInputError, match=r"--lora style.safetensors:abc: the scale 'abc' is not a number"):
+    with pytest.raises(UserInputError) as err:
         LoraSpec.parse("style.safetensors:abc")  # the file need not exist: the name says what was meant
+    assert message(err.value).startswith("--lora style.safetensors:abc: the scale 'abc' is not a number")
     (tmp_path / "style").write_bytes(b"")
     with pytest.raises(UserInputError, match="the scale 'x' is not a number"):
         LoraSpec.parse("style:x")
@@ -38,7 +40,7 @@ SHAPE = (1, 128, 4, 4)
 
 
 def test_latents_text_file_is_one_clean_line(tmp_path: Path) -> None:
-    from flux2klein_cli.core.runs.image_files import load_latents
+    from flux2klein_cli.core.inputs.latents import load_latents
 
     (tmp_path / "text.npy").write_text("just some notes\n")
     with pytest.raises(UserInputError) as err:
@@ -49,7 +51,7 @@ def test_latents_text_file_is_one_clean_line(tmp_path: Path) -> None:
 
 def test_latents_header_checked_before_data(tmp_path: Path) -> None:
     """A header declaring another shape is refused without reading its (here absent) data."""
-    from flux2klein_cli.core.runs.image_files import load_latents
+    from flux2klein_cli.core.inputs.latents import load_latents
 
     path = tmp_path / "big.npy"
     with open(path, "wb") as f:
@@ -61,12 +63,12 @@ def test_latents_header_checked_before_data(tmp_path: Path) -> None:
 
 def test_latents_file_size_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from flux2klein_cli.core import limits
-    from flux2klein_cli.core.runs import image_files
+    from flux2klein_cli.core.inputs import latents
 
     np.save(tmp_path / "ok.npy", np.zeros(SHAPE, np.float32))
-    monkeypatch.setattr(image_files, "LIMITS", limits.Limits(latents_bytes=1024))
+    monkeypatch.setattr(latents, "LIMITS", limits.Limits(latents_bytes=1024))
     with pytest.raises(UserInputError, match=r"latents file .*ok.npy is \d+ bytes; the limit is 1 KiB"):
-        image_files.load_latents(tmp_path / "ok.npy", SHAPE)
+        latents.load_latents(tmp_path / "ok.npy", SHAPE)
 
 
 # --- PNG metadata --------------------------------------------------------------------------------
@@ -84,11 +86,11 @@ def _chunks(path: Path) -> list[tuple[bytes, bytes]]:
 
 
 def test_png_nul_in_prompt_round_trips_without_nul_in_text(tmp_path: Path) -> None:
-    from flux2klein_cli.core.runs.image_files import read_png_metadata, write_png
+    from flux2klein_cli.core.runs.image_files import read_run_metadata, write_png
 
     meta = {"prompt": "a fox\x00and a hen\x07", "seed": 1, "model": "tiny"}
     write_png(tmp_path / "o.png", PIXELS, meta, force=False)
-    assert read_png_metadata(tmp_path / "o.png") == meta
+    assert read_run_metadata(tmp_path / "o.png") == meta
     for kind, body in _chunks(tmp_path / "o.png"):
         _, _, text = body.partition(b"\x00")  # keyword, then (iTXt) flags, language and translated keyword
         if kind == b"iTXt":
@@ -100,13 +102,13 @@ def test_png_nul_in_prompt_round_trips_without_nul_in_text(tmp_path: Path) -> No
 
 
 def test_png_stores_each_field_once(tmp_path: Path) -> None:
-    from flux2klein_cli.core.runs.image_files import read_png_metadata, write_png
+    from flux2klein_cli.core.runs.image_files import read_run_metadata, write_png
 
     prompt = "a long prompt " * (LIMITS.prompt_bytes // 14)
     meta = {"prompt": prompt, "steps": 4, "size": [16, 16]}
     write_png(tmp_path / "o.png", PIXELS, meta, force=False)
     assert (tmp_path / "o.png").read_bytes().count(b"a long prompt a long prompt") < len(prompt) // 27 + 2
-    assert read_png_metadata(tmp_path / "o.png") == meta
+    assert read_run_metadata(tmp_path / "o.png") == meta
 
 
 def test_png_metadata_bounded(tmp_path: Path) -> None:
@@ -120,20 +122,20 @@ def test_png_metadata_bounded(tmp_path: Path) -> None:
 def test_png_older_format_still_read(tmp_path: Path) -> None:
     from PIL.PngImagePlugin import PngInfo
 
-    from flux2klein_cli.core.runs.image_files import read_png_metadata
+    from flux2klein_cli.core.runs.image_files import read_run_metadata
 
     info = PngInfo()
     info.add_text("seed", "3")
     info.add_itxt("flux2klein", json.dumps({"seed": 3, "prompt": "p"}))
     Image.fromarray(PIXELS).save(tmp_path / "old.png", pnginfo=info)
-    assert read_png_metadata(tmp_path / "old.png") == {"seed": 3, "prompt": "p"}
+    assert read_run_metadata(tmp_path / "old.png") == {"seed": 3, "prompt": "p"}
 
 
 # --- references --------------------------------------------------------------------------------
 
 
 def test_sixteen_bit_grayscale_reference_scaled_by_its_range(tmp_path: Path) -> None:
-    from flux2klein_cli.core.runs.images import load_reference
+    from flux2klein_cli.core.inputs.images import load_reference
 
     values = (np.arange(64 * 64, dtype=np.uint32).reshape(64, 64) * 16).astype(np.uint16)  # 0 .. 65520
     Image.fromarray(values).save(tmp_path / "g16.png")
@@ -146,7 +148,7 @@ def test_sixteen_bit_grayscale_reference_scaled_by_its_range(tmp_path: Path) -> 
 
 
 def test_float_tiff_reference_in_unit_range_is_scaled(tmp_path: Path) -> None:
-    from flux2klein_cli.core.runs.images import load_reference
+    from flux2klein_cli.core.inputs.images import load_reference
 
     values = np.linspace(0.0, 1.0, 64 * 64, dtype=np.float32).reshape(64, 64)
     Image.fromarray(values).save(tmp_path / "f.tif")
@@ -161,7 +163,7 @@ def test_float_tiff_reference_in_unit_range_is_scaled(tmp_path: Path) -> None:
     (np.full((64, 64), np.nan, np.float32), "NaN or infinite values"),
 ])
 def test_float_tiff_reference_out_of_range_is_refused(tmp_path: Path, values: np.ndarray, words: str) -> None:
-    from flux2klein_cli.core.runs.images import load_reference
+    from flux2klein_cli.core.inputs.images import load_reference
 
     Image.fromarray(values).save(tmp_path / "f.tif")
     with pytest.raises(UserInputError, match=rf"reference image .*f.tif holds floating-point pixels with {words}"):
@@ -174,7 +176,7 @@ def test_float_tiff_reference_out_of_range_is_refused(tmp_path: Path, values: np
     ((64, 600), r"is 64x600 \(aspect ratio 9.4:1\)"),
 ])
 def test_small_or_narrow_reference_names_its_file(tmp_path: Path, size: tuple[int, int], words: str) -> None:
-    from flux2klein_cli.core.runs.images import load_reference
+    from flux2klein_cli.core.inputs.images import load_reference
 
     Image.new("RGB", size).save(tmp_path / "a.png")
     with pytest.raises(UserInputError, match=rf"^reference image {tmp_path}/a.png {words}"):
@@ -183,7 +185,7 @@ def test_small_or_narrow_reference_names_its_file(tmp_path: Path, size: tuple[in
 
 def test_reference_pixels_and_bytes_from_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from flux2klein_cli.core import limits
-    from flux2klein_cli.core.runs import images
+    from flux2klein_cli.core.inputs import images
 
     Image.new("RGB", (8193, 8192)).save(tmp_path / "big.png")
     with pytest.raises(UserInputError, match=r"reference image .*big.png is 8193x8192 \(67 megapixels\)"):
@@ -235,8 +237,9 @@ def test_tpu_preset_without_libtpu_is_one_line(monkeypatch: pytest.MonkeyPatch) 
     from flux2klein_cli.core.devices import tpu
 
     monkeypatch.setitem(sys.modules, "libtpu", None)  # `import libtpu` raises ImportError
-    with pytest.raises(UserInputError, match=r"^--tpu v6e-4 on a host without that TPU needs libtpu: pip install"):
+    with pytest.raises(UserInputError) as err:
         tpu.check_topology_compiler(tpu.parse_preset("v6-4"))
+    assert message(err.value).startswith("--tpu v6e-4 on a host without that TPU needs libtpu: pip install")
 
 
 def test_compile_tpu_without_libtpu_prints_one_line(tmp_path: Path) -> None:

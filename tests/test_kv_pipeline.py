@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from flux2klein_cli.core import trust
+from flux2klein_cli.core.engine.engine import Engine
+from flux2klein_cli.core.engine.plan import RunFields, RunPlan
 from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.pipeline.kv_store import (
     ReferenceKVStore,
@@ -18,8 +20,7 @@ from flux2klein_cli.core.pipeline.kv_store import (
     references_digest,
     weights_identity,
 )
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
+from tests.fixtures.engine import engine_on, upload
 from tests.test_pipeline_parity import check, synthetic_image
 
 REFERENCES = [synthetic_image(96, 64, 1), synthetic_image(70, 140, 2), synthetic_image(200, 64, 3),
@@ -27,83 +28,71 @@ REFERENCES = [synthetic_image(96, 64, 1), synthetic_image(70, 140, 2), synthetic
 
 
 @pytest.fixture(scope="module")
-def kv_pipeline(tiny_kv_checkpoint: Path) -> KleinPipeline:
-    return KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
+def kv_engine(tiny_kv_checkpoint: Path) -> Engine:
+    return engine_on(tiny_kv_checkpoint)
 
 
 @pytest.mark.parametrize("n_refs", [1, pytest.param(2, marks=pytest.mark.slow), 4])
-def test_kv_edit_matches_diffusers_kv_pipeline(kv_pipeline: KleinPipeline, n_refs: int) -> None:
-    request = Request(prompts=["put them together"], steps=3, guidance=1.0, height=64, width=80, seed=n_refs)
-    check(kv_pipeline, request, REFERENCES[:n_refs])
-    assert request.kv  # the parity run used the KV path
+def test_kv_edit_matches_diffusers_kv_pipeline(kv_engine: Engine, n_refs: int) -> None:
+    run = check(kv_engine, RunFields(prompts=("put them together",), steps=3, height=64, width=80, seed=n_refs),
+                REFERENCES[:n_refs])
+    assert run.plan.kv  # the parity run used the KV path
 
 
-def edit(pipeline: KleinPipeline, prompts: list[str], references: list[np.ndarray], **kw) -> tuple[np.ndarray, str]:
-    request = Request(prompts=prompts, steps=3, guidance=1.0, height=64, width=64, seed=9, references=references,
-                      kv=True, **kw)
-    result = pipeline(request)
-    return postprocess(result.images), result.kv_cache
+def edit(engine: Engine, prompts: list[str], references: int = 1, seed: int = 9, **kw: object
+         ) -> tuple[np.ndarray, str, RunPlan]:
+    """A KV edit of the first `references` REFERENCES: its images, where its cache came from, its plan."""
+    plan = engine.plan(RunFields(prompts=tuple(prompts), steps=3, height=64, width=64, seed=seed, kv=True,
+                                 references=tuple(upload(image, f"r{i}.png")
+                                                  for i, image in enumerate(REFERENCES[:references])),
+                                 **kw))  # type: ignore[arg-type]
+    run = engine.run(plan)
+    return run.images, run.kv_cache, plan  # type: ignore[return-value]
 
 
 @pytest.mark.slow
 def test_reuse_in_memory_and_on_disk_gives_the_same_image(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
-    refs = [preprocess_reference(image, multiple_of=16) for image in REFERENCES[:2]]
-    fresh = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
     warnings: list[str] = []
-    identity = weights_identity(tiny_kv_checkpoint / "transformer")
-    fresh.kv_store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
-    first, source = edit(fresh, ["a red fox"], refs)
+    fresh = engine_on(tiny_kv_checkpoint, kv_cache_dir=tmp_path, warn=warnings.append)
+    first, source, _ = edit(fresh, ["a red fox"], references=2)
     assert source == "computed"
-    again, source = edit(fresh, ["a red fox"], refs)
+    again, source, _ = edit(fresh, ["a red fox"], references=2)
     assert source == "memory"
     assert np.abs(first.astype(int) - again.astype(int)).max() <= 1
 
-    other = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)  # a later run
-    other.kv_store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
-    from_disk, source = edit(other, ["a red fox"], refs)
+    other = engine_on(tiny_kv_checkpoint, kv_cache_dir=tmp_path, warn=warnings.append)  # a later run
+    from_disk, source, _ = edit(other, ["a red fox"], references=2)
     assert source == "disk"
     assert np.abs(first.astype(int) - from_disk.astype(int)).max() <= 1
     assert not warnings
 
 
 @pytest.mark.slow
-def test_several_prompts_share_one_references_pass(kv_pipeline: KleinPipeline) -> None:
+def test_several_prompts_share_one_references_pass(kv_engine: Engine) -> None:
     """Two prompts x two images use one cache; each image equals the one from its own run."""
-    refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
-    kv_pipeline._kv_memory.clear()
-    batch, source = edit(kv_pipeline, ["a red fox", "a blue bird"], refs, num_images=2)
+    kv_engine.forget_reference_kv()
+    batch, source, _ = edit(kv_engine, ["a red fox", "a blue bird"], num_images=2)
     assert source == "computed" and batch.shape[0] == 4
-    kv_pipeline._kv_memory.clear()
-    # Image 2 of the batch: prompt 2, seed 9 + 2.
-    request = Request(prompts=["a blue bird"], steps=3, guidance=1.0, height=64, width=64, seed=11, references=refs,
-                      kv=True)
-    alone = postprocess(kv_pipeline(request).images)
+    kv_engine.forget_reference_kv()
+    alone, _, _ = edit(kv_engine, ["a blue bird"], seed=11)  # image 2 of the batch: prompt 2, seed 9 + 2
     assert np.abs(batch[2].astype(int) - alone[0].astype(int)).max() <= 1
-
-
-def kv_shapes(pipeline: KleinPipeline, refs: list[np.ndarray]) -> list[tuple[int, ...]]:
-    return pipeline.models.transformer.reference_kv_shapes(
-        sum(int(np.prod(pipeline.geometry.grid(*r.shape[:2]))) for r in refs))
 
 
 @pytest.mark.slow
 def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
-    refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
-    digest = references_digest(refs)
-    identity = weights_identity(tiny_kv_checkpoint / "transformer")
-    pipeline = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
     warnings: list[str] = []
-    pipeline.kv_store = store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
-    good, _ = edit(pipeline, ["a red fox"], refs)
-    shapes = kv_shapes(pipeline, refs)
+    engine = engine_on(tiny_kv_checkpoint, kv_cache_dir=tmp_path, warn=warnings.append)
+    good, _, plan = edit(engine, ["a red fox"])
+    store = engine.reference_kv.store
+    digest, shapes = references_digest(list(plan.references)), engine.pipeline.reference_kv_shapes(plan.references)
     data = tmp_path / f"{store.key(digest)}.bin"
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
     assert store.load(digest, shapes) is None and "checksum" in warnings[-1]
 
-    pipeline._kv_memory.clear()
-    again, source = edit(pipeline, ["a red fox"], refs)
+    engine.forget_reference_kv()
+    again, source, _ = edit(engine, ["a red fox"])
     assert source == "computed"
     assert np.abs(good.astype(int) - again.astype(int)).max() <= 1
     assert store.load(digest, shapes) is not None  # rewritten
@@ -112,17 +101,16 @@ def test_a_corrupt_or_foreign_disk_entry_is_recomputed(tiny_kv_checkpoint: Path,
     foreign = ReferenceKVStore(tmp_path, "another-model", jnp.float32, warnings.append)
     assert foreign.load(digest, shapes) is None
     # Nor does the same model in another dtype.
-    assert ReferenceKVStore(tmp_path, identity, jnp.bfloat16, warnings.append).load(digest, shapes) is None
+    assert ReferenceKVStore(tmp_path, store.identity, jnp.bfloat16, warnings.append).load(digest, shapes) is None
 
 
 @pytest.mark.slow
 def test_an_unwritable_store_warns_and_the_edit_runs(tiny_kv_checkpoint: Path, tmp_path: Path) -> None:
     blocked = tmp_path / "file-not-dir"
     blocked.write_text("x")
-    pipeline = KleinPipeline.load(tiny_kv_checkpoint, dtype=jnp.float32)
     warnings: list[str] = []
-    pipeline.kv_store = ReferenceKVStore(blocked / "kv", "id", jnp.float32, warnings.append)
-    images, source = edit(pipeline, ["a red fox"], [preprocess_reference(REFERENCES[0], multiple_of=16)])
+    engine = engine_on(tiny_kv_checkpoint, kv_cache_dir=blocked / "kv", warn=warnings.append)
+    images, source, _ = edit(engine, ["a red fox"])
     assert source == "computed" and images.shape == (1, 64, 64, 3)
     assert len(warnings) == 1 and "cannot store" in warnings[0]
 
@@ -154,15 +142,14 @@ def test_the_cache_key_covers_the_vae_and_the_code(tmp_path: Path, monkeypatch: 
 
 
 @pytest.mark.parametrize("record", ["list", "number", "permuted shapes", "nan", "planted", "world-writable"])
-def test_a_wrong_or_planted_record_is_recomputed_with_one_warning(kv_pipeline: KleinPipeline, tiny_kv_checkpoint: Path,
+def test_a_wrong_or_planted_record_is_recomputed_with_one_warning(kv_engine: Engine, tiny_kv_checkpoint: Path,
                                                                   tmp_path: Path, record: str) -> None:
-    refs = [preprocess_reference(REFERENCES[0], multiple_of=16)]
-    digest = references_digest(refs)
     warnings: list[str] = []
     identity = weights_identity(tiny_kv_checkpoint / "transformer")
-    kv_pipeline._kv_memory.clear()
-    kv_pipeline.kv_store = store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
-    good, _ = edit(kv_pipeline, ["a red fox"], refs)
+    kv_engine.forget_reference_kv()
+    kv_engine.reference_kv.store = store = ReferenceKVStore(tmp_path, identity, jnp.float32, warnings.append)
+    good, _, plan = edit(kv_engine, ["a red fox"])
+    digest = references_digest(list(plan.references))
     meta_path, data_path = tmp_path / f"{store.key(digest)}.json", tmp_path / f"{store.key(digest)}.bin"
     meta, key = json.loads(meta_path.read_text()), trust.store_key(tmp_path)
     if record in ("list", "number"):  # valid JSON of the wrong kind
@@ -179,7 +166,7 @@ def test_a_wrong_or_planted_record_is_recomputed_with_one_warning(kv_pipeline: K
         meta_path.write_text(json.dumps(trust.sign(meta, key) if record == "nan" else unsigned))
     else:
         data_path.chmod(0o666)
-    kv_pipeline._kv_memory.clear()
-    again, source = edit(kv_pipeline, ["a red fox"], refs)
+    kv_engine.forget_reference_kv()
+    again, source, _ = edit(kv_engine, ["a red fox"])
     assert source == "computed" and len(warnings) == 1 and "recomputing" in warnings[0]
     assert np.array_equal(good, again)

@@ -62,16 +62,17 @@ def test_check_int_refuses_non_integers() -> None:
         limits.check_steps(True)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("height, width, words", [
-    (0, 64, "height must be at least 16 px, got 0"),
-    (64, 8, "width must be at least 16 px"),
-    (LIMITS.max_side + 16, 64, "height must be at most 16384 px"),
-    (65, 64, "height 65 is not a multiple of 16; use 64 or 80"),
-    (LIMITS.max_side, LIMITS.max_side, "width x height is 16384x16384"),
+@pytest.mark.parametrize("height, width, model_side, words", [
+    (0, 64, None, "height must be at least 16 px, got 0"),
+    (64, 8, None, "width must be at least 16 px"),
+    (LIMITS.max_side + 16, 64, None, "height must be at most 16384 px"),
+    (65, 64, None, "height 65 is not a multiple of 16; use 64 or 80"),
+    (LIMITS.max_side, LIMITS.max_side, None, "width x height is 16384x16384"),
+    (64, 176, 160, r"width 176 is above this model's limit of 160 px \(its position encoding tells 10 tokens"),
 ])
-def test_size(height: int, width: int, words: str) -> None:
+def test_size(height: int, width: int, model_side: int | None, words: str) -> None:
     with pytest.raises(UserInputError, match=words):
-        limits.check_size(height, width)
+        limits.check_size(height, width, model_side=model_side)
 
 
 def test_size_bounds_pass() -> None:

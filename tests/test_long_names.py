@@ -94,7 +94,7 @@ def test_generate_names_over_the_limit_are_exit_2_before_loading(option: str, ti
 def test_edit_reference_over_the_limit_is_exit_2(tiny: Path, tmp_path: Path) -> None:
     reference = tmp_path / (LONG + ".png")
     line = _error_line(cli("edit", "a fox", "--model", tiny, "-i", reference, "-o", tmp_path / "x.png"))
-    assert line.startswith("error: reference image ") and "file name too long (304 bytes; the limit is 255)" in line
+    assert line.startswith("error: --image ") and "file name too long (304 bytes; the limit is 255)" in line
 
 
 def test_convert_names(tiny: Path, tmp_path: Path) -> None:

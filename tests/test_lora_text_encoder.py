@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from flux2klein_cli.core.engine.plan import RunFields
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.lora.files import LoraSpec
 from flux2klein_cli.core.lora.merge import LoraDeltas
 from flux2klein_cli.core.lora.random_lora import text_encoder_lora_tensors, write_float32_safetensors, write_random_lora
 from flux2klein_cli.core.models.qwen3 import load_qwen3
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+from tests.fixtures.engine import engine_on
 from tests.fixtures.reference import lazy
 
 torch = lazy("torch")
@@ -134,8 +135,8 @@ def reference_embeds(model, checkpoint: Path) -> np.ndarray:  # noqa: ANN001
 
 
 def ours_embeds(checkpoint: Path, spec: LoraSpec) -> np.ndarray:
-    pipeline = KleinPipeline.load(checkpoint, dtype=jnp.float32, lora=[spec])
-    return np.asarray(pipeline.encode_text(PROMPTS, MAX_LEN))
+    engine = engine_on(checkpoint, lora=(f"{spec.source}:{spec.scale}",))
+    return np.asarray(engine.pipeline.encode_text(PROMPTS, MAX_LEN))
 
 
 def relative(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -208,4 +209,4 @@ def test_transformer_and_text_encoder_lora_image_equals_diffusers(tiny_checkpoin
                              text_encoder_dir=tiny_checkpoint / "text_encoder", rank=4, alpha=2.0, std=0.2,
                              include=lambda m: m != NORM_OUT and m.startswith(KOHYA_DIFFUSERS))
     check_parity(tiny_checkpoint, [LoraSpec(str(path), 0.8)],
-                 Request(prompts=["a red fox"], steps=2, guidance=1.0, height=64, width=64, seed=3))
+                 RunFields(prompts=("a red fox",), steps=2, height=64, width=64, seed=3))

@@ -176,7 +176,7 @@ BAD = {
     "unknown axis": (1, ["--mesh", "pipeline=2"], "unknown axis"),
     "heads do not divide": (4, ["--mesh", "tensor=4"], "heads"),
     "tpu preset on a cpu host": (1, ["--tpu", "v6-4"], "flux2klein compile --tpu"),
-    "coordinator alone": (1, ["--coordinator", "127.0.0.1:1234"], "go together"),
+    "coordinator alone": (1, ["--coordinator", "127.0.0.1:1234"], "--coordinator goes with --num-processes"),
 }
 
 

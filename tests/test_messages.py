@@ -60,7 +60,7 @@ def test_prompt_file_utf8_bom_is_not_part_of_the_prompt(tmp_path: Path) -> None:
 
 
 def test_long_runs_are_announced_with_the_estimate() -> None:
-    from flux2klein_cli.core.runs import run_cost
+    from flux2klein_cli.core.engine import cost as run_cost
 
     small = run_cost.RunCost(parameter_bytes=2**30, activation_bytes_per_image=2**20, batch=1, token_steps=4 * 4096)
     assert run_cost.describe_long_run(small) is None
@@ -68,15 +68,6 @@ def test_long_runs_are_announced_with_the_estimate() -> None:
                             token_steps=10000 * 4096)
     line = run_cost.describe_long_run(long)
     assert line is not None and "\n" not in line and "40,960,000 token-steps" in line and "GiB" in line
-
-
-def test_what_fits_is_named() -> None:
-    from flux2klein_cli.core.runs import run_cost
-
-    cost = run_cost.RunCost(parameter_bytes=10 * 2**30, activation_bytes_per_image=2**30, batch=100, token_steps=1)
-    with pytest.raises(UserInputError, match="at most --num-images 6 in all"):
-        run_cost.check_fits(cost, 16 * 2**30, "test device")
-    run_cost.check_fits(cost, 110 * 2**30, "test device")  # fits: no error
 
 
 def test_a_new_output_shape_is_a_new_key_not_a_stale_entry(tmp_path: Path) -> None:
@@ -101,3 +92,31 @@ def test_a_new_output_shape_is_a_new_key_not_a_stale_entry(tmp_path: Path) -> No
     assert info.status == "miss" and info.warning is None
     _, info = store.load_or_compile(spec((4, 2), scale=2.0))  # same shape, other config: stale
     assert info.status == "recompiled" and "stale" in (info.warning or "")
+
+
+def test_every_field_core_names_is_spelled_as_a_real_flag() -> None:
+    """Core names fields, never flags (a server has none): every field its messages name is, through
+    the one table (core/fields.py), an option of some command, or marked as the server's alone."""
+    import re
+
+    import typer
+
+    from flux2klein_cli.cli.app import app
+    from flux2klein_cli.core.fields import FIELDS, SERVE_ONLY, flag
+
+    options = {"PROMPT"} | {o for command in typer.main.get_command(app).commands.values()  # type: ignore[attr-defined]
+                            for param in command.params for o in param.opts}
+    core = Path(__file__).resolve().parents[1] / "flux2klein_cli" / "core"
+    named: dict[str, str] = {}
+    for path in core.rglob("*.py"):
+        text = path.read_text()
+        assert not re.search(r"raise \w+\(f?[\"'][^\"']*--[a-z]", text), f"{path.name} names a flag in an error"
+        patterns = (r"\{field:([a-z_]+)\}", r'FieldError\(\s*"([a-z_]+)"', r'check_int\(\s*"([a-z_]+)"',
+                    r'check_(?:int|float|name_length)\([^,()]*,\s*"([a-z_]+)"')
+        for pattern in patterns:
+            named.update((name, path.name) for name in re.findall(pattern, text) if path.name != "errors.py")
+    assert {"steps", "num_images", "kv_cache_dir", "force", "mesh"} <= set(named)  # the scan finds them
+    serve_only = {name for name, spelling in FIELDS.items() if spelling.flag == SERVE_ONLY}
+    unknown = {name: where for name, where in named.items()
+               if name not in serve_only and not set(flag(name).split("/")) <= options}
+    assert unknown == {}

@@ -22,17 +22,17 @@ SMALL = ["--height", "32", "--width", "32", "--max-sequence-length", "16", "--dt
 
 
 @pytest.fixture(scope="module")
-def pipeline(tiny_checkpoint: Path):
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
+def engine(tiny_checkpoint: Path):
+    from tests.fixtures.engine import engine_on
 
-    return KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)
+    return engine_on(tiny_checkpoint)
 
 
-def _request(steps: int, **kw: object):
-    from flux2klein_cli.core.pipeline.pipeline import Request
+def _plan(engine, steps: int):
+    from flux2klein_cli.core.engine.plan import RunFields
 
-    return Request(prompts=["a fox"], steps=steps, guidance=1.0, height=32, width=32, max_sequence_length=16,
-                   num_images=2, **kw)  # type: ignore[arg-type]
+    return engine.plan(RunFields(prompts=("a fox",), steps=steps, height=32, width=32, max_sequence_length=16,
+                                 num_images=2))
 
 
 def test_steps_per_call_divides_the_steps() -> None:
@@ -41,20 +41,19 @@ def test_steps_per_call_divides_the_steps() -> None:
 
 
 @pytest.mark.parametrize("steps", [1, 3, 4])
-def test_each_step_is_reported_once_in_order_and_the_images_are_bitwise_the_same(pipeline, steps: int) -> None:
-    plain = pipeline(_request(steps)).images
+def test_each_step_is_reported_once_in_order_and_the_images_are_bitwise_the_same(engine, steps: int) -> None:
+    plain = engine.run(_plan(engine, steps)).images
     seen: list[tuple[int, int]] = []
-    with_bar = pipeline(_request(steps), on_step=lambda done, total: seen.append((done, total))).images
+    with_bar = engine.run(_plan(engine, steps), on_step=lambda done, total: seen.append((done, total))).images
     assert seen == [(i, steps) for i in range(1, steps + 1)]
     np.testing.assert_array_equal(with_bar, plain)
 
 
-def test_chunked_loop_gives_the_same_latents_as_one_call(pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunked_loop_gives_the_same_latents_as_one_call(engine) -> None:
     """Several steps a call (as with many steps) still report each chunk and change nothing."""
-    plain = pipeline(_request(4)).images
-    monkeypatch.setattr(pipeline, "progress_calls", 2)
+    plain = engine.run(_plan(engine, 4)).images
     seen: list[int] = []
-    chunked = pipeline(_request(4), on_step=lambda done, total: seen.append(done)).images
+    chunked = engine.run(_plan(engine, 4), on_step=lambda done, total: seen.append(done), steps_per_call=2).images
     assert seen == [2, 4]
     np.testing.assert_array_equal(chunked, plain)
 
@@ -63,23 +62,20 @@ def test_chunked_loop_gives_the_same_latents_as_one_call(pipeline, monkeypatch: 
 def test_stored_executables_load_and_serve_the_stepped_loop(tiny_checkpoint: Path, tmp_path: Path) -> None:
     """With a bar the loop's program is stored and loaded like every other (no host callback
     in it), and the run calls that executable, not a jitted fallback."""
-    from flux2klein_cli.core.compile.attach import StoredExecutables
-    from flux2klein_cli.core.compile.store import ExecutableStore
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
+    from tests.fixtures.engine import engine_on
 
-    def fresh() -> KleinPipeline:
-        return KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32, warn=warnings.append,
-                                  executables=StoredExecutables(tiny_checkpoint, ExecutableStore(tmp_path)))
+    def fresh():
+        return engine_on(tiny_checkpoint, store=True, compile_cache=tmp_path, warn=warnings.append)
 
     warnings: list[str] = []
     seen: list[int] = []
-    first = fresh()(_request(2), on_step=lambda done, total: seen.append(done))
-    second_pipeline = fresh()
-    second = second_pipeline(_request(2), on_step=lambda done, total: seen.append(done))
+    engine = fresh()
+    first = engine.run(_plan(engine, 2), on_step=lambda done, total: seen.append(done))
+    second_engine = fresh()
+    second = second_engine.run(_plan(second_engine, 2), on_step=lambda done, total: seen.append(done))
     statuses = {r["name"]: r["status"] for r in second.executables}
     assert statuses["denoise_by_1"] == "hit", statuses
-    compiled, _ = second_pipeline.prepare(_request(2), per_call=1)
-    assert "denoise_by_1" in compiled and not warnings
+    assert not warnings  # the stored loop fitted its call: no fallback to jit
     assert seen == [1, 2, 1, 2]
     np.testing.assert_array_equal(second.images, first.images)
 

@@ -183,48 +183,47 @@ def int8_fp32(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -
     return out
 
 
-def _parity(tiny_checkpoint: Path, int8_fp32: Path, request, references=()) -> float:
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
-    from flux2klein_cli.core.runs.images import postprocess, preprocess_reference
-    from flux2klein_cli.core.runs.parity import compare, reference_pipeline, run_reference
+def _parity(tiny_checkpoint: Path, int8_fp32: Path, fields, references=()) -> float:
+    from dataclasses import replace
 
-    ours = KleinPipeline.load(int8_fp32, dtype=jnp.float32)
-    plain = KleinPipeline.load(tiny_checkpoint, dtype=jnp.float32)
-    request.references = [preprocess_reference(i, multiple_of=ours.geometry.pixels_per_token) for i in references]
-    height, width = ours.output_size(request)
-    noise, _ = ours.initial_noise(request, ours.geometry.grid(height, width))
-    request.latents, request.height, request.width = noise, height, width
-    image = postprocess(ours(request).images)
-    reference = run_reference(reference_pipeline(plain, "fp32"), request, noise, list(references))
+    from flux2klein_cli.core.runs.parity import compare, reference_pipeline, run_reference
+    from tests.fixtures.engine import engine_on, upload
+
+    ours = engine_on(int8_fp32)
+    uploads = tuple(upload(image, f"r{i}.png") for i, image in enumerate(references))
+    plan = ours.plan(replace(fields, references=uploads))
+    noise = ours.initial_noise(plan)
+    image = ours.run(plan).images
+    reference = run_reference(reference_pipeline(engine_on(tiny_checkpoint), "fp32"), plan, noise, list(references))
     assert reference.std() > 10
     return compare(image, reference).ssim
 
 
 def test_int8_text_to_image_against_diffusers_fp32(tiny_checkpoint: Path, int8_fp32: Path) -> None:
-    from flux2klein_cli.core.pipeline.pipeline import Request
+    from flux2klein_cli.core.engine.plan import RunFields
 
-    request = Request(prompts=["a red fox in snow"], steps=4, guidance=1.0, height=64, width=64, seed=3)
-    assert _parity(tiny_checkpoint, int8_fp32, request) >= MIN_SSIM
+    fields = RunFields(prompts=("a red fox in snow",), steps=4, height=64, width=64, seed=3)
+    assert _parity(tiny_checkpoint, int8_fp32, fields) >= MIN_SSIM
 
 
 def test_int8_two_reference_edit_against_diffusers_fp32(tiny_checkpoint: Path, int8_fp32: Path) -> None:
-    from flux2klein_cli.core.pipeline.pipeline import Request
+    from flux2klein_cli.core.engine.plan import RunFields
     from tests.test_pipeline_parity import synthetic_image
 
-    request = Request(prompts=["put them together"], steps=4, guidance=1.0, height=64, width=64, seed=7)
+    fields = RunFields(prompts=("put them together",), steps=4, height=64, width=64, seed=7)
     refs = [synthetic_image(96, 64, 1), synthetic_image(64, 80, 2)]
-    assert _parity(tiny_checkpoint, int8_fp32, request, refs) >= MIN_SSIM
+    assert _parity(tiny_checkpoint, int8_fp32, fields, refs) >= MIN_SSIM
 
 
 @pytest.mark.parametrize("references", [0, 2])
 def test_int8_dynamic_compute_against_diffusers_fp32(tiny_checkpoint: Path, int8_fp32: Path, references: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """FLUX2KLEIN_INT8_COMPUTE=dynamic: activations rounded per token too; the same bound."""
-    from flux2klein_cli.core.pipeline.pipeline import Request
+    from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.settings import INT8_COMPUTE as INT8_COMPUTE_ENV
     from tests.test_pipeline_parity import synthetic_image
 
     monkeypatch.setenv(INT8_COMPUTE_ENV, "dynamic")
-    request = Request(prompts=["put them together"], steps=4, guidance=1.0, height=64, width=64, seed=7)
+    fields = RunFields(prompts=("put them together",), steps=4, height=64, width=64, seed=7)
     refs = [synthetic_image(96, 64, 1), synthetic_image(64, 80, 2)][:references]
-    assert _parity(tiny_checkpoint, int8_fp32, request, refs) >= MIN_SSIM
+    assert _parity(tiny_checkpoint, int8_fp32, fields, refs) >= MIN_SSIM

@@ -1,4 +1,4 @@
-"""core/runs/quantize_error.py: the per-layer error tool behind docs/models.md's table, on the medium
+"""benchmarks/quantize_error.py: the per-layer error tool behind docs/models.md's table, on the medium
 geometry (the real geometries are the same code at a larger width), and its velocity-per-step
 measure on a tiny checkpoint."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flux2klein_cli.core.runs.quantize_error import VARIANTS, measure
+from benchmarks.quantize_error import VARIANTS, measure
 
 
 @pytest.mark.slow
@@ -29,7 +29,7 @@ def test_per_layer_errors_of_int8_and_bf16() -> None:
 
 @pytest.mark.slow
 def test_velocity_errors_per_step_on_a_tiny_checkpoint() -> None:
-    from flux2klein_cli.core.runs.quantize_error import velocity_errors
+    from benchmarks.quantize_error import velocity_errors
 
     report = velocity_errors("tiny", 32, 32, steps=2)
     rows = report["velocity"]

@@ -1,5 +1,6 @@
 """A refused run stays small: the two inputs that used to exhaust memory (a billion steps, an endless
-prompt file) are exit 2 with one line, and the whole process peaks under 1 GB of resident memory."""
+prompt file) are exit 2 with one line, and the whole process peaks under 1 GB of resident memory. A run
+the host's memory cannot hold is refused before loading, alike at every door."""
 
 from __future__ import annotations
 
@@ -50,3 +51,57 @@ def test_a_refused_run_peaks_under_1_gb(extra: list[str], line: str, tmp_path: P
     assert (code, err.splitlines()) == (2, [line])
     assert peak < PEAK_BYTES, f"peak RSS {peak / 2**20:.0f} MiB"
     assert not (tmp_path / "x.png").exists()
+
+
+def test_every_door_refuses_what_memory_cannot_hold_with_one_line(tiny_checkpoint: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for the weights and one 32x32 image: two images are refused before anything loads, by
+    generate (exit 2), as a batch item's error record and as serve's 400, each naming the field its way."""
+    import json
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    from flux2klein_cli.cli.app import app
+    from flux2klein_cli.core.compile.specs import configs_from_snapshot
+    from flux2klein_cli.core.engine import cost
+    from flux2klein_cli.core.engine.engine import Engine, EngineOptions
+    from flux2klein_cli.core.engine.plan import RunFields, build_plan, model_facts
+    from flux2klein_cli.core.errors import FieldError
+    from flux2klein_cli.core.runs.batch.run import BatchOptions, run_batch
+    from flux2klein_cli.core.serve.options import ServeOptions
+    from flux2klein_cli.core.serve.service import Service, api_error
+
+    model = str(tiny_checkpoint)
+    facts = model_facts(model, model_dir=tiny_checkpoint)
+    fields = RunFields(prompts=("a fox",), height=32, width=32, num_images=2)
+    configs = configs_from_snapshot(tiny_checkpoint)
+    one = cost.Admission(configs, "bf16", memory=(0, "probe")).cost(build_plan(fields, facts))
+    room = one.parameter_bytes + one.activation_bytes_per_image * 3 // 2
+    monkeypatch.setattr(cost, "device_memory_bytes", lambda: (room, "test memory"))
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: pytest.fail("loaded a refused run"))
+    detail = f"asks too much: this run needs about {one.peak_bytes / 2**30:.1f} GiB for 2 image(s), more than the " \
+             f"{room / 2**30:.1f} GiB of test memory; at most 1 image(s) in all (prompts x images) would fit"
+
+    out = tmp_path / "o.png"
+    result = CliRunner().invoke(app, ["generate", "a fox", "--model", model, "--height", "32", "--width", "32",
+                                      "-n", "2", "-o", str(out)], catch_exceptions=False)
+    assert (result.exit_code, result.stderr.splitlines()) == (2, [f"error: --num-images {detail}"])
+
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text(json.dumps({"prompt": "a fox", "height": 32, "width": 32, "num_images": 2}) + "\n")
+    warned: list[str] = []
+    report = run_batch(BatchOptions(EngineOptions(model=model), manifest, tmp_path / "renders"),
+                       lambda name: Path(name), warn=warned.append)
+    records = [json.loads(line) for line in (tmp_path / "renders" / "results.jsonl").read_text().splitlines()]
+    assert (report.failed, report.exit_code, warned) == (1, 1, [f"manifest line 1: num_images {detail}"])
+    assert [(r["status"], r["error"]) for r in records] == [("error", f"num_images {detail}")]
+
+    engine = SimpleNamespace(facts=facts, options=EngineOptions(model=model), run_batch=None,
+                             plan=lambda f: build_plan(f, facts))  # an engine whose weights never load
+    service = Service(engine, ServeOptions(engine.options), admission=cost.Admission(configs, "bf16"))
+    with pytest.raises(FieldError) as refused:
+        service.plan({"prompt": "a fox", "size": "32x32", "n": 2})
+    error = api_error(refused.value)
+    assert (error.status, error.param, error.message) == (400, "n", f"n {detail}")
+    assert not out.exists()

@@ -13,7 +13,7 @@ from flux2klein_cli.cli.app import app
 from flux2klein_cli.cli.flags import message
 from flux2klein_cli.core import limits
 from flux2klein_cli.core.errors import FieldError
-from flux2klein_cli.core.runs.image_files import read_png_metadata
+from flux2klein_cli.core.runs.image_files import read_run_metadata
 
 runner = CliRunner()
 
@@ -33,7 +33,7 @@ def test_generate_summary_png_and_compile_agree(tiny_checkpoint: Path, tmp_path:
                                "--compile-cache", str(tmp_path / "store")])
     assert done.exit_code == 0, done.stderr[-2000:]
     assert "1 image(s) 48x32, 1 steps" in done.stderr
-    assert read_png_metadata(out)["size"] == "48x32"
+    assert (read_run_metadata(out)["width"], read_run_metadata(out)["height"]) == (48, 32)
 
     compiled = runner.invoke(app, ["compile", "--model", str(tiny_checkpoint), "--height", "32", "--width", "48",
                                    "--refs", "16x64", "--steps", "1", "--dtype", "fp32",

@@ -184,7 +184,7 @@ def test_local_directories_are_returned_as_they_are(source: Path, tmp_path: Path
     assert result.exit_code == 0 and result.stdout == f"{source}\n"
     assert describe(resolve(str(source)))["revision"] is None
 
-    with pytest.raises(UserInputError, match="--revision"):
+    with pytest.raises(UserInputError, match="^revision applies to hub models"):
         resolve_model(str(source), revision="main")
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(UserInputError, match="not a directory"):

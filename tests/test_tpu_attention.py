@@ -4,11 +4,14 @@ subprocess with 4 virtual devices, as the device count is fixed when JAX starts)
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -16,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flux2klein_cli.core.models import tpu_attention
+from flux2klein_cli.core.models import tpu_attention, trace
 from flux2klein_cli.core.models.layers import _blocked_attention, dot_product_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +43,19 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array) -> np.ndarray:
     return np.asarray(jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v))))
 
 
+@contextlib.contextmanager
+def kernel_everywhere() -> Iterator[None]:
+    """The kernel path on any backend, in interpret mode, so the TPU path can be checked on CPU."""
+    with trace.tracing(dataclasses.replace(trace.current(), attention="splash-interpret")):
+        yield
+
+
+def kernel_taken() -> bool:
+    return trace.current().attention.startswith("splash")
+
+
 def kernel_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> np.ndarray:
-    with tpu_attention.kernel_everywhere():
+    with kernel_everywhere():
         out = jax.jit(dot_product_attention)(q, k, v)
     return np.asarray(out.astype(jnp.float32))
 
@@ -62,13 +76,13 @@ def test_kernel_path_is_taken_only_when_asked_off_tpu(monkeypatch: pytest.Monkey
     splash = tpu_attention.splash_attention
     monkeypatch.setattr(tpu_attention, "splash_attention", lambda q, k, v: calls.append(q.shape) or splash(q, k, v))
     q, k, v = qkv(1, 40, 40, 2, 16, jnp.float32)
-    assert jax.default_backend() == "cpu" and not tpu_attention.use_kernel()
+    assert jax.default_backend() == "cpu" and not kernel_taken()
     # Off TPU, by default: exactly the query-blocked CPU form, as before the kernel existed.
     np.testing.assert_array_equal(np.asarray(dot_product_attention(q, k, v)), np.asarray(_blocked_attention(q, k, v)))
     assert calls == []
-    with tpu_attention.kernel_everywhere():
+    with kernel_everywhere():
         jax.jit(dot_product_attention)(q, k, v)
-    assert calls == [q.shape] and not tpu_attention.use_kernel()
+    assert calls == [q.shape] and not kernel_taken()
 
 
 @pytest.mark.parametrize("length, block", [(128, 128), (200, 256), (512, 512), (600, 384), (4592, 512), (2304, 512)])
@@ -90,7 +104,7 @@ def mesh_worker() -> None:
         mesh = Mesh(np.array(jax.devices()).reshape(shape), ("data", "fsdp", "tensor", "context"))
         q, k, v = qkv(batch, 200, 300, 2, 32, jnp.float32)
         with jax.set_mesh(mesh):
-            with tpu_attention.kernel_everywhere():
+            with kernel_everywhere():
                 jaxpr = str(jax.make_jaxpr(dot_product_attention)(q, k, v))
                 out = np.asarray(jax.jit(dot_product_attention)(q, k, v))
         error = float(np.abs(out - reference(q, k, v)).max())

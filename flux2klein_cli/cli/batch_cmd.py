@@ -11,6 +11,7 @@ import typer
 from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, note, plain, result, show_table, status, user_errors, warn
 from flux2klein_cli.cli.progress import StepBar, wanted
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
@@ -89,7 +90,7 @@ def batch(
     negative_prompt: o.NegativeOpt = "",
     seed: o.SeedOpt = 0,
     num_images: o.NumImagesOpt = 1,
-    max_sequence_length: o.MaxSequenceOpt = 512,
+    max_sequence_length: o.MaxSequenceOpt = DEFAULTS.max_sequence_length,
     dtype: o.DtypeOpt = o.Dtype.bf16,
     force: Annotated[bool, typer.Option("--force", help="Overwrite files at output names in a directory that has "
                                         "no results file yet.")] = False,

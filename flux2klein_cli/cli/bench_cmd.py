@@ -12,6 +12,7 @@ from flux2klein_cli.cli import output
 from flux2klein_cli.cli.flags import SHAPE_FLAGS
 from flux2klein_cli.cli.output import Table, emit_json, note, show_table, status, user_errors, warn
 from flux2klein_cli.core import choices
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
@@ -21,8 +22,8 @@ def bench(
     phase: Annotated[o.Phase, o.choice_option(o.Phase, choices.check_phase, "--phase", help="What to time.")
                      ] = o.Phase.pipeline,
     height: Annotated[int, typer.Option("--height", help="Image height in pixels (a multiple of the model's "
-                                        "pixels per token: 16 for klein).")] = 1024,
-    width: Annotated[int, typer.Option("--width", help="Image width in pixels (as --height).")] = 1024,
+                                        "pixels per token: 16 for klein).")] = DEFAULTS.side,
+    width: Annotated[int, typer.Option("--width", help="Image width in pixels (as --height).")] = DEFAULTS.side,
     bs: Annotated[int, typer.Option("--bs", help="Batch size (images per run).")] = 1,
     steps: o.StepsOpt = None,
     reps: Annotated[int, typer.Option("--reps", help="Timed repetitions after the first call; min and median.")] = 3,

@@ -12,6 +12,7 @@ from flux2klein_cli.cli.flags import SHAPE_FLAGS
 from flux2klein_cli.cli.output import Table, emit_json, note, result, show_table, user_errors, warn
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core import choices
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
@@ -46,7 +47,7 @@ def compile_programs(
         o.Quantize, choices.check_quantize, "--quantize",
         help="int8: compile for the model as `convert --quantize int8` writes it (a converted int8 model "
              "is compiled so without it).")] = o.Quantize("none"),
-    max_sequence_length: o.MaxSequenceOpt = 512,
+    max_sequence_length: o.MaxSequenceOpt = DEFAULTS.max_sequence_length,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,

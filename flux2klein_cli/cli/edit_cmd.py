@@ -10,6 +10,7 @@ import typer
 from flux2klein_cli.cli import image_options
 from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import user_errors
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import FieldError
 from flux2klein_cli.core.hub.registry import DEFAULT_KV_MODEL, DEFAULT_MODEL
 
@@ -38,7 +39,7 @@ def edit(
     padding_mask_crop: o.PaddingMaskCropOpt = None,
     reference_max_area: o.ReferenceMaxAreaOpt = None,
     force: o.ForceOpt = False,
-    max_sequence_length: o.MaxSequenceOpt = 512,
+    max_sequence_length: o.MaxSequenceOpt = DEFAULTS.max_sequence_length,
     kv: Annotated[bool, typer.Option("--kv", help="Reference KV cache (KV-trained models: 9b-kv): the references "
                                      "run through the model once, every step reuses their keys and values.")] = False,
     kv_cache_dir: Annotated[Path | None, typer.Option(
@@ -81,11 +82,11 @@ def edit(
       flux2klein edit --from cats.png --steps 8 -o cats-8.png   (cats.png's parameters, more steps)
     """
     a = image_options.with_png(ctx, from_image, "edit", dict(
-        image=list(image), prompt=prompt, model=model, height=height, width=width, steps=steps, guidance=guidance,
+        references=list(image), prompt=prompt, model=model, height=height, width=width, steps=steps, guidance=guidance,
         negative_prompt=negative_prompt, seed=seed, dtype=dtype.value, latents=latents, init_image=init_image,
         mask=mask, strength=strength, padding_mask_crop=padding_mask_crop, reference_max_area=reference_max_area,
         max_sequence_length=max_sequence_length, kv=kv, lora=list(lora), transformer=transformer, vae=vae))
-    if not a["image"] and a["init_image"] is None:
+    if not a["references"] and a["init_image"] is None:
         with user_errors():
             raise FieldError("references", "is missing: give a reference image, or an --init-image to start from")
     image_options.run(
@@ -94,7 +95,7 @@ def edit(
         engine=dict(model=a["model"] or (DEFAULT_KV_MODEL if a["kv"] else DEFAULT_MODEL), dtype=a["dtype"],
                     compile_cache=compile_cache, save_executables=not no_save, effort=effort.value,
                     transformer=a["transformer"], vae=a["vae"], lora=tuple(a["lora"]), kv_cache_dir=kv_cache_dir),
-        fields=dict(references=tuple(a["image"]), height=a["height"], width=a["width"], steps=a["steps"],
+        fields=dict(references=tuple(a["references"]), height=a["height"], width=a["width"], steps=a["steps"],
                     guidance=a["guidance"], negative_prompt=a["negative_prompt"], seed=a["seed"],
                     num_images=num_images, latents=a["latents"], max_sequence_length=a["max_sequence_length"],
                     kv=a["kv"], init_image=a["init_image"], mask=a["mask"], strength=a["strength"],

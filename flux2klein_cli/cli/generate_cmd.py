@@ -9,6 +9,7 @@ import typer
 
 from flux2klein_cli.cli import image_options
 from flux2klein_cli.cli import options as o
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
@@ -28,7 +29,7 @@ def generate(
     dtype: o.DtypeOpt = o.Dtype.bf16,
     latents: o.LatentsOpt = None,
     force: o.ForceOpt = False,
-    max_sequence_length: o.MaxSequenceOpt = 512,
+    max_sequence_length: o.MaxSequenceOpt = DEFAULTS.max_sequence_length,
     mesh: o.MeshOpt = None,
     tpu: o.TpuOpt = None,
     coordinator: o.CoordinatorOpt = None,

@@ -22,22 +22,29 @@ def _written_on_failure(as_json: bool) -> Iterator[None]:
         yield
     except Flux2KleinError as e:
         if as_json and hasattr(e, "written"):
-            emit_json({"error": str(e), "outputs": e.written})
+            from flux2klein_cli.cli.flags import message
+
+            emit_json({"error": message(e), "outputs": e.written})
         raise
 
 
 def given(ctx: typer.Context) -> set[str]:
-    """The names of the parameters the user gave (on the command line or through their environment variable)."""
+    """The fields the user gave (on the command line or through their environment variable): each
+    parameter's name, or the field its flag spells (core/fields.py: `--image` is `references`)."""
+    from flux2klein_cli.core.fields import FIELDS
+
     def source(name: str) -> str:  # by name: Typer's click and the installed one differ
         found = ctx.get_parameter_source(name)
         return "DEFAULT" if found is None else found.name
 
-    return {p.name for p in ctx.command.params if p.name and source(p.name) not in ("DEFAULT", "DEFAULT_MAP")}
+    fields = {f.flag[2:].replace("-", "_"): name for name, f in FIELDS.items() if f.flag and f.flag.startswith("--")}
+    return {fields.get(p.name, p.name) for p in ctx.command.params
+            if p.name and source(p.name) not in ("DEFAULT", "DEFAULT_MAP")}
 
 
 def with_png(ctx: typer.Context, source: Path | None, command: str, arguments: dict[str, Any]) -> dict[str, Any]:
-    """`--from IMAGE.png`: `arguments` (the command's, by parameter name) with those the user did not give
-    taken from the PNG (core/runs/from_png.py); without --from, `arguments` as they are."""
+    """`--from IMAGE.png`: `arguments` (the command's, by field) with those the user did not give taken
+    from the PNG (core/runs/from_png.py); without --from, `arguments` as they are."""
     if source is None:
         return arguments
     from flux2klein_cli.core.runs import from_png

@@ -48,8 +48,10 @@ def inspect(
             load_models,
             non_finite_parameters,
             parameter_stats,
+            stored_weights,
         )
         from flux2klein_cli.core.hub.components import composed_sources, resolve_composed
+        from flux2klein_cli.core.models.quantized import held_forms
 
         target = jax_dtype(dtype)
         snapshot = Snapshot.open(resolve_composed(model, transformer, vae))
@@ -65,6 +67,10 @@ def inspect(
         non_finite[name] = non_finite_parameters(getattr(models, name))
         components[name] = dict(parameters=count, bytes=nbytes, load_seconds=round(models.seconds[name], 4),
                                 non_finite=sum(non_finite[name].values()))
+        stored = stored_weights(snapshot.component(name)) if not snapshot.converted else None
+        held = held_forms(getattr(models, name))
+        if stored or held:  # a quantized file, or int8 weights: what is held in which form
+            components[name]["weights"] = {**(stored or {}), "kept": held}
     result = dict(
         model=str(snapshot.root),
         pipeline=snapshot.pipeline_class,

@@ -17,6 +17,7 @@ import typer
 
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core import choices
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.hub.registry import aliases, sampling
 
@@ -64,7 +65,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on 
 ForceOpt = Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")]
 HeightOpt = Annotated[int | None, typer.Option(
     "--height", help="Output height in pixels, a multiple of the model's pixels per token (16 for klein) "
-    "\\[default: 1024 (tiny: 256), or the first reference's]")]
+    f"\\[default: {DEFAULTS.side} (tiny: {DEFAULTS.tiny_side}), or the first reference's]")]
 WidthOpt = Annotated[int | None, typer.Option("--width", help="Output width in pixels, as --height \\[default: as "
                                               "height]")]
 _DISTILLED, _BASE = sampling(distilled=True), sampling(distilled=False)
@@ -132,8 +133,9 @@ ProcessIdOpt = Annotated[int | None, typer.Option("--process-id", help="Multi-pr
 
 
 TransformerOpt = Annotated[str | None, typer.Option(
-    "--transformer", help="Take the transformer from PATH instead of --model: a diffusers component folder, or one "
-    ".safetensors file in diffusers or BFL keys (the config stays --model's).")]
+    "--transformer", help="Take the transformer from PATH instead of --model: a diffusers component folder, one "
+    ".safetensors file in diffusers or BFL keys, a .gguf file (BF16, Q8_0, Q4_K_M, ...) or BFL's fp8 / nvfp4 file "
+    "(the config stays --model's).")]
 VaeOpt = Annotated[str | None, typer.Option(
     "--vae", help="Take the VAE from PATH instead of --model: a component folder, one .safetensors file, or "
     "small-decoder (black-forest-labs/FLUX.2-small-decoder; `flux2klein fetch small-decoder` downloads it).")]

@@ -1,4 +1,4 @@
-"""Progress bars on stderr (tqdm): denoising steps, bytes, programs. Core reports through
+"""Progress bars on stderr (tqdm): denoising steps, programs, downloads. Core reports through
 plain callbacks; this is their only rendering. Bars are drawn only for a person: never
 under --json, never when stderr is not a terminal (a log file or a pipe gets no bar)."""
 
@@ -33,15 +33,12 @@ class StepBar:
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             self.pause()
-            self.bar = self._new_bar(total)
+            # Steps are seconds apart: draw each one (tqdm's default skips updates within 0.1 s).
+            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, dynamic_ncols=True,
+                            leave=False, mininterval=0)
         self.bar.update(done - self.bar.n)
         if done >= total:
             self.close()
-
-    def _new_bar(self, total: int) -> tqdm:
-        # Steps are seconds apart: draw each one (tqdm's default skips updates within 0.1 s).
-        return tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, dynamic_ncols=True, leave=False,
-                    mininterval=0)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -61,14 +58,6 @@ class PhaseLines:
         if phase != self.last:
             self.last = phase
             self.say(phase)
-
-
-class ByteBar(StepBar):
-    """`on_bytes(done, total)` for a copy of known size: bytes, rate and ETA."""
-
-    def _new_bar(self, total: int) -> tqdm:
-        return tqdm(total=total, desc=self.desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
-                    dynamic_ncols=True, leave=False)
 
 
 def hub_tqdm(enabled: bool) -> Any:

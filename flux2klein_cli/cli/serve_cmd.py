@@ -9,6 +9,7 @@ import typer
 
 from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import note, user_errors, warn
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
@@ -33,7 +34,7 @@ def serve(
     warm: Annotated[str | None, typer.Option("--warm", metavar="WxH[,WxH...]", help="Sizes compiled (or loaded) "
                                              "at every batch size before /readyz turns 200, e.g. 1024x1024,512x512."
                                              )] = None,
-    max_sequence_length: o.MaxSequenceOpt = 512,
+    max_sequence_length: o.MaxSequenceOpt = DEFAULTS.max_sequence_length,
     kv_memory: Annotated[int, typer.Option("--kv-memory", help="Reference KV caches kept in memory across edits "
                                            "(KV checkpoints).")] = 4,
     kv_cache_dir: Annotated[Path | None, typer.Option("--kv-cache-dir", help="Keep reference KV caches here too, "

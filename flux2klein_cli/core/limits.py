@@ -114,11 +114,16 @@ def check_steps(steps: int) -> None:
     check_int("steps", steps, 1, LIMITS.steps)
 
 
-def check_size(height: int, width: int, multiple: int = LIMITS.size_multiple) -> None:
-    """An output size: each side a positive multiple of the model's pixels per token (`multiple`)
-    up to the table's side, and the pair within its pixel count. The model's own RoPE range
-    (core/runs/run_cost.py) is a separate, model-dependent check."""
+def check_size(height: int, width: int, multiple: int = LIMITS.size_multiple, model_side: int | None = None) -> None:
+    """The one size rule (an output, a reference, a compiled shape, a server's warm sizes): each side
+    a positive multiple of the model's pixels per token (`multiple`) within what its position
+    encoding tells apart (`model_side`, core/engine/cost.max_side) and the table's side, and the
+    pair within the table's pixel count."""
     for field, value in (("height", height), ("width", width)):
+        check_int(field, value, multiple, 2**31, "px")
+        if model_side is not None and value > model_side:
+            raise FieldError(field, f"{value} is above this model's limit of {model_side} px (its position encoding "
+                             f"tells {model_side // multiple} tokens apart per side)")
         check_int(field, value, multiple, LIMITS.max_side, "px")
         if value % multiple:
             lower = value - value % multiple

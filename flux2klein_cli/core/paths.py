@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import FieldError, UserInputError
 
 NAME_MAX = 255  # bytes per name on Linux, macOS and Windows filesystems alike
 PATH_MAX = 4096
@@ -22,18 +22,18 @@ def _name_max(path: Path) -> int:
     return NAME_MAX
 
 
-def check_name_length(path: str | os.PathLike[str], what: str) -> None:
-    """UserInputError (ENAMETOOLONG) when a component of `path`, or the whole path, is longer than
-    the filesystem allows: `what` names the option ("--output", "reference image")."""
+def check_name_length(path: str | os.PathLike[str], field: str) -> None:
+    """FieldError (ENAMETOOLONG) naming `field` ("output", "references") when a component of
+    `path`, or the whole path, is longer than the filesystem allows."""
     text = os.fsencode(os.path.expanduser(os.fspath(path)))
     if len(text) > PATH_MAX:
-        raise UserInputError(f"{what} is {len(text)} bytes long: file name too long (the limit is {PATH_MAX})")
+        raise FieldError(field, f"is {len(text)} bytes long: file name too long (the limit is {PATH_MAX})")
     longest = max((part for part in text.split(b"/")), key=len, default=b"")
     limit = min(NAME_MAX, _name_max(Path(os.fsdecode(text)).absolute()))
     if len(longest) > limit:
         shown = os.fsdecode(longest)
         shown = shown if len(shown) <= 40 else f"{shown[:20]}...{shown[-12:]}"
-        raise UserInputError(f"{what} {shown}: file name too long ({len(longest)} bytes; the limit is {limit})")
+        raise FieldError(field, f"{shown}: file name too long ({len(longest)} bytes; the limit is {limit})")
 
 
 def check_input_file(path: Path, what: str, kind: str = "a file") -> None:

@@ -56,8 +56,8 @@ def compile_all(
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             raise Flux2KleinError(
-                f"{spec.name} does not fit the target's memory ({first_line(e)}); try a smaller --bs or size, "
-                "more chips, or an int8 model (flux2klein convert --quantize int8)") from None
+                f"{spec.name} does not fit the target's memory ({first_line(e)}); try a smaller {{field:batch}} or "
+                "size, more chips, or an int8 model (flux2klein convert {field:quantize} int8)") from None
         results[i] = compiled, store.finish(spec, parts, compiled, lower_s, compile_s, save, caught)
         say(f"{spec.name}: compiled in {compile_s:.2f} s")
         finished()

@@ -62,6 +62,9 @@ class ModelConfigs:
     kv: bool
     source: str  # the directory read, or "registry:<alias>" for a published geometry
     quantize: str | None = None  # `convert --quantize` scheme of the transformer and text encoder
+    # The transformer's linears a quantized file keeps in its stored form: (dotted module path, form)
+    # pairs (core/weights/prequantized.py), as the loader builds them.
+    prequantized: tuple[tuple[str, str], ...] = ()
 
     @property
     def geometry(self) -> LatentGeometry:
@@ -102,7 +105,25 @@ def configs_from_snapshot(root: str | Path) -> ModelConfigs:
 
         quantize = quantize_scheme(read_manifest(snapshot.root), "transformer")
     return ModelConfigs(**configs, distilled=snapshot.is_distilled, kv=snapshot.kv, source=str(snapshot.root),
-                        quantize=quantize)
+                        quantize=quantize, prequantized=_prequantized(snapshot.root, snapshot.converted))
+
+
+def _prequantized(root: Path, converted: bool) -> tuple[tuple[str, str], ...]:
+    """The linears the transformer keeps in a quantized file's stored form (core/weights/prequantized.py):
+    from the file's header, or from the manifest of a directory `convert` wrote from one."""
+    from flux2klein_cli.core.weights import converted as conv
+
+    if converted:
+        return conv.prequantized_forms(conv.read_manifest(root), "transformer")
+    from flux2klein_cli.core.weights.checkpoints import quantized_file
+
+    if quantized_file(root / "transformer") is None:
+        return ()
+    from flux2klein_cli.core.weights.configs import read_config
+    from flux2klein_cli.core.weights.prequantized import component_forms
+
+    model = conv.abstract_component("transformer", read_config(root / "transformer"), jnp.float32)
+    return component_forms(root / "transformer", model, conv.components()["transformer"].plan_for)
 
 
 def configs_from_registry(alias: str) -> ModelConfigs:
@@ -134,7 +155,7 @@ class AbstractModels:
 
     @classmethod
     def build(cls, configs: ModelConfigs, dtype: Any = jnp.bfloat16) -> AbstractModels:
-        from flux2klein_cli.core.models.quantized import quantize_abstract
+        from flux2klein_cli.core.models.quantized import prequantize_abstract, quantize_abstract
         from flux2klein_cli.core.models.qwen3 import Qwen3Config, abstract_text_encoder
         from flux2klein_cli.core.models.transformer import TransformerConfig, abstract_transformer
         from flux2klein_cli.core.models.vae import VAEConfig, abstract_vae
@@ -142,8 +163,10 @@ class AbstractModels:
         # Built as the loaders build them (load_transformer, load_qwen3, load_vae).
         tcfg = TransformerConfig.from_dict(configs.transformer)
         qcfg = Qwen3Config.from_dict(configs.text_encoder)
+        forms = {tuple(path.split(".")): form for path, form in configs.prequantized}
         return cls(
-            transformer=quantize_abstract(abstract_transformer(tcfg, dtype=dtype), configs.quantize),
+            transformer=prequantize_abstract(quantize_abstract(abstract_transformer(tcfg, dtype=dtype),
+                                                               configs.quantize), forms),
             text_encoder=quantize_abstract(abstract_text_encoder(qcfg, dtype=dtype), configs.quantize),
             vae=abstract_vae(VAEConfig.from_dict(configs.vae), dtype=dtype),
             configs=configs, dtype=dtype,
@@ -256,6 +279,8 @@ def denoise_inputs(fields: dict[str, Any]) -> Any:
 
 def _key(models: AbstractModels, component: str, target: Target, **extra: Any) -> dict[str, Any]:
     quantize = {"quantize": models.configs.quantize} if models.configs.quantize and component != "vae" else {}
+    if models.configs.prequantized and component == "transformer":
+        quantize["prequantized"] = [list(pair) for pair in models.configs.prequantized]
     return {"config": getattr(models.configs, component), "dtype": jnp.dtype(models.dtype).name,
             "geometry": models.configs.geometry.as_key(), "trace": trace_options(target).as_key(), **quantize,
             **extra}
@@ -332,7 +357,7 @@ def vae_encode_program(models: AbstractModels, target: Target, size: tuple[int, 
 
 
 def noise_program(target: Target, run: RunShape) -> ProgramSpec:
-    """pipeline.noise_latents: seeds (B,) uint32 -> (B, h, w, channels) float32 noise."""
+    """pipeline.noise: seeds (B,) uint32 -> (B, h, w, channels) float32 noise."""
     seeds = _input((run.batch,), jnp.uint32, target.mesh, batched=False)
     # The output shape is not in the arguments: the key must name it.
     channels = run.geometry.channels

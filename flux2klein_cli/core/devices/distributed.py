@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from flux2klein_cli.core import settings
 from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import FieldError, UserInputError
 
 
 @dataclass(frozen=True)
@@ -34,17 +34,18 @@ class DeviceOptions:
     def check(self) -> MeshSpec | None:
         """Everything that can be checked without touching a device."""
         if self.mesh and self.tpu:
-            raise UserInputError("give --mesh or --tpu, not both")
+            raise FieldError("mesh", "or {field:tpu}: give one, not both")
         explicit = (self.coordinator, self.num_processes, self.process_id)
         if any(v is not None for v in explicit) and any(v is None for v in explicit):
-            raise UserInputError("--coordinator, --num-processes and --process-id go together")
+            raise FieldError("coordinator", "goes with {field:num_processes} and {field:process_id}: give all three "
+                             "or none")
         if self.coordinator is not None:
             host, _, port = self.coordinator.rpartition(":")
             if not host or not port.isdigit():
-                raise UserInputError(f"--coordinator {self.coordinator!r}: expected HOST:PORT")
+                raise FieldError("coordinator", f"{self.coordinator!r}: expected HOST:PORT")
             assert self.num_processes is not None and self.process_id is not None
             if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
-                raise UserInputError("--process-id must be in 0 .. --num-processes - 1")
+                raise FieldError("process_id", "must be in 0 .. {field:num_processes} - 1")
         if self.tpu:
             from flux2klein_cli.core.devices.tpu import parse_preset
 
@@ -84,8 +85,9 @@ def run_mesh(options: DeviceOptions) -> Mesh | None:
         devices = jax.devices()
         if devices[0].platform != "tpu" or len(devices) != preset.chips * preset.generation.cores_per_chip:
             raise UserInputError(
-                f"--tpu {preset.name} runs on that TPU slice; this run has {len(devices)} {devices[0].platform} "
-                f"device(s). To compile for it from here: flux2klein compile --tpu {options.tpu}"
+                f"{{field:tpu}} {preset.name} runs on that TPU slice; this run has {len(devices)} "
+                f"{devices[0].platform} device(s). To compile for it from here: flux2klein compile {{field:tpu}} "
+                f"{options.tpu}"
             )
         spec = MeshSpec(fsdp=len(devices))
     if spec is None and jax.process_count() > 1:

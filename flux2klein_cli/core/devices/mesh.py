@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.choices import MESH_AXES
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import FieldError, UserInputError
 
 
 @dataclass(frozen=True)
@@ -32,14 +32,14 @@ class MeshSpec:
             name, _, value = item.partition("=")
             name = name.strip()
             if name not in MESH_AXES:
-                raise UserInputError(f"--mesh: unknown axis {name!r}; axes are {', '.join(MESH_AXES)}")
+                raise FieldError("mesh", f"names an unknown axis {name!r}; axes are {', '.join(MESH_AXES)}")
             if name in sizes:
-                raise UserInputError(f"--mesh: axis {name} given twice")
+                raise FieldError("mesh", f"gives axis {name} twice")
             if not value.strip().isdigit() or int(value) < 1:
-                raise UserInputError(f"--mesh: {item!r} needs a positive size, as in fsdp=4")
+                raise FieldError("mesh", f"{item!r} needs a positive size, as in fsdp=4")
             sizes[name] = int(value)
         if not sizes:
-            raise UserInputError("--mesh: give axis sizes, as in data=2,fsdp=4")
+            raise FieldError("mesh", "needs axis sizes, as in data=2,fsdp=4")
         return cls(**sizes)
 
     @property
@@ -62,8 +62,8 @@ def mesh_devices(spec: MeshSpec, devices: list[jax.Device] | None = None) -> lis
     devices = list(jax.devices()) if devices is None else devices
     spread = len({d.process_index for d in devices}) > 1
     if spec.size > len(devices) or (spread and spec.size != len(devices)):
-        raise UserInputError(
-            f"--mesh {spec} needs {spec.size} devices; this run has {len(devices)} ({devices[0].platform})"
+        raise FieldError(
+            "mesh", f"{spec} needs {spec.size} devices; this run has {len(devices)} ({devices[0].platform})"
             + (" over several processes, which must all take part" if spread else "")
         )
     return devices[: spec.size]

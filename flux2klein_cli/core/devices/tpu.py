@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 
 GIB = 1024**3
 
@@ -194,7 +194,7 @@ def check_topology_compiler(preset: TpuPreset) -> None:
     try:
         import libtpu  # noqa: F401  (the compiler lives in the libtpu package)
     except ImportError:
-        raise UserInputError(f"--tpu {preset.name} on a host without that TPU needs libtpu: "
+        raise FieldError("tpu", f"{preset.name} on a host without that TPU needs libtpu: "
                              "pip install 'flux2klein-cli[tpu]'") from None
 
 

@@ -3,8 +3,9 @@
 An `Engine` is built once with everything it owns (the pipeline and its models, the executable
 store, the reference KV memory and disk store, the warning sink) and then runs any number of
 `RunPlan`s of any shapes: each shape's executables are loaded (or compiled and stored) on its
-first run and kept in a bounded LRU (`EngineOptions.executable_shapes`). Calls may come from
-any thread; one lock makes the device work one at a time (a single device worker).
+first run and kept in a bounded LRU (`EngineOptions.executable_shapes`, core/engine/caches.py).
+Calls may come from any thread; one lock makes the device work one at a time (a single device
+worker), and guards the caches with it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.devices.distributed import DeviceOptions
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan, merge_plans
 from flux2klein_cli.core.errors import Flux2KleinError
@@ -41,8 +43,9 @@ class EngineOptions:
     vae: str | None = None
     lora: tuple[str, ...] = ()  # PATH_OR_REPO[:SCALE], merged at load
     kv_cache_dir: Path | None = None  # reference KV caches kept here across runs
-    executable_shapes: int = 8  # run shapes whose executables stay loaded
-    kv_memory: int = 1  # reference KV caches kept in memory
+    executable_shapes: int = DEFAULTS.executable_shapes  # run shapes whose executables stay loaded
+    kv_memory: int = DEFAULTS.kv_memory  # reference KV caches kept in memory
+    store: bool = True  # False: no executable store at all, every program jitted on first use (bench --no-store)
 
     @property
     def components(self) -> dict[str, str]:
@@ -80,9 +83,15 @@ class EngineStats:
 
 class Engine:
     def __init__(self, pipeline: Any, facts: ModelFacts, options: EngineOptions, model_dir: Path, *,
-                 warn: Warn, mesh: Any = None):
+                 warn: Warn, mesh: Any = None, executables: Any = None, kv_store: Any = None):
+        """`executables`: the executable store (compile/attach.StoredExecutables; None: every
+        program jitted); `kv_store`: the reference KV caches on disk (None: memory only)."""
+        from flux2klein_cli.core.engine.caches import ExecutableCache, ReferenceKVCache
+
         self.pipeline, self.facts, self.options, self.model_dir = pipeline, facts, options, model_dir
         self.mesh, self.warn = mesh, warn
+        self.executables = ExecutableCache(executables, options.executable_shapes, warn)
+        self.reference_kv = ReferenceKVCache(pipeline, kv_store, options.kv_memory)
         self.stats = EngineStats()
         self._device = threading.Lock()  # one run on the device at a time
 
@@ -91,17 +100,20 @@ class Engine:
         """Load the models of `model_dir` (resolved from `options.model`) once, with the
         executable store and the KV store attached."""
         from flux2klein_cli.core.choices import jax_dtype
-        from flux2klein_cli.core.compile.attach import StoredExecutables
         from flux2klein_cli.core.compile.specs import configs_from_snapshot
-        from flux2klein_cli.core.compile.store import ExecutableStore
         from flux2klein_cli.core.lora.files import LoraSpec
         from flux2klein_cli.core.lora.merge import LoraDeltas
         from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
         dtype = jax_dtype(options.dtype)
         lora = LoraDeltas.read([LoraSpec.parse(text) for text in options.lora])
-        executables = StoredExecutables(model_dir, ExecutableStore(options.compile_cache, on_warning=warn),
-                                        mesh=mesh, save=options.save_executables, effort=options.effort)
+        executables = None
+        if options.store:
+            from flux2klein_cli.core.compile.attach import StoredExecutables
+            from flux2klein_cli.core.compile.store import ExecutableStore
+
+            executables = StoredExecutables(model_dir, ExecutableStore(options.compile_cache, on_warning=warn),
+                                            mesh=mesh, save=options.save_executables, effort=options.effort)
         kv_store = None
         if options.kv_cache_dir is not None:
             from flux2klein_cli.core.compile.keys import code_fingerprint
@@ -114,11 +126,10 @@ class Engine:
             if lora:  # merged LoRAs change the reference K / V
                 identity = f"{identity}+lora:{lora.identity()}"
             kv_store = ReferenceKVStore(options.kv_cache_dir, identity, dtype, warn)
-        pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=lora, executables=executables,
-                                      kv_store=kv_store, warn=warn, executable_shapes=options.executable_shapes,
-                                      kv_memory=options.kv_memory)
+        pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=lora, warn=warn)
         facts = ModelFacts.of(options.model, configs_from_snapshot(model_dir))
-        return cls(pipeline, facts, options, model_dir, warn=warn, mesh=mesh)
+        return cls(pipeline, facts, options, model_dir, warn=warn, mesh=mesh, executables=executables,
+                   kv_store=kv_store)
 
     @property
     def lora_records(self) -> list[dict[str, Any]]:
@@ -130,50 +141,79 @@ class Engine:
         return build_plan(fields, self.facts)
 
     def run(self, plan: RunPlan, on_step: StepCallback | None = None,
-            on_phase: Callable[[str], None] | None = None) -> ImageRun:
-        return self.run_batch([plan], on_step, on_phase)[0]
+            on_phase: Callable[[str], None] | None = None, *, steps_per_call: int | None = None) -> ImageRun:
+        return self.run_batch([plan], on_step, on_phase, steps_per_call=steps_per_call)[0]
 
     def run_batch(self, plans: Sequence[RunPlan], on_step: StepCallback | None = None,
-                  on_phase: Callable[[str], None] | None = None) -> list[ImageRun]:
+                  on_phase: Callable[[str], None] | None = None, *,
+                  steps_per_call: int | None = None) -> list[ImageRun]:
         """Plans of one batch key (RunPlan.batch_key) as one batch; one result per plan, each
         image the same as its plan run alone would give in float32 (the noise is per image).
         `on_phase` hears `loading or compiling programs` while the shape's executables load, and
-        `generating N image(s), S steps` when the run itself starts."""
-        from flux2klein_cli.core.runs.images import postprocess
+        `generating N image(s), S steps` when the run itself starts. The loop runs in one call,
+        or `steps_per_call` steps a call (a divisor of the loop's steps); with `on_step` and no
+        `steps_per_call`, in about DEFAULTS.progress_calls calls (fewer when the steps have no
+        divisor near steps / calls; docs/benchmarks.md has what it costs), `on_step(done, steps)`
+        after each.
+        Each result's `seconds` has every phase the run went through (`executables`, `text`,
+        `references`, `reference_kv`, `denoise`, `decode`) and `total`."""
+        from flux2klein_cli.core.pipeline.denoise import steps_per_call as progress_steps
+        from flux2klein_cli.core.pipeline.pipeline import timed
 
         merged = merge_plans(plans)
+        per_call = steps_per_call
+        if per_call is None and on_step is not None:
+            per_call = progress_steps(merged.loop_steps, DEFAULTS.progress_calls)
         generating = f"generating {merged.batch} image(s), {merged.steps} steps"
-        executables = self.pipeline.executables
+        store = self.executables.store
         announce: Any = contextlib.nullcontext()
         if on_phase is not None:
-            if executables is not None and hasattr(executables, "announcing"):
-                announce = executables.announcing(on_phase, generating)
-            if executables is None or self.pipeline.shapes_kept:  # no load ahead, or maybe none: say it now
+            if store is not None and hasattr(store, "announcing"):
+                announce = store.announcing(on_phase, generating)
+            if store is None or self.executables.shapes_kept:  # no load ahead, or maybe none: say it now
                 on_phase(generating)
         with self._device, announce:
             start = time.perf_counter()
+            seconds: dict[str, float] = {}
+            if self.mesh is not None:
+                from flux2klein_cli.core.devices.mesh import check_divides
+
+                check_divides(self.mesh, batch=merged.batch,
+                              heads=self.pipeline.models.transformer.config.num_attention_heads)
+            shape = merged.shape(self.pipeline.dtype, per_call)
+            compiled, report = (timed(seconds, "executables", lambda: self.executables.get(shape))
+                                if store is not None else ({}, []))
             try:
-                result = self.pipeline(merged.request(), on_step=on_step)
+                kv, kv_source = None, None
+                if merged.kv:
+                    kv, kv_source = self.reference_kv.get(merged.references, seconds, compiled)
+                result = self.pipeline(merged, compiled=compiled, reference_kv=kv, per_call=per_call,
+                                       on_step=on_step)
             except Exception as e:  # a device that still runs out: one line, exit 1
                 if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                     raise
                 raise Flux2KleinError(f"the device ran out of memory for {merged.batch} image(s) of "
                                       f"{merged.width}x{merged.height}; try fewer images or a smaller size") from None
-            images = postprocess(result.images)
-            self._count(merged, result.executables)
-            seconds = dict(result.seconds, total=time.perf_counter() - start)
+            self._count(merged, report)
+            seconds = dict(seconds, **result.seconds, total=time.perf_counter() - start)
         out, first = [], 0
         for plan in plans:
             count = plan.batch
-            chunk = images[first:first + count]
-            if plan.crop_box is not None:  # a padding mask crop: the crop's images back into the init image
-                from flux2klein_cli.core.runs.conditioning import paste_back
-
-                chunk = paste_back(chunk, plan.paste_image, plan.paste_mask, plan.crop_box)
-            out.append(ImageRun(plan, chunk, result.seeds[first:first + count],
-                                result.guidance_used, result.kv_cache, result.executables, seconds))
+            out.append(ImageRun(plan, result.images[first:first + count], list(merged.seeds[first:first + count]),
+                                merged.cfg, kv_source, report, seconds))
             first += count
         return out
+
+    def initial_noise(self, plan: RunPlan) -> np.ndarray:
+        """The noise `plan` starts from, in diffusers' (B, channels, h, w) layout (parity hands
+        it to diffusers): its latents, or each image's draw from its seed."""
+        with self._device:
+            return self.pipeline.initial_noise(plan)
+
+    def forget_reference_kv(self) -> None:
+        """Drop the reference KV caches held in memory (a benchmark's timed edits compute their own)."""
+        with self._device:
+            self.reference_kv.forget()
 
     def _count(self, plan: RunPlan, report: list[dict[str, Any]]) -> None:
         stats = self.stats
@@ -184,40 +224,6 @@ class Engine:
                 stats.programs_loaded += 1
             else:
                 stats.programs_compiled += 1
-        stats.shapes_kept = self.pipeline.shapes_kept
-        stats.executable_bytes = self.pipeline.executable_bytes
+        stats.shapes_kept = self.executables.shapes_kept
+        stats.executable_bytes = self.executables.executable_bytes
 
-
-def check_engine_options(options: EngineOptions) -> None:
-    """What an engine's options must satisfy before anything loads (a missing LoRA fails here)."""
-    from flux2klein_cli.core.choices import check_effort, jax_dtype
-
-    check_effort(options.effort)
-    jax_dtype(options.dtype)
-    options.devices.check()
-    from flux2klein_cli.core.lora.files import LoraSpec, resolve_lora
-
-    for text in options.lora:
-        resolve_lora(LoraSpec.parse(text))
-
-
-def composing(options: EngineOptions, resolve: Callable[[str], Path]) -> Callable[[str], Path]:
-    """`resolve`, composing --transformer / --vae from elsewhere into the snapshot when given."""
-    if not (options.transformer or options.vae):
-        return resolve
-    from flux2klein_cli.core.hub.components import compose, resolve_overrides
-
-    sources = resolve_overrides(options.transformer, options.vae)
-    return lambda model: compose(resolve(model), sources)
-
-
-def open_engine(options: EngineOptions, resolve: Callable[[str], Path], *, warn: Warn,
-                on_phase: Callable[[str], None] = lambda phase: None) -> Engine:
-    """Check the options, resolve the model (composing --transformer / --vae), make the mesh
-    and load the engine: what `batch` and `serve` do before their first plan."""
-    from flux2klein_cli.core.devices.distributed import run_mesh
-
-    check_engine_options(options)
-    on_phase("loading model")
-    model_dir = composing(options, resolve)(options.model)
-    return Engine.load(options, model_dir, mesh=run_mesh(options.devices), warn=warn)

@@ -8,6 +8,7 @@ the executable keys) trusts the plan. Errors are `FieldError`s naming the field,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +17,10 @@ from typing import Any
 import numpy as np
 
 from flux2klein_cli.core import limits
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import FieldError
+from flux2klein_cli.core.inputs.images import ReferenceSource, read_reference
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
-
-# A reference as the caller names it: a file, or (label, bytes) of an upload (`serve`: a request never
-# names a server-side path).
-ReferenceSource = Path | tuple[str, bytes]
 
 
 @dataclass(frozen=True)
@@ -37,14 +36,14 @@ class RunFields:
     negative_prompt: str = ""
     seed: int = 0
     num_images: int = 1  # images per prompt
-    max_sequence_length: int = 512
+    max_sequence_length: int = DEFAULTS.max_sequence_length
     kv: bool = False  # reference KV cache (KV-trained checkpoints only)
     latents: Path | None = None  # initial noise (.npy, diffusers' layout) instead of seeds
     # Image-to-image (init_image) and inpainting (init_image + mask), as Flux2KleinInpaintPipeline.
     init_image: ReferenceSource | None = None
     mask: ReferenceSource | None = None  # white: repaint, black: keep; the init image's size
-    strength: float | None = None  # (0, 1]; None: 0.8 (diffusers' default) with an init image
-    reference_max_area: int | None = None  # references above this many pixels are scaled down (None: 1024^2)
+    strength: float | None = None  # (0, 1]; None: DEFAULTS.strength with an init image
+    reference_max_area: int | None = None  # references above this many pixels are scaled down (None: the default)
     # With a mask: inpaint the mask's box grown by this many pixels (and to the output's aspect),
     # resized to the output size, then pasted back into the init image (diffusers' padding_mask_crop).
     padding_mask_crop: int | None = None
@@ -61,7 +60,12 @@ class ModelFacts:
     kv: bool
     pipeline_class: str
     transformer_config: dict[str, Any] = field(repr=False, compare=False)
-    default_side: int = 1024
+    default_side: int = DEFAULTS.side
+
+    @property
+    def max_side(self) -> int:
+        """The largest side in pixels its position encoding tells apart."""
+        return max_side(self.transformer_config, self.geometry.pixels_per_token)
 
     @classmethod
     def of(cls, name: str, configs: Any) -> ModelFacts:
@@ -91,6 +95,7 @@ class RunPlan:
     kv: bool
     geometry: LatentGeometry
     reference_names: tuple[str, ...] = ()
+    reference_sizes: tuple[tuple[int, int], ...] = ()  # (height, width) of each reference, as processed
     # (H, W, 3) float32 in [-1, 1], as the VAE takes them; not compared (arrays), names are.
     references: tuple[np.ndarray, ...] = field(default=(), compare=False, repr=False)
     latents: np.ndarray | None = field(default=None, compare=False, repr=False)
@@ -102,7 +107,7 @@ class RunPlan:
     mask: np.ndarray | None = field(default=None, compare=False, repr=False)
     mask_name: str | None = None
     strength: float | None = None
-    reference_max_area: int = 1024 * 1024
+    reference_max_area: int = DEFAULTS.reference_max_area
     # A padding mask crop: its padding, the crop box (left, top, right, bottom) in the init image,
     # and what the paste back takes: the init image (H, W, 4) RGBA uint8 and the mask (H, W) uint8.
     padding_mask_crop: int | None = None
@@ -121,12 +126,9 @@ class RunPlan:
     def batch(self) -> int:
         return len(self.prompts) * self.num_images
 
-    @property
-    def reference_sizes(self) -> tuple[tuple[int, int], ...]:
-        return tuple((int(r.shape[0]), int(r.shape[1])) for r in self.references)
-
     def shape(self, dtype: Any, steps_per_call: int | None = None) -> Any:
-        """The part of the plan that decides its programs: the executables' key."""
+        """The part of the plan that decides its programs: the executables' key. The one place a
+        RunShape is built (`build_shape` builds a plan without pixels for it)."""
         from flux2klein_cli.core.pipeline.programs import RunShape
 
         init = ((self.height, self.width),) if self.init_image is not None else ()
@@ -142,17 +144,6 @@ class RunPlan:
                 self.num_images, self.negative_prompt if self.cfg else "", self.reference_names,
                 self.latents is None, self.init_image_name, self.mask_name, self.strength, self.reference_max_area,
                 self.padding_mask_crop)
-
-    def request(self) -> Any:
-        """The pipeline's view of the plan."""
-        from flux2klein_cli.core.pipeline.pipeline import Request
-
-        return Request(prompts=list(self.prompts), steps=self.steps, guidance=self.guidance, height=self.height,
-                       width=self.width, num_images=self.num_images, negative_prompt=self.negative_prompt,
-                       seed=self.seeds[0], seeds=list(self.seeds), latents=self.latents,
-                       references=list(self.references), max_sequence_length=self.max_sequence_length, kv=self.kv,
-                       init_image=self.init_image, mask=self.mask,
-                       strength=1.0 if self.strength is None else self.strength)
 
 
 def merge_plans(plans: Sequence[RunPlan]) -> RunPlan:
@@ -183,54 +174,44 @@ def check_prompts(prompts: Sequence[str], negative_prompt: str) -> tuple[str, ..
     return tuple(prompts)
 
 
+def max_side(transformer_config: dict[str, Any], pixels_per_token: int) -> int:
+    """The largest side in pixels, a multiple of `pixels_per_token`, whose positions one RoPE axis
+    tells apart: the wavelength of its slowest frequency, 2*pi*theta^((d-2)/d). Further apart than
+    that, two tokens get the same rotation."""
+    axes = [int(d) for d in transformer_config.get("axes_dims_rope", (32, 32, 32, 32))]
+    dim = min(axes[1:3]) if len(axes) >= 3 else min(axes)
+    theta = float(transformer_config.get("rope_theta", 2000))
+    return int(2 * math.pi * theta ** ((dim - 2) / dim)) * pixels_per_token
+
+
 def check_size(height: int, width: int, model: ModelFacts) -> None:
-    """The one size rule of a run (output and references): the limits' sides and pixels at the
-    model's multiple, and what its position embedding reaches."""
-    from flux2klein_cli.core.runs.run_cost import check_size_limit
-
-    for name, value in (("height", height), ("width", width)):
-        limits.check_int(name, value, model.geometry.pixels_per_token, 2**31, "px")
-    check_size_limit(height, width, model.transformer_config, model.geometry.pixels_per_token)
-    limits.check_size(height, width, model.geometry.pixels_per_token)
+    """The size rule of a run (output and references) at this model's multiple and position range."""
+    limits.check_size(height, width, model.geometry.pixels_per_token, model.max_side)
 
 
-def read_reference(source: ReferenceSource, *, keep_alpha: bool = False) -> tuple[str, Any]:
-    """(name, PIL image) of a reference. An upload's name carries a digest of its bytes: names are
-    part of the batch key, so two uploads called image.png must not pass for one reference.
-    `keep_alpha`: RGBA when the image has transparency (images.load_reference)."""
-    from flux2klein_cli.core.runs.images import load_reference
+def check_paths(fields: RunFields) -> None:
+    """Every file a request names fits the filesystem's name limits (before any is read)."""
+    from flux2klein_cli.core.paths import check_name_length
 
-    if isinstance(source, tuple):
-        import hashlib
-
-        label, data = source
-        return (f"{label}@sha256:{hashlib.sha256(data).hexdigest()[:16]}",
-                load_reference(label, data, keep_alpha=keep_alpha))
-    return str(source), load_reference(source, keep_alpha=keep_alpha)
+    named = [*(("references", source) for source in fields.references), ("init_image", fields.init_image),
+             ("mask", fields.mask), ("latents", fields.latents)]
+    for name, source in named:
+        if isinstance(source, Path):
+            check_name_length(source, name)
 
 
 def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
     """Every check of a request, once, in the order that costs least; defaults applied."""
-    from flux2klein_cli.core.hub.registry import sampling
-    from flux2klein_cli.core.runs.images import preprocess_reference
+    from flux2klein_cli.core.inputs.images import preprocess_reference
 
+    check_paths(fields)
     prompts = check_prompts(fields.prompts, fields.negative_prompt)
     if isinstance(fields.num_images, bool) or not isinstance(fields.num_images, int) or fields.num_images < 1:
         raise FieldError("num_images", f"must be a whole number of at least 1, got {fields.num_images!r}")
     batch = len(prompts) * fields.num_images
-    limits.check_images(batch)
     limits.check_seed(fields.seed, batch)
-    limits.check_max_sequence_length(fields.max_sequence_length)
-    if fields.steps is not None:
-        limits.check_steps(fields.steps)
-    chosen = sampling(model.distilled, fields.steps, fields.guidance)
-    limits.check_guidance(chosen.guidance)
-    limits.check_reference_count(len(fields.references))
-    if fields.kv and not fields.references:
-        raise FieldError("kv", "needs at least one reference image ({field:references})")
-    if fields.kv and not model.kv:
-        raise FieldError("kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
-                         f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
+    chosen = check_sampling(model, batch=batch, max_sequence_length=fields.max_sequence_length, steps=fields.steps,
+                            guidance=fields.guidance, references=len(fields.references), kv=fields.kv)
     sized = fields.height is not None and fields.width is not None
     if sized:  # a size given whole fails before any image is read; else once it is known, below
         check_size(fields.height, fields.width, model)  # type: ignore[arg-type]
@@ -257,15 +238,17 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         check_size(height, width, model)
     latents = None
     if fields.latents is not None:
-        from flux2klein_cli.core.runs.image_files import load_latents
+        from flux2klein_cli.core.inputs.latents import load_latents
 
         latents = load_latents(fields.latents, model.geometry.latents_shape(batch, height, width))
     return RunPlan(
         model=model.name, prompts=prompts, negative_prompt=fields.negative_prompt,
         seeds=tuple(range(fields.seed, fields.seed + batch)), num_images=fields.num_images, height=height,
         width=width, steps=chosen.steps, guidance=float(chosen.guidance),
-        cfg=not model.distilled and chosen.guidance > 1.0, max_sequence_length=fields.max_sequence_length, kv=fields.kv,
-        geometry=model.geometry, reference_names=tuple(names), references=tuple(references), latents=latents,
+        cfg=chosen.cfg, max_sequence_length=fields.max_sequence_length, kv=fields.kv,
+        geometry=model.geometry, reference_names=tuple(names),
+        reference_sizes=tuple((int(r.shape[0]), int(r.shape[1])) for r in references), references=tuple(references),
+        latents=latents,
         latents_name=None if fields.latents is None else str(fields.latents),
         init_image=None if init is None else init[1], init_image_name=None if init is None else init[0],
         mask=None if init is None else init[3], mask_name=None if init is None else init[2],
@@ -273,9 +256,6 @@ def build_plan(fields: RunFields, model: ModelFacts) -> RunPlan:
         **({} if crop is None else dict(zip(("padding_mask_crop", "crop_box", "paste_image", "paste_mask"), crop,
                                             strict=True))),
     )
-
-
-DEFAULT_STRENGTH = 0.8  # diffusers' Flux2KleinInpaintPipeline default
 
 
 def check_conditioning(fields: RunFields) -> float | None:
@@ -293,7 +273,7 @@ def check_conditioning(fields: RunFields) -> float | None:
     if fields.kv:
         raise FieldError("kv", "cannot take an init image ({field:init_image}): no KV pipeline inpaints or starts "
                          "from an image; drop {field:kv} (the plain edit path takes the same references)")
-    strength = DEFAULT_STRENGTH if fields.strength is None else fields.strength
+    strength = DEFAULTS.strength if fields.strength is None else fields.strength
     if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 < strength <= 1.0:
         raise FieldError("strength", f"must be a number in (0, 1], got {strength!r}")
     return float(strength)
@@ -301,10 +281,10 @@ def check_conditioning(fields: RunFields) -> float | None:
 
 def check_max_area(area: int | None, model: ModelFacts) -> int:
     """References above this many pixels are scaled down to it (diffusers' max-area rule)."""
-    from flux2klein_cli.core.runs.images import MAX_AREA, MIN_SIDE
+    from flux2klein_cli.core.inputs.images import MIN_SIDE
 
     if area is None:
-        return MAX_AREA
+        return DEFAULTS.reference_max_area
     limits.check_int("reference_max_area", area, MIN_SIDE * MIN_SIDE, limits.LIMITS.reference_pixels)
     return int(area)
 
@@ -316,7 +296,7 @@ def read_init_image(fields: RunFields, model: ModelFacts) -> tuple[str, np.ndarr
                                                                     MaskCrop | None]:
     """(name, pixels at the output size, mask name, mask on the token grid, padding mask crop) of an
     init image and its mask."""
-    from flux2klein_cli.core.runs import conditioning
+    from flux2klein_cli.core.inputs import conditioning
 
     multiple = model.geometry.pixels_per_token
     name, image = read_reference(fields.init_image)  # type: ignore[arg-type]
@@ -338,36 +318,47 @@ def read_init_image(fields: RunFields, model: ModelFacts) -> tuple[str, np.ndarr
     return name, pixels, mask_name, grid, crop
 
 
-def build_shape(model: ModelFacts, *, dtype: Any, height: int | None = None, width: int | None = None,
-                steps: int | None = None, guidance: float | None = None, batch: int = 1, prompts: int = 1,
-                references: Sequence[tuple[int, int]] = (), max_sequence_length: int = 512, kv: bool = False,
-                steps_per_call: int | None = None) -> Any:
-    """A run's shape without its pixels (`compile`, `bench`): the same checks as `build_plan`
-    on the fields a shape has, and the same defaults."""
+def check_sampling(model: ModelFacts, *, batch: int, max_sequence_length: int, steps: int | None,
+                   guidance: float | None, references: int, kv: bool) -> Any:
+    """What a plan and a shape check alike, the model's sampling defaults applied (registry.sampling:
+    steps, guidance, and whether it runs classifier-free guidance)."""
     from flux2klein_cli.core.hub.registry import sampling
-    from flux2klein_cli.core.pipeline.programs import RunShape
 
-    limits.check_int("prompts", prompts, 1, limits.LIMITS.images)
     limits.check_images(batch)
-    if batch % prompts:
-        raise FieldError("batch", f"{batch} is not a multiple of the {prompts} prompts")
     limits.check_max_sequence_length(max_sequence_length)
     if steps is not None:
         limits.check_steps(steps)
     chosen = sampling(model.distilled, steps, guidance)
     limits.check_guidance(chosen.guidance)
-    limits.check_reference_count(len(references))
+    limits.check_reference_count(references)
     if kv and not model.kv:
-        raise FieldError("kv", f"needs a KV-trained checkpoint (9b-kv); {model.name} is {model.pipeline_class}")
+        raise FieldError("kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
+                         f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
     if kv and not references:
-        raise FieldError("kv", "needs at least one reference size")
+        raise FieldError("kv", "needs at least one reference image ({field:references})")
+    return chosen
+
+
+def build_shape(model: ModelFacts, *, dtype: Any, height: int | None = None, width: int | None = None,
+                steps: int | None = None, guidance: float | None = None, batch: int = 1, prompts: int = 1,
+                references: Sequence[tuple[int, int]] = (), max_sequence_length: int = DEFAULTS.max_sequence_length,
+                kv: bool = False, steps_per_call: int | None = None) -> Any:
+    """A run's shape without its pixels (`compile`, `bench`): the checks of `build_plan` on the
+    fields a shape has, the same defaults, and the shape of that plan."""
+    limits.check_int("prompts", prompts, 1, limits.LIMITS.images)
+    if batch % prompts:
+        raise FieldError("batch", f"{batch} is not a multiple of the {prompts} prompts")
+    chosen = check_sampling(model, batch=batch, max_sequence_length=max_sequence_length, steps=steps,
+                            guidance=guidance, references=len(references), kv=kv)
     side = model.default_side
     height, width = side if height is None else height, side if width is None else width
     for size in ((height, width), *references):
         check_size(*size, model)
-    return RunShape(height=height, width=width, geometry=model.geometry, batch=batch, prompts=prompts,
-                    steps=chosen.steps, references=tuple(references), cfg=not model.distilled and chosen.guidance > 1.0,
-                    max_sequence_length=max_sequence_length, dtype=dtype, kv=kv, steps_per_call=steps_per_call)
+    plan = RunPlan(model=model.name, prompts=("",) * prompts, negative_prompt="", seeds=tuple(range(batch)),
+                   num_images=batch // prompts, height=height, width=width, steps=chosen.steps,
+                   guidance=float(chosen.guidance), cfg=chosen.cfg, max_sequence_length=max_sequence_length, kv=kv,
+                   geometry=model.geometry, reference_sizes=tuple(references))
+    return plan.shape(dtype, steps_per_call)
 
 
 def model_facts(model: str, *, transformer: str | None = None, vae: str | None = None,

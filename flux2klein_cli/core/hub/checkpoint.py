@@ -79,6 +79,18 @@ def parameter_stats(module: nnx.Module) -> tuple[int, int]:
     return sum(int(np.prod(a.shape)) for a in leaves), sum(a.nbytes for a in leaves)
 
 
+def stored_weights(component: Path) -> dict[str, Any] | None:
+    """What a component's quantized file holds (`inspect`): its format, file and tensor types; None for
+    safetensors weights in a float dtype."""
+    from flux2klein_cli.core.weights.checkpoints import open_weights, quantized_file
+
+    file = quantized_file(component)
+    if file is None:
+        return None
+    checkpoint = open_weights(file)
+    return {"format": checkpoint.file_format, "file": str(file), "types": checkpoint.kinds()}
+
+
 def non_finite_parameters(module: nnx.Module) -> dict[str, int]:
     """Parameter path -> count of NaN / inf values, for the parameters that hold any. Checked
     on the host one array at a time (a compiled check would compile a program per shape)."""
@@ -114,8 +126,8 @@ def load_models(
     }
     if lora is not None:
         if snapshot.converted:
-            raise UserInputError(f"{snapshot.root}: --lora needs a diffusers snapshot; a converted model's "
-                                 "weights are final (merge LoRAs when converting: flux2klein convert --lora)")
+            raise UserInputError(f"{snapshot.root}: {{field:lora}} needs a diffusers snapshot; a converted model's "
+                                 "weights are final (merge LoRAs when converting: flux2klein convert {field:lora})")
         from functools import partial
 
         loaders["transformer"] = partial(load_transformer, deltas=lora)

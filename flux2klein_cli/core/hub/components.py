@@ -2,7 +2,9 @@
 
 PATH is a diffusers component folder, a single .safetensors file in diffusers keys, a single
 file in BFL's transformer layout (recognised from its keys when it is read, see
-core/weights/bfl_layout.py), or a component alias (`small-decoder`, a hub repo). A file brings
+core/weights/bfl_layout.py), a quantized transformer file (a .gguf file, or a ComfyUI-format
+fp8 / nvfp4 .safetensors file: core/weights/checkpoints.py), or a component alias
+(`small-decoder`, a hub repo). A file brings
 no config: the `--model` snapshot's config of that component is used, and weights whose shapes
 disagree with it are a CheckpointError naming the keys.
 
@@ -75,8 +77,13 @@ def resolve_component(name: str, given: str, *, offline: bool | None = None, dow
             _check_weights(flag, f"{given.rstrip('/')}/{file.name}", file)
         return ComponentSource(name, given, path.resolve(), config.resolve() if config.is_file() else None)
     if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            if name != "transformer":
+                raise UserInputError(f"{flag} {given}: a .gguf file holds a transformer, not a {name}")
+            _check_gguf(flag, given, path)
+            return ComponentSource(name, given, path.resolve(), None)
         if path.suffix != ".safetensors":
-            raise UserInputError(f"{flag} {given}: expected a .safetensors file or a component folder")
+            raise UserInputError(f"{flag} {given}: expected a .safetensors or .gguf file or a component folder")
         _check_weights(flag, given, path)
         return ComponentSource(name, given, path.resolve(), None)
     aliases = ", ".join(a for a, (c, _) in COMPONENT_REPOS.items() if c == name)
@@ -98,6 +105,27 @@ def _check_weights(flag: str, given: str, file: Path) -> None:
         raise CheckpointError(f"{flag} {given}: not a usable .safetensors file: corrupt header") from None
     if not tensors:
         raise CheckpointError(f"{flag} {given}: the .safetensors file holds no tensors")
+    from flux2klein_cli.core.weights.comfy_quant import is_comfy_quant, open_comfy
+    from flux2klein_cli.core.weights.safetensors_io import read_metadata
+
+    if is_comfy_quant(tensors, read_metadata(file)):
+        try:
+            open_comfy(file)  # its quantization records and scales, checked before anything is composed
+        except CheckpointError as e:
+            reason = str(e).removeprefix(f"{file}: ")
+            raise CheckpointError(f"{flag} {given}: not a usable quantized file: {reason}") from None
+
+
+def _check_gguf(flag: str, given: str, file: Path) -> None:
+    """A GGUF file's header read before anything is composed (a damaged file or a type not read is
+    named as the user gave it, and nothing is written)."""
+    from flux2klein_cli.core.weights.gguf_file import open_gguf
+
+    try:
+        open_gguf(file)
+    except CheckpointError as e:
+        reason = str(e).removeprefix(f"{file}: ")
+        raise CheckpointError(f"{flag} {given}: not a usable GGUF file: {reason}") from None
 
 
 def resolve_overrides(transformer: str | None = None, vae: str | None = None, *, offline: bool | None = None,
@@ -132,7 +160,8 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
         return model_dir
     model_dir = Path(model_dir).resolve()
     if (model_dir / CONVERTED_MANIFEST).is_file():
-        raise UserInputError(f"{model_dir} is a converted directory: --transformer / --vae apply to a diffusers "
+        raise UserInputError(f"{model_dir} is a converted directory: {{field:transformer}} / {{field:vae}} apply to "
+                             "a diffusers "
                              "snapshot (convert the overridden snapshot instead)")
     if not (model_dir / "model_index.json").is_file():
         raise UserInputError(f"{model_dir}: no model_index.json (not a FLUX.2 [klein] snapshot)")
@@ -167,7 +196,8 @@ def _write_composed(model_dir: Path, sources: dict[str, ComponentSource], parent
                 weights = [source.weights]
             if len(weights) == 1:
                 # One file under diffusers' own name: diffusers (parity) reads a diffusers-key file too.
-                os.symlink(weights[0], folder / "diffusion_pytorch_model.safetensors")
+                suffix = ".gguf" if weights[0].suffix.lower() == ".gguf" else ".safetensors"
+                os.symlink(weights[0], folder / f"diffusion_pytorch_model{suffix}")
             for file in weights if len(weights) > 1 else ():
                 os.symlink(file, folder / file.name)
         manifest = {"model": str(model_dir), "components": {n: s.describe() for n, s in sources.items()}}

@@ -51,6 +51,7 @@ class ModelSpec:
 class Sampling:
     steps: int
     guidance: float
+    cfg: bool = False  # real classifier-free guidance: a negative pass beside the positive one
 
 
 # Distilled models sample in 4 steps without CFG; base models take diffusers' 50 steps at guidance 4.
@@ -58,9 +59,12 @@ _DISTILLED, _BASE = Sampling(4, 1.0), Sampling(50, 4.0)
 
 
 def sampling(distilled: bool, steps: int | None = None, guidance: float | None = None) -> Sampling:
-    """The steps and guidance of a run: those given, else the model's defaults."""
+    """The steps and guidance of a run: those given, else the model's defaults; and whether it
+    runs real classifier-free guidance: only undistilled models with guidance above 1, as the
+    reference does (the one home of that rule)."""
     default = _DISTILLED if distilled else _BASE
-    return Sampling(steps or default.steps, default.guidance if guidance is None else guidance)
+    chosen = default.guidance if guidance is None else guidance
+    return Sampling(steps or default.steps, chosen, not distilled and chosen > 1.0)
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -100,10 +104,8 @@ def aliases(*, tiny: bool = True) -> str:
     return ", ".join([*MODELS, *((TINY_ALIAS, TINY_KV_ALIAS) if tiny else ())])
 
 
-# Output side when none is given; the random-weight `tiny` model is for trying the tool in seconds.
-DEFAULT_SIZE = 1024
-_DEFAULT_SIZES = {TINY_ALIAS: 256, TINY_KV_ALIAS: 256}
-
-
 def default_size(model: str) -> int:
-    return _DEFAULT_SIZES.get(model.lower(), DEFAULT_SIZE)
+    """The output side when none is given (core/defaults.py): the tiny models' is smaller."""
+    from flux2klein_cli.core.defaults import DEFAULTS
+
+    return DEFAULTS.tiny_side if model.lower() in (TINY_ALIAS, TINY_KV_ALIAS) else DEFAULTS.side

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.cache_paths import generated_dir
-from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.errors import CheckpointError, FieldError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.hub.registry import COMPONENT_REPOS, MODELS, TINY_ALIAS, TINY_KV_ALIAS
 from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.temporaries import temporary_dir
@@ -97,11 +97,11 @@ def resolve(
     `tqdm_class` draws a download's byte progress (huggingface_hub's own bars when None)."""
     if not model or not model.strip():
         raise UserInputError("empty model name: give an alias (e.g. 4b), a hub repo id or a directory")
-    check_name_length(model, "--model")
+    check_name_length(model, "model")
     local = Path(model).expanduser()
     if local.is_dir():
         if revision:
-            raise UserInputError(f"--revision applies to hub models, not to the local directory {model}")
+            raise FieldError("revision", f"applies to hub models, not to the local directory {model}")
         kind = "converted" if (local / CONVERTED_MANIFEST).is_file() else "local"
         return Resolved(local.resolve(), kind)
     if local.exists():
@@ -109,7 +109,7 @@ def resolve(
     name = model.strip().lower()
     if name in GENERATED:
         if revision:
-            raise UserInputError(f"--revision does not apply to {name} (a checkpoint written locally)")
+            raise FieldError("revision", f"does not apply to {name} (a checkpoint written locally)")
         return Resolved(ensure_tiny(progress, kv=name == TINY_KV_ALIAS), "generated")
     if name in COMPONENT_REPOS:
         # A one-component repo (`fetch small-decoder`); `--vae small-decoder` reads it (core/hub/components.py).
@@ -152,7 +152,7 @@ def _from_hub(model: str, repo_id: str, revision: str | None, *, offline: bool, 
         pass
 
     if offline:
-        raise CheckpointError(f"{problem}, and offline mode is on (--offline or HF_HUB_OFFLINE=1); "
+        raise CheckpointError(f"{problem}, and offline mode is on ({{field:offline}} or HF_HUB_OFFLINE=1); "
                               f"with network access, run: {fetch}")
     if not download:
         raise CheckpointError(f"{problem}; download it with: {fetch}")
@@ -228,7 +228,8 @@ def snapshot_problems(root: Path) -> list[str]:
 def _weight_problems(folder: Path, component: str) -> list[str]:
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if not indexes:
-        if not any(p.is_file() for p in folder.glob("*.safetensors")):
+        # A transformer may be one GGUF file (core/weights/gguf_file.py).
+        if not any(p.is_file() for p in (*folder.glob("*.safetensors"), *folder.glob("*.gguf"))):
             return [f"{component}/ has no .safetensors weights"]
         return []
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flux2klein_cli.core.errors import CheckpointError, UserInputError
+from flux2klein_cli.core.errors import CheckpointError, FieldError
 from flux2klein_cli.core.lora.layouts import Converted, convert
 from flux2klein_cli.core.weights.safetensors_io import read_header
 
@@ -39,14 +39,14 @@ class LoraSpec:
                 scale = float(tail)
             except ValueError:
                 if not Path(text).exists() and (Path(source).exists() or source.endswith(".safetensors")):
-                    raise UserInputError(f"--lora {text}: the scale {tail!r} is not a number "
+                    raise FieldError("lora", f"{text}: the scale {tail!r} is not a number "
                                          "(PATH_OR_REPO[:SCALE], e.g. style.safetensors:0.8)") from None
                 return cls(text)
             if not math.isfinite(scale):
-                raise UserInputError(f"--lora {text}: the scale must be a finite number")
+                raise FieldError("lora", f"{text}: the scale must be a finite number")
             return cls(source, scale)
         if not text.strip():
-            raise UserInputError("--lora needs a path or a hub repo id")
+            raise FieldError("lora", "needs a path or a hub repo id")
         return cls(text)
 
 
@@ -69,7 +69,7 @@ def _one_file(folder: Path, where: str) -> Path:
     files = sorted(folder.glob("*.safetensors"))
     if len(files) != 1:
         found = ", ".join(f.name for f in files) or "none"
-        raise UserInputError(f"--lora {where}: a LoRA folder must hold exactly one .safetensors file "
+        raise FieldError("lora", f"{where}: a LoRA folder must hold exactly one .safetensors file "
                              f"(found: {found}); name the file")
     return files[0]
 
@@ -101,13 +101,13 @@ def resolve_lora(spec: LoraSpec) -> Path:
     local = Path(spec.source).expanduser()
     if local.is_file():
         if local.suffix != ".safetensors":
-            raise UserInputError(f"--lora {spec.source}: not a .safetensors file")
+            raise FieldError("lora", f"{spec.source}: not a .safetensors file")
         return local
     if local.is_dir():
         return _one_file(local, spec.source)
     if _REPO_ID.match(spec.source):
         return _one_file(fetch_lora(spec.source), spec.source)
-    raise UserInputError(f"--lora {spec.source}: no such file or folder, and not a hub repo id (org/name)")
+    raise FieldError("lora", f"{spec.source}: no such file or folder, and not a hub repo id (org/name)")
 
 
 def sha256_of(path: Path) -> str:

@@ -16,10 +16,17 @@ Which linears are quantized is `QUANTIZED_STACKS` (one home, used by convert, lo
 every linear inside the scanned blocks of the transformer and the text encoder; the text
 encoder's token table is int8 per row (`QuantizedEmbed`: a lookup, then its row's scale).
 docs/models.md says why the rest stays in the model dtype.
+
+Files that arrive quantized (core/weights/prequantized.py: GGUF Q8_0, ComfyUI fp8) keep their
+own forms (`WEIGHT_FORMS`) in the same QuantizedLinear: Q8_0's int8 values with one float16
+scale per block of 32 input rows (a scale of shape (in / 32, out), applied to the kernel before
+the dot, as Q8_0 defines it), fp8 (e4m3) values with one scale per output channel.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -36,11 +43,27 @@ SCALE_DTYPE = jnp.float32
 
 def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
     """x (..., in) @ (kernel (in, out) int8 * scale (out,)) in x's dtype, accumulated in float32
-    (on TPU the dot rounds to x's dtype before the scale: one more rounding in a bf16 model)."""
+    (on TPU the dot rounds to x's dtype before the scale: one more rounding in a bf16 model).
+    A kernel of fp8 values works the same; a scale per block of input rows (G, out) goes to
+    `block_matmul`."""
+    if scale.ndim == kernel.ndim:
+        return block_matmul(x, kernel, scale)
     result = trace.current().int8_dot_result(x.dtype)  # the backend dispatch's rule
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
                             preferred_element_type=result)
     return (y.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def block_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
+    """x (..., in) @ kernel (in, out) whose rows are scaled per block: scale (G, out), one value for
+    each in / G consecutive input rows of an output channel (GGUF Q8_0). The kernel is scaled in
+    float32 (exactly what Q8_0's dequantization computes), cast to x's dtype, then the dot: within
+    a scanned stack only one layer's scaled kernel exists at a time."""
+    groups, out = scale.shape
+    w = kernel.astype(jnp.float32).reshape(groups, -1, out) * scale.astype(jnp.float32)[:, None, :]
+    y = jax.lax.dot_general(x, w.reshape(kernel.shape).astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
 
 
 def int8_dynamic_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
@@ -61,8 +84,10 @@ class QuantizedLinear(nnx.Module):
         self.kernel, self.scale, self.bias = kernel, scale, bias
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        matmul = int8_dynamic_matmul if trace.current().int8_compute == "dynamic" else int8_matmul
-        y = matmul(x, self.kernel[...], self.scale[...])
+        kernel, scale = self.kernel[...], self.scale[...]
+        # Dynamic int8 x int8 dots need int8 values with one scale per output channel.
+        dynamic = trace.current().int8_compute == "dynamic" and kernel.dtype == jnp.int8 and scale.ndim < kernel.ndim
+        y = (int8_dynamic_matmul if dynamic else int8_matmul)(x, kernel, scale)
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
@@ -114,6 +139,57 @@ def quantize_abstract(model: nnx.Module, scheme: str | None) -> nnx.Module:
             modules[path].dtype,
         ))
     return model
+
+
+@dataclass(frozen=True)
+class WeightForm:
+    """How a prequantized linear's kernel is held: `values` (its dtype) and `scale` (dtype), one
+    scale per `block` input rows of each output channel, or per output channel (block None)."""
+
+    name: str
+    values: Any
+    scale: Any
+    block: int | None = None
+
+    def scale_shape(self, kernel_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The scale's shape for a kernel (..., in, out)."""
+        *lead, rows, out = kernel_shape
+        return (*lead, out) if self.block is None else (*lead, rows // self.block, out)
+
+
+# Forms kept as they are stored (core/weights/prequantized.py decides which linears keep them).
+WEIGHT_FORMS = {
+    "q8_0": WeightForm("q8_0", jnp.int8, jnp.float16, 32),  # GGUF Q8_0: its float16 block scales, exact
+    "fp8": WeightForm("fp8", jnp.float8_e4m3fn, jnp.float32),  # ComfyUI float8_e4m3fn, scale per tensor
+}
+
+
+def prequantize_abstract(model: nnx.Module, forms: Mapping[tuple[str, ...], str]) -> nnx.Module:
+    """An abstract model with the linears at `forms`' paths swapped for QuantizedLinear holding
+    that form's value and scale shapes (`WEIGHT_FORMS`). Modifies `model` in place."""
+    modules = {tuple(str(p) for p in path): module for path, module in nnx.iter_modules(model)}
+    for path, name in forms.items():
+        form, linear = WEIGHT_FORMS[name], modules[path]
+        kernel = linear.kernel.get_value()
+        _replace(modules[path[:-1]] if len(path) > 1 else model, path[-1], QuantizedLinear(
+            nnx.Param(jax.ShapeDtypeStruct(kernel.shape, form.values)),
+            nnx.Param(jax.ShapeDtypeStruct(form.scale_shape(tuple(kernel.shape)), form.scale)),
+            linear.bias if getattr(linear, "bias", None) is not None else None,
+        ))
+    return model
+
+
+def held_forms(model: nnx.Module) -> dict[str, int]:
+    """How many of a model's linears are held quantized, by form: "int8" (convert --quantize int8, a
+    scale per output channel) or a WEIGHT_FORMS name (a scanned stack counts once)."""
+    counts: dict[str, int] = {}
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, QuantizedLinear):
+            kernel, scale = module.kernel.get_value(), module.scale.get_value()
+            name = next((n for n, f in WEIGHT_FORMS.items() if jnp.dtype(f.values) == kernel.dtype
+                         and (f.block is None) == (scale.ndim < kernel.ndim)), "int8")
+            counts[name] = counts.get(name, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _replace(parent: nnx.Module, name: str, module: nnx.Module) -> None:

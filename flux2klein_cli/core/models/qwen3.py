@@ -31,6 +31,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.devices.sharding import model_rule
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.models import trace
@@ -307,7 +308,7 @@ def abstract_text_encoder(config: Qwen3Config, *, dtype: Any = jnp.bfloat16,
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: str | Sequence[str], max_length: int = 512
+    tokenizer: PreTrainedTokenizerBase, prompts: str | Sequence[str], max_length: int = DEFAULTS.max_sequence_length
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and attention mask, (B, max_length) int32 each, made as the klein pipeline makes
     them: one user message through the chat template with a generation prompt and thinking

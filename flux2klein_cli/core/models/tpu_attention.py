@@ -15,10 +15,8 @@ context and, in the sequence form, the idle batch axes, heads), keys and values 
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -32,20 +30,6 @@ LANES = 128  # the kernel's key blocks are multiples of the TPU lane width
 MAX_BLOCK = 512  # larger blocks amortise the per-step overhead; 512 x 512 f32 scores is 1 MiB of VMEM
 PAD_SEGMENT = 1  # padded keys' segment id; every query is segment 0, so they get no weight
 Axes = str | tuple[str, ...] | None
-
-
-@contextlib.contextmanager
-def kernel_everywhere(interpret: bool = True) -> Iterator[None]:
-    """Within this block the kernel path is taken on any backend, in interpret mode, so the TPU
-    path can be checked numerically on CPU. Affects tracing only (trace options, trace.py)."""
-    kind = "splash-interpret" if interpret else "splash"
-    with trace.tracing(dataclasses.replace(trace.current(), attention=kind)):
-        yield
-
-
-def use_kernel() -> bool:
-    """Whether the trace options in force name the kernel (on TPU, or a TPU target traced elsewhere)."""
-    return trace.current().attention.startswith("splash")
 
 
 def supports(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:

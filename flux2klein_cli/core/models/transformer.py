@@ -33,7 +33,8 @@ from flux2klein_cli.core.models.layers import (
     stack_blocks,
 )
 from flux2klein_cli.core.weights.configs import read_config
-from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
+from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, plan_from_names
+from flux2klein_cli.core.weights.prequantized import load_module
 
 Rope = tuple[jax.Array, jax.Array]  # cos, sin: (S, head_dim) float32
 
@@ -524,7 +525,9 @@ def load_transformer(
     directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | None = None, scan_layers: bool = True,
     deltas: Deltas | None = None,
 ) -> Flux2Transformer:
-    """Load a transformer/ folder straight into `dtype`, with `deltas` (LoRA) merged on the way."""
+    """Load a transformer/ folder straight into `dtype`, with `deltas` (LoRA) merged on the way; a
+    folder holding a quantized file (GGUF, ComfyUI fp8 / nvfp4) keeps what it can quantized
+    (core/weights/prequantized.py)."""
     config = TransformerConfig.from_dict(read_config(directory))
     return load_module(
         abstract_transformer(config, dtype=dtype, scan_layers=scan_layers),

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.devices.sharding import BATCH_AXES, batch_shards, constrain
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.pipeline import tokens
@@ -67,7 +68,7 @@ class RunShape:
     steps: int = 4
     references: tuple[tuple[int, int], ...] = ()  # (height, width) of each reference, in order
     cfg: bool = False  # classifier-free guidance (undistilled models with guidance > 1)
-    max_sequence_length: int = 512
+    max_sequence_length: int = DEFAULTS.max_sequence_length
     dtype: Any = jnp.bfloat16
     kv: bool = False  # KV edit: a references-only pass, then denoising against its cache
     steps_per_call: int | None = None  # the denoise loop in chunks (a progress bar); None: one call

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import CheckpointError
 from flux2klein_cli.core.weights.configs import read_json
 
@@ -89,7 +90,8 @@ class PromptTokenizer:
             **{k: v for k, v in self.special.items() if v is not None},
         )
 
-    def __call__(self, prompts: Sequence[str], max_length: int = 512) -> tuple[np.ndarray, np.ndarray]:
+    def __call__(self, prompts: Sequence[str], max_length: int = DEFAULTS.max_sequence_length
+                 ) -> tuple[np.ndarray, np.ndarray]:
         """(B, max_length) int32 ids and attention mask."""
         encodings = self.tokenizer.encode_batch([self.render(p) for p in prompts], add_special_tokens=True)
         ids = np.full((len(prompts), max_length), self.pad_id, np.int32)

@@ -4,7 +4,7 @@ sizes that `bench` and `compile` share."""
 from __future__ import annotations
 
 from flux2klein_cli.core import limits
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import FieldError
 
 MAX_REFERENCES = limits.LIMITS.references  # the limits table's: what FLUX.2 [klein] was trained with
 check_reference_count = limits.check_reference_count  # one rule for edit's images and --refs
@@ -24,8 +24,8 @@ def parse_refs(text: str | None, height: int, width: int) -> tuple[tuple[int, in
         for item in text.split(","):
             parts = item.strip().lower().split("x")
             if len(parts) != 2 or not all(p.isdigit() for p in parts):
-                raise UserInputError(f"--refs: {item.strip()!r} is neither a count nor HEIGHTxWIDTH "
-                                     "(e.g. --refs 2 or --refs 512x512,768x1024)")
+                raise FieldError("refs", f"{item.strip()!r} is neither a count nor HEIGHTxWIDTH "
+                                 "(e.g. 2 or 512x512,768x1024)")
             parsed.append((int(parts[0]), int(parts[1])))
         sizes = tuple(parsed)
     check_reference_count(len(sizes))

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.defaults import DEFAULTS
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 
 
 @dataclass
@@ -28,7 +29,7 @@ class CompileOptions:
     compile_cache: Path | None = None  # the executable store [default: cache_paths.executables_dir()]
     sequential: bool = False
     dtype: str = "bf16"
-    max_sequence_length: int = 512
+    max_sequence_length: int = DEFAULTS.max_sequence_length
     save: bool = True
     effort: str = "default"  # XLA optimisation effort, a key of target.EFFORTS
     transformer: str | None = None  # --transformer / --vae (core/hub/components.py)
@@ -60,7 +61,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
 
     check_effort(opts.effort)
     if opts.mesh and opts.tpu:
-        raise UserInputError("give --mesh or --tpu, not both (a TPU preset sets its own mesh)")
+        raise FieldError("mesh", "or {field:tpu}: give one, not both (a TPU preset sets its own mesh)")
     preset = parse_preset(opts.tpu) if opts.tpu else None
     from flux2klein_cli.core.devices.mesh import MeshSpec
 

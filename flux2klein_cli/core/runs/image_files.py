@@ -1,4 +1,5 @@
-"""Files the commands write and read: PNGs with their parameters, output naming, initial-noise `.npy` files.
+"""PNG files: the one encoder (pixels and their parameters as text chunks), atomic writes, and reading
+the parameters back.
 
 Writes are atomic: a hidden temporary file in the target directory (core/temporaries.py), fsync, then a
 rename, so a crash, an interrupt or a full disk never leaves a half-written PNG under the final name.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -17,12 +19,11 @@ from typing import Any
 import numpy as np
 from PIL import Image, PngImagePlugin, UnidentifiedImageError
 
-from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
-from flux2klein_cli.core.limits import LIMITS, check_file_size
-from flux2klein_cli.core.paths import check_input_file, check_name_length
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.limits import LIMITS
+from flux2klein_cli.core.runs.outputs import check_png_name, refuse_existing
 from flux2klein_cli.core.temporaries import temporary_file
 
-PNG_SUFFIX = ".png"
 # zlib level 3: on photo-like 512x512 images 1.6-3.6x faster to encode than PIL's default (6), for
 # files 10-13% larger (docs/benchmarks.md); the encoding is on every image's path (batch, serve).
 PNG_COMPRESS_LEVEL = 3
@@ -92,12 +93,11 @@ def _commit(tmp: Path, path: Path, force: bool) -> None:
         # A hard link fails if the name exists: no window in which another writer could be clobbered.
         os.link(tmp, path)
     except FileExistsError:
-        raise UserInputError(f"{path} exists; pass --force to overwrite") from None
+        refuse_existing([path])
     except OSError as e:
         if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
             raise
-        if os.path.lexists(path):  # a filesystem without hard links: check, then rename
-            raise UserInputError(f"{path} exists; pass --force to overwrite") from None
+        refuse_existing([path])  # a filesystem without hard links: check, then rename
         os.replace(tmp, path)
         return
     os.unlink(tmp)
@@ -113,6 +113,18 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
+def png_bytes(image: np.ndarray, metadata: Mapping[str, MetadataValue] | None = None) -> bytes:
+    """The one PNG encoder: an (H, W, 3) uint8 image, with `metadata` as text chunks (write_png) or
+    none (serve's b64_json)."""
+    pixels = np.asarray(image)
+    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
+        raise ValueError(f"expected an (H, W, 3) uint8 image, got {pixels.shape} {pixels.dtype}")
+    info = None if metadata is None else _pnginfo(metadata)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL)
+    return out.getvalue()
+
+
 def write_png(
     path: str | os.PathLike[str], image: np.ndarray, metadata: Mapping[str, MetadataValue], *, force: bool
 ) -> Path:
@@ -121,22 +133,17 @@ def write_png(
     Without `force` an existing file is an error and is left untouched. Returns the path written.
     """
     path = Path(path).expanduser()
-    pixels = np.asarray(image)
-    if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[-1] != 3:
-        raise ValueError(f"expected an (H, W, 3) uint8 image, got {pixels.shape} {pixels.dtype}")
-    if path.suffix.lower() != PNG_SUFFIX:
-        raise UserInputError(f"output {path} must end in {PNG_SUFFIX}")
+    check_png_name(path)
     if path.is_dir():
-        raise UserInputError(f"output {path} is a directory")
-    if not force and os.path.lexists(path):
-        raise UserInputError(f"{path} exists; pass --force to overwrite")
-    info = _pnginfo(metadata)  # bad keys fail before any file exists
-    picture = Image.fromarray(pixels, "RGB")
+        raise FieldError("output", f"{path} is a directory")
+    if not force:
+        refuse_existing([path])
+    data = png_bytes(image, metadata)  # bad keys fail before any file exists
 
     try:
         with temporary_file(path.parent, path.name) as (fd, tmp):
             with os.fdopen(fd, "wb") as f:
-                picture.save(f, format="PNG", pnginfo=info, compress_level=PNG_COMPRESS_LEVEL)
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             _commit(tmp, path, force)
@@ -195,16 +202,6 @@ def _decode(text: dict[str, str]) -> tuple[int | None, dict[str, Any] | None]:
         return 0, None
 
 
-def read_png_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The metadata `write_png` stored, with its original types; for other PNGs, their text chunks as strings."""
-    text = _png_text(Path(path))
-    _, metadata = _decode(text)
-    if metadata is not None:
-        return metadata
-    text.pop(JSON_KEY, None)
-    return text
-
-
 def read_run_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The parameters a PNG written by flux2klein carries (`generate --from`, `inspect IMAGE.png`); a PNG
     without them, or written in a metadata format newer than this version reads, is a UserInputError."""
@@ -227,116 +224,3 @@ def is_png_file(path: str | os.PathLike[str]) -> bool:
             return f.read(len(PNG_SIGNATURE)) == PNG_SIGNATURE
     except OSError:
         return False
-
-
-def plan_outputs(output: str | os.PathLike[str], count: int, *, force: bool) -> list[Path]:
-    """The file names for `count` images from one `-o` path, checked before any work is done.
-
-    One image: `output` itself. Several: `stem-<i>.png` next to it, i from 0, zero-padded to the width of the
-    last index so that they sort (out-0 ... out-9; out-00 ... out-11). The directory must exist and be writable;
-    without `force` no target may exist.
-    """
-    if count < 1:
-        raise ValueError(f"count must be at least 1, got {count}")
-    check_name_length(output, "--output")
-    output = Path(output).expanduser()
-    if output.is_dir():
-        raise UserInputError(f"output {output} is a directory; give a file name ending in {PNG_SUFFIX}")
-    if output.suffix.lower() != PNG_SUFFIX:
-        raise UserInputError(f"output {output} must end in {PNG_SUFFIX}")
-    parent = output.parent
-    if not parent.exists():
-        raise UserInputError(f"output directory {parent} does not exist")
-    if not parent.is_dir():
-        raise UserInputError(f"{parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UserInputError(f"output directory {parent} is not writable")
-    try:  # os.access says yes to root anywhere (/proc too): a file made and removed says for sure
-        with temporary_file(parent, "write-check") as (fd, _):
-            os.close(fd)
-    except OSError as e:
-        raise UserInputError(f"output directory {parent} is not writable ({e.strerror or e})") from None
-
-    if count == 1:
-        paths = [output]
-    else:
-        width = len(str(count - 1))
-        paths = [parent / f"{output.stem}-{i:0{width}d}{output.suffix}" for i in range(count)]
-
-    for p in paths:
-        check_name_length(p, "--output")  # NAME-0.png is longer than NAME.png
-        if p.is_dir():
-            raise UserInputError(f"output {p} is a directory")
-    existing = [p for p in paths if os.path.lexists(p)]
-    if existing and not force:
-        shown = ", ".join(str(p) for p in existing[:3])
-        more = f" and {len(existing) - 3} more" if len(existing) > 3 else ""
-        verb = "exists" if len(existing) == 1 else "exist"
-        raise UserInputError(f"{shown}{more} {verb}; pass --force to overwrite")
-    return paths
-
-
-def _shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
-
-
-def _latents_header(f: Any, p: Path, expected: str) -> tuple[tuple[int, ...], np.dtype] | None:
-    """The shape and dtype a .npy header declares (None for a format version this numpy reads only
-    whole); anything that is not a .npy file is one line, before numpy could suggest pickles."""
-    magic = f.read(6)
-    f.seek(0)
-    if magic[:4] == b"PK\x03\x04":
-        raise UserInputError(f"latents file {p} is an .npz archive; save one array of shape {expected} with numpy.save")
-    if magic != b"\x93NUMPY":
-        raise UserInputError(f"cannot read latents file {p}: not a .npy file (no NumPy header); save one array "
-                             f"of shape {expected} with numpy.save")
-    version = np.lib.format.read_magic(f)
-    readers = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-    if version not in readers:
-        f.seek(0)
-        return None
-    shape, _, dtype = readers[version](f)
-    f.seek(0)
-    return tuple(int(s) for s in shape), dtype
-
-
-def load_latents(path: str | os.PathLike[str], expected_shape: Sequence[int]) -> np.ndarray:
-    """Initial noise for `--latents`: a `.npy` array of exactly `expected_shape`, diffusers'
-    (B, C, H/p, W/p) with p the model's pixels per token (LatentGeometry.latents_shape).
-
-    Returns float32; any float dtype on disk is accepted (diffusers casts `latents=` to the pipeline dtype too).
-    The header is checked (shape, dtype) before any data is read, and the file's size against the limits table.
-    """
-    p = Path(path).expanduser()
-    expected = _shape(expected_shape)
-    want = tuple(int(s) for s in expected_shape)
-    check_input_file(p, "latents file", "a .npy file")
-    check_file_size(p, LIMITS.latents_bytes, "latents file")
-
-    def check(shape: tuple[int, ...], dtype: np.dtype) -> None:
-        if dtype.hasobject:
-            raise UserInputError(f"cannot read latents file {p}: it holds Python objects (dtype {dtype}); "
-                                 f"expected a float array of shape {expected}")
-        if dtype.kind != "f":
-            raise UserInputError(f"latents in {p} have dtype {dtype}; expected a float array of shape {expected}")
-        if shape != want:
-            raise UserInputError(
-                f"latents in {p} have shape {_shape(shape)}; expected {expected} "
-                "(batch, latent channels, height and width in tokens)"
-            )
-
-    try:
-        with open(p, "rb") as f:
-            header = _latents_header(f, p, expected)
-            if header is not None:
-                check(*header)
-            loaded = np.lib.format.read_array(f, allow_pickle=False)
-    except PermissionError:
-        raise UserInputError(f"cannot read latents file {p}: permission denied") from None
-    except (OSError, ValueError, EOFError, SyntaxError) as e:
-        raise UserInputError(f"cannot read latents file {p} as a .npy array: {' '.join(str(e).split())}") from None
-    check(tuple(loaded.shape), loaded.dtype)
-    latents = np.ascontiguousarray(loaded, dtype=np.float32)
-    if not np.isfinite(latents).all():
-        raise UserInputError(f"latents in {p} contain NaN or infinite values")
-    return latents

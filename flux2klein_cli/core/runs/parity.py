@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from flux2klein_cli.core.engine.engine import Engine, EngineOptions
+from flux2klein_cli.core.engine.plan import RunFields, RunPlan
 from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.extras import require_parity
-from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
-from flux2klein_cli.core.runs.images import postprocess
+from flux2klein_cli.core.pipeline.pixels import postprocess
 
 
 @dataclass
@@ -75,37 +76,38 @@ def single_file_transformer(path: Path, root: Path, dtype: Any) -> Any:
 INPAINT_PIPELINE = "Flux2KleinInpaintPipeline"  # diffusers' pipeline of image-to-image and inpainting
 
 
-def reference_pipeline(pipeline: KleinPipeline, torch_dtype: str, inpaint: bool = False) -> Any:
-    """diffusers' pipeline class named by the snapshot (`inpaint`: its inpaint pipeline), loaded
-    from the same files."""
+def reference_pipeline(engine: Engine, torch_dtype: str, inpaint: bool = False) -> Any:
+    """diffusers' pipeline class named by the engine's snapshot (`inpaint`: its inpaint pipeline),
+    loaded from the same files, with the same LoRAs."""
     require_parity("parity")
     import diffusers
     import torch
 
-    cls = getattr(diffusers, INPAINT_PIPELINE if inpaint else pipeline.snapshot.pipeline_class)
+    snapshot, lora = engine.pipeline.snapshot, engine.pipeline.lora
+    cls = getattr(diffusers, INPAINT_PIPELINE if inpaint else snapshot.pipeline_class)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[torch_dtype]
     overrides: dict[str, Any] = {}
-    bfl = bfl_transformer_file(Path(pipeline.snapshot.root))
+    bfl = bfl_transformer_file(Path(snapshot.root))
     if bfl is not None:  # from_pretrained reads diffusers keys only; BFL's go through diffusers' own converter
-        overrides["transformer"] = single_file_transformer(bfl, Path(pipeline.snapshot.root), dtype)
-    reference = cls.from_pretrained(pipeline.snapshot.root, dtype=dtype, **overrides)
-    if pipeline.lora:  # the same files, through diffusers' own LoRA loading (PEFT)
+        overrides["transformer"] = single_file_transformer(bfl, Path(snapshot.root), dtype)
+    reference = cls.from_pretrained(snapshot.root, dtype=dtype, **overrides)
+    if lora:  # the same files, through diffusers' own LoRA loading (PEFT)
         from flux2klein_cli.core.extras import require_extra
         from flux2klein_cli.core.runs.parity_lora import merge_text_encoder_lora, split_text_encoder
 
         require_extra("parity", ("peft",), "parity --lora")
         names, scales = [], []
-        for i, lora in enumerate(pipeline.lora.files):
-            if not lora.converted.text_terms:
-                reference.load_lora_weights(str(lora.path), adapter_name=f"lora{i}")
+        for i, file in enumerate(lora.files):
+            if not file.converted.text_terms:
+                reference.load_lora_weights(str(file.path), adapter_name=f"lora{i}")
             else:  # diffusers loads a Flux2 LoRA's transformer keys only: the text encoder's are merged here
-                transformer, text = split_text_encoder(lora.path)
-                merge_text_encoder_lora(reference.text_encoder, text, lora.spec.scale)
+                transformer, text = split_text_encoder(file.path)
+                merge_text_encoder_lora(reference.text_encoder, text, file.spec.scale)
                 if not transformer:
                     continue
                 reference.load_lora_weights(transformer, adapter_name=f"lora{i}")
             names.append(f"lora{i}")
-            scales.append(lora.spec.scale)
+            scales.append(file.spec.scale)
         if names:
             reference.set_adapters(names, adapter_weights=scales)
     return reference
@@ -120,6 +122,18 @@ class InitImages:
     padding_mask_crop: int | None = None  # diffusers' padding_mask_crop (its output is then PIL only)
 
 
+def read_sources(fields: RunFields) -> tuple[list[Any], InitImages | None]:
+    """The request's references, init image and mask as read (PIL, before any preprocessing),
+    as diffusers takes them: it preprocesses them itself."""
+    from flux2klein_cli.core.inputs.images import read_reference
+
+    references = [read_reference(source)[1] for source in fields.references]
+    if fields.init_image is None:
+        return references, None
+    mask = None if fields.mask is None else read_reference(fields.mask)[1]
+    return references, InitImages(read_reference(fields.init_image)[1], mask, fields.padding_mask_crop)
+
+
 def torch_noise(shape: tuple[int, ...], seed: int) -> np.ndarray:
     """The noise diffusers' pipelines draw from `torch.Generator().manual_seed(seed)` on the CPU."""
     import torch
@@ -127,12 +141,12 @@ def torch_noise(shape: tuple[int, ...], seed: int) -> np.ndarray:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32).numpy()
 
 
-def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_references: list[Any],
+def run_reference(reference: Any, plan: RunPlan, noise_nchw: np.ndarray, pil_references: list[Any],
                   init: InitImages | None = None) -> np.ndarray:
-    """The diffusers pipeline on the same request and noise; (B, H, W, 3) uint8. With `init`, its
+    """The diffusers pipeline on the same plan and noise; (B, H, W, 3) uint8. With `init`, its
     inpaint pipeline (an all-white mask without one): that pipeline takes `latents=` as the start,
-    not as the noise it mixes with the init image, so it draws the noise itself from the request's
-    seed, as `torch_noise` does."""
+    not as the noise it mixes with the init image, so it draws the noise itself from the plan's
+    first seed, as `torch_noise` does."""
     import torch
 
     kwargs: dict[str, Any] = {}
@@ -140,22 +154,22 @@ def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_
         from PIL import Image
 
         mask = init.mask if init.mask is not None else Image.new("L", init.init_image.size, 255)
-        kwargs.update(image=init.init_image, mask_image=mask, strength=request.strength,
-                      generator=torch.Generator().manual_seed(request.seed))
+        kwargs.update(image=init.init_image, mask_image=mask, strength=plan.strength,
+                      generator=torch.Generator().manual_seed(plan.seeds[0]))
         if init.padding_mask_crop is not None:
             kwargs.update(padding_mask_crop=init.padding_mask_crop, output_type="pil")
         if pil_references:
             kwargs["image_reference"] = pil_references[0] if len(pil_references) == 1 else pil_references
     elif pil_references:
         kwargs["image"] = pil_references
-    if not reference.config.get("is_distilled", True) and request.guidance > 1.0:
+    if plan.cfg:
         # diffusers has no negative-prompt argument; its embeddings are the documented way in.
         negative, _ = reference.encode_prompt(
-            prompt=[request.negative_prompt] * len(request.prompts), max_sequence_length=request.max_sequence_length
+            prompt=[plan.negative_prompt] * len(plan.prompts), max_sequence_length=plan.max_sequence_length
         )
         kwargs["negative_prompt_embeds"] = negative
     if type(reference).__name__ != "Flux2KleinKVPipeline":  # distilled only: it takes no guidance argument
-        kwargs["guidance_scale"] = request.guidance
+        kwargs["guidance_scale"] = plan.guidance
     if init is not None and init.padding_mask_crop is not None:
         # diffusers 0.42's paste back is broken: apply_overlay's "crop" resize is Flux2ImageProcessor's
         # override, a plain centre crop, so the box gets the middle of the made image at the wrong
@@ -164,7 +178,7 @@ def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_
 
         reference.image_processor.apply_overlay = VaeImageProcessor(vae_scale_factor=16).apply_overlay
     try:
-        out = _call_reference(reference, request, noise_nchw, init, kwargs)
+        out = _call_reference(reference, plan, noise_nchw, init, kwargs)
     finally:
         reference.image_processor.__dict__.pop("apply_overlay", None)
     if isinstance(out, list):  # PIL images (padding_mask_crop): already rounded to uint8
@@ -172,18 +186,18 @@ def run_reference(reference: Any, request: Request, noise_nchw: np.ndarray, pil_
     return postprocess(out * 2 - 1)  # diffusers' [0, 1] floats back through the same rounding
 
 
-def _call_reference(reference: Any, request: Request, noise_nchw: np.ndarray, init: InitImages | None,
+def _call_reference(reference: Any, plan: RunPlan, noise_nchw: np.ndarray, init: InitImages | None,
                     kwargs: dict[str, Any]) -> Any:
     import torch
 
     return reference(
-        prompt=request.prompts,
-        height=request.height,
-        width=request.width,
-        num_inference_steps=request.steps,
-        num_images_per_prompt=request.num_images,
+        prompt=list(plan.prompts),
+        height=plan.height,
+        width=plan.width,
+        num_inference_steps=plan.steps,
+        num_images_per_prompt=plan.num_images,
         **({} if init is not None else {"latents": torch.from_numpy(noise_nchw).to(reference.transformer.dtype)}),
-        max_sequence_length=request.max_sequence_length,
+        max_sequence_length=plan.max_sequence_length,
         **{"output_type": "np", **kwargs},
     ).images
 
@@ -193,26 +207,27 @@ class ParityRun:
     ours: np.ndarray  # (B, H, W, 3) uint8
     reference: np.ndarray
     metrics: ImageMetrics
-    request: Request
+    plan: RunPlan
 
 
-def run_parity(pipeline: KleinPipeline, request: Request, pil_references: list[Any], torch_dtype: str,
-               init: InitImages | None = None) -> ParityRun:
-    """Both pipelines on the same initial noise (drawn from the request's seed unless given;
-    with an init image, torch's draw: see run_reference). A KV checkpoint's reference pipeline
-    always uses the reference KV cache, so ours does too."""
-    request.kv = pipeline.snapshot.kv and bool(request.references) and init is None
-    height, width = pipeline.output_size(request)
-    grid = pipeline.geometry.grid(height, width)
+def run_parity(engine: Engine, fields: RunFields, torch_dtype: str) -> ParityRun:
+    """Both pipelines on one request and the same initial noise (drawn from its seeds; with an
+    init image, torch's draw: see run_reference). A KV checkpoint's reference pipeline always
+    uses the reference KV cache, so ours does too."""
+    from dataclasses import replace
+
+    kv = engine.facts.kv and bool(fields.references) and fields.init_image is None
+    plan = engine.plan(replace(fields, kv=kv))
+    references, init = read_sources(fields)
     if init is not None:
-        noise = torch_noise((request.batch, pipeline.geometry.channels, *grid), request.seed)
+        noise = torch_noise(plan.geometry.latents_shape(plan.batch, plan.height, plan.width), plan.seeds[0])
+        plan = replace(plan, latents=noise)
     else:
-        noise, _ = pipeline.initial_noise(request, grid)
-    request.latents, request.height, request.width = noise, height, width
-    ours = postprocess(pipeline(request).images)
-    reference = run_reference(reference_pipeline(pipeline, torch_dtype, inpaint=init is not None), request, noise,
-                              pil_references, init)
-    return ParityRun(ours, reference, compare(ours, reference), request)
+        noise = engine.initial_noise(plan)
+    ours = engine.run(plan).images
+    reference = run_reference(reference_pipeline(engine, torch_dtype, inpaint=init is not None), plan, noise,
+                              references, init)
+    return ParityRun(ours, reference, compare(ours, reference), plan)
 
 
 def parity_check(
@@ -233,68 +248,42 @@ def parity_check(
     init_image: Path | None = None,
     mask: Path | None = None,
     strength: float | None = None,
+    padding_mask_crop: int | None = None,
+    warn: Any = lambda message: None,
 ) -> dict[str, Any]:
     """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk. With
-    `init_image` (and `mask`), against diffusers' inpaint pipeline."""
-    from flux2klein_cli.core.choices import jax_dtype
-    from flux2klein_cli.core.runs.image_files import plan_outputs, write_png
-    from flux2klein_cli.core.runs.images import load_reference, preprocess_reference
+    `init_image` (and `mask`), against diffusers' inpaint pipeline. The request is planned as
+    `generate` plans it, before anything loads."""
+
+    from flux2klein_cli.core.engine.plan import build_plan, model_facts
+    from flux2klein_cli.core.runs import run_record
+    from flux2klein_cli.core.runs.image_files import write_png
+    from flux2klein_cli.core.runs.outputs import plan_outputs
 
     require_parity("parity")  # before anything is loaded or written
+    fields = RunFields(prompts=(prompt,), references=tuple(Path(p) for p in references), height=height, width=width,
+                       steps=steps, guidance=guidance, seed=seed, init_image=init_image, mask=mask, strength=strength,
+                       padding_mask_crop=padding_mask_crop)
+    model_dir = resolve(model)
+    build_plan(fields, model_facts(model, model_dir=model_dir))  # type: ignore[arg-type]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     targets = {name: plan_outputs(out_dir / f"{name}.png", 1, force=force)[0] for name in ("ours", "diffusers", "diff")}
-    pil = [load_reference(p) for p in references]
-    from flux2klein_cli.core.lora.files import LoraSpec
-
-    specs = [LoraSpec.parse(text) for text in lora or ()]
-    pipeline = KleinPipeline.load(resolve(model), dtype=jax_dtype(dtype), lora=specs)
-    processed = [preprocess_reference(image, multiple_of=pipeline.geometry.pixels_per_token) for image in pil]
-    from flux2klein_cli.core.hub.registry import sampling
-
-    chosen = sampling(pipeline.snapshot.is_distilled, steps, guidance)
-    request = Request(prompts=[prompt], steps=chosen.steps, guidance=chosen.guidance,
-                      height=height, width=width, seed=seed, references=processed)
-    init = None
-    if init_image is not None or mask is not None or strength is not None:
-        init = _init_images(pipeline, request, init_image, mask, strength)
-    run = run_parity(pipeline, request, pil, dtype, init)
-    meta = dict(prompt=prompt, seed=seed, steps=request.steps, guidance=request.guidance, model=model)
+    options = EngineOptions(model=model, dtype=dtype, lora=tuple(lora or ()), store=False)
+    engine = Engine.load(options, model_dir, warn=warn)
+    run = run_parity(engine, fields, dtype)
+    plan = run.plan
+    meta = run_record.encode(plan, 0, options, engine.lora_records)  # `generate --from` reruns it
     for name, image in (("ours", run.ours[0]), ("diffusers", run.reference[0]),
                         ("diff", difference_image(run.ours[0], run.reference[0]))):
         write_png(targets[name], image, meta, force=force)
     psnr = run.metrics.psnr
     return dict(
-        model=model, height=request.height, width=request.width, steps=request.steps, guidance=request.guidance,
+        model=model, height=plan.height, width=plan.width, steps=plan.steps, guidance=plan.guidance,
         seed=seed, dtype=dtype, references=[str(p) for p in references], ssim=run.metrics.ssim,
         psnr=psnr if math.isfinite(psnr) else None, max_diff=run.metrics.max_diff,
         files={name: str(path) for name, path in targets.items()},
-        lora=pipeline.lora.records() if pipeline.lora else [],
-        **({} if init is None else {"init_image": str(init_image), "mask": None if mask is None else str(mask),
-                                    "strength": request.strength, "pipeline": INPAINT_PIPELINE}),
+        lora=engine.lora_records,
+        **({} if init_image is None else {"init_image": str(init_image), "mask": None if mask is None else str(mask),
+                                          "strength": plan.strength, "pipeline": INPAINT_PIPELINE}),
     )
-
-
-def _init_images(pipeline: KleinPipeline, request: Request, init_image: Path | None, mask: Path | None,
-                 strength: float | None) -> InitImages:
-    """The init image and mask read and prepared as a plan prepares them, set on `request`."""
-    from flux2klein_cli.core.engine.plan import DEFAULT_STRENGTH
-    from flux2klein_cli.core.errors import FieldError
-    from flux2klein_cli.core.runs import conditioning
-    from flux2klein_cli.core.runs.images import load_reference
-
-    if init_image is None:
-        raise FieldError("mask" if mask is not None else "strength", "needs an init image ({field:init_image})")
-    strength = DEFAULT_STRENGTH if strength is None else strength
-    if not 0.0 < strength <= 1.0:
-        raise FieldError("strength", f"must be a number in (0, 1], got {strength!r}")
-    multiple = pipeline.geometry.pixels_per_token
-    init_pil = load_reference(init_image)
-    request.init_image, request.strength = conditioning.preprocess_init_image(init_pil, multiple_of=multiple), strength
-    request.height, request.width = request.init_image.shape[:2]
-    mask_pil = None
-    if mask is not None:
-        mask_pil = load_reference(mask)
-        binary = conditioning.preprocess_mask(mask_pil, init_pil.size, multiple_of=multiple)
-        request.mask = conditioning.mask_to_grid(binary, pipeline.geometry.grid(request.height, request.width))
-    return InitImages(init_pil, mask_pil)

@@ -4,7 +4,8 @@ The worker takes the oldest plan, waits until `wait_s` after it arrived for more
 batch key (RunPlan.batch_key) up to `max_batch` images, and runs them as one batch. The window is
 only worth its wait when requests come together: once one closed with its plan alone, the next
 plan starts at once, and the window opens again as soon as a plan arrives to find the worker busy
-or others queued (a lone closed-loop client then pays no window; concurrent ones are gathered). Batches are
+or others queued (a lone closed-loop client then pays no window; concurrent ones are gathered); a drain
+ends a window at once, as no company can come. Batches are
 padded up to the next power of two plans (copies of the last plan, whose images are dropped)
 so a shape compiles for a few batch sizes, not every count from 1 to max_batch; where padding
 would waste more than a quarter of the batch, the power of two below runs and the rest wait. Plans of other
@@ -90,6 +91,18 @@ class BatchReport:
 MAX_PADDING = 0.25  # of a padded batch: more, and the batch runs the power of two below instead
 
 
+class Clock:
+    """Monotonic seconds and the timed wait of the batch window: real time here; the tests give a
+    clock they move by hand, so the window is checked without sleeping."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wait(self, cond: threading.Condition, timeout: float) -> None:
+        """Wait on `cond` (held) until notified or `timeout` seconds have passed."""
+        cond.wait(timeout)
+
+
 def batch_count(count: int, cap: int) -> int:
     """How many of `count` gathered plans run now: all when padding them to `padded_count`
     wastes at most MAX_PADDING of the batch, else the largest power of two below (the rest
@@ -112,8 +125,9 @@ class Batcher:
     def __init__(self, run_batch: RunBatch, *, max_batch: int, wait_s: float, queue_size: int,
                  pad: bool = True, on_batch: Callable[[BatchReport], None] = lambda report: None,
                  on_depth: Callable[[int], None] = lambda depth: None, before_first: Callable[[], None] | None = None,
-                 finish: Callable[[Any], Any] = lambda result: result):
+                 finish: Callable[[Any], Any] = lambda result: result, clock: Clock | None = None):
         self.run_batch, self.max_batch, self.wait_s, self.queue_size = run_batch, max_batch, wait_s, queue_size
+        self.clock = clock or Clock()
         self.pad, self.on_batch, self.on_depth, self.before_first = pad, on_batch, on_depth, before_first
         # Each answered plan's result as its ticket gets it, on the worker thread: a batch's answers
         # then go out together, so closed-loop clients come back within one batch window.
@@ -153,7 +167,7 @@ class Batcher:
                 raise Draining()
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(len(self._queue), self.retry_after())
-            ticket = Ticket(plan, plan.batch_key())
+            ticket = Ticket(plan, plan.batch_key(), enqueued=self.clock.now())
             if self._queue or self._running:
                 self._company = True
             self._queue.append(ticket)
@@ -174,6 +188,7 @@ class Batcher:
     def stop_accepting(self) -> None:
         with self._cond:
             self._accepting = False
+            self._cond.notify_all()  # no company can come now: a window waiting for it ends
 
     def wait_idle(self, timeout: float) -> bool:
         """Until the queue is empty and no batch runs (True), or `timeout` seconds (False)."""
@@ -215,10 +230,10 @@ class Batcher:
             while True:
                 same = [t for t in self._queue if t.key == first.key]
                 images = sum(t.plan.batch for t in same)
-                remaining = deadline - time.monotonic()
-                if images >= self.max_batch or remaining <= 0 or self._closed:
+                remaining = deadline - self.clock.now()
+                if images >= self.max_batch or remaining <= 0 or self._closed or not self._accepting:
                     break
-                self._cond.wait(remaining)
+                self.clock.wait(self._cond, remaining)
                 if not self._queue or self._queue[0] is not first:  # cancelled meanwhile: start over
                     return []
             self._company = len(self._queue) > 1
@@ -232,7 +247,7 @@ class Batcher:
                 chosen = chosen[:batch_count(len(chosen), cap)]
             for ticket in chosen:
                 self._queue.remove(ticket)
-                ticket.state, ticket.started = "running", time.monotonic()
+                ticket.state, ticket.started = "running", self.clock.now()
             self._running = chosen
             self.on_depth(len(self._queue))
             return chosen
@@ -259,7 +274,7 @@ class Batcher:
         if self.pad:
             target = padded_count(len(plans), max(1, self.max_batch // per_plan))
             plans += [plans[-1]] * (target - len(plans))
-        start = time.perf_counter()
+        start = self.clock.now()
         error: BaseException | None = None
         try:
             results = self.run_batch(plans)
@@ -271,7 +286,7 @@ class Batcher:
                 answers = [self.finish(results[i]) for i in range(len(chosen))]
             except BaseException as e:  # noqa: BLE001 (as a failing run: its own tickets only)
                 error = e
-        seconds = time.perf_counter() - start
+        seconds = self.clock.now() - start
         self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
         for ticket, answer in zip(chosen, answers, strict=True):
             ticket.resolve(None if error else answer, error)

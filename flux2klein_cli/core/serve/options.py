@@ -61,7 +61,7 @@ def api_key(given: str | None) -> str | None:
 
 
 def check_serve_options(options: ServeOptions) -> None:
-    """Every rule of a server's own options (the engine's are check_engine_options')."""
+    """Every rule of a server's own options (the engine's: core/engine/opening.py)."""
     limits.check_int("port", options.port, 0, 65535)
     limits.check_int("max_batch", options.max_batch, 1, limits.LIMITS.images)
     limits.check_int("queue", options.queue, 1, 1_000_000)

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.engine.engine import check_engine_options, open_engine
-from flux2klein_cli.core.errors import Flux2KleinError
+from flux2klein_cli.core.engine.cost import Admission, Demand
+from flux2klein_cli.core.engine.opening import Opening
+from flux2klein_cli.core.engine.plan import ModelFacts
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError
 from flux2klein_cli.core.extras import require_serve
 from flux2klein_cli.core.serve.batcher import Draining
 from flux2klein_cli.core.serve.options import ServeOptions, check_serve_options
@@ -25,16 +27,22 @@ Note = Callable[[str], None]
 
 
 def check_serve(options: ServeOptions) -> None:
-    """Everything that can fail before a model loads: the extra, the options, the engine's options."""
+    """What can fail before the model is known: the extra, the server's own options."""
     require_serve()
     check_serve_options(options)
-    check_engine_options(options.engine)
-    from flux2klein_cli.core import limits
-    from flux2klein_cli.core.errors import FieldError
+
+
+def check_warm(options: ServeOptions, facts: ModelFacts, admission: Admission | None = None) -> None:
+    """Each --warm size by the one size rule at the model's multiple, and (with the `admission`) its
+    largest batch within what the host holds: a start-up refusal naming the option."""
+    from flux2klein_cli.core.engine.plan import RunFields, build_plan
 
     for width, height in options.warm:
         try:
-            limits.check_size(height, width)
+            plan = build_plan(RunFields(prompts=("warm-up",), height=height, width=width,
+                                        max_sequence_length=options.max_sequence_length), facts)
+            if admission is not None:
+                admission.check(Demand(plan, batch=options.max_batch))
         except FieldError as e:
             raise FieldError("warm", f"size {width}x{height}: {e}") from None
 
@@ -61,7 +69,10 @@ def serve(options: ServeOptions, resolve: Callable[[str], Path], *, warn: Note, 
     from flux2klein_cli.core.serve.metrics import Metrics
     from flux2klein_cli.core.serve.service import Service
 
-    engine = open_engine(options.engine, resolve, warn=warn, on_phase=note)
+    opening: Opening[None] = Opening(options.engine, resolve, lambda facts: check_warm(options, facts), on_phase=note)
+    admission = opening.resolve()
+    check_warm(options, opening.facts, admission)
+    engine = opening.load(warn)
     import jax
 
     lockstep = None
@@ -74,7 +85,8 @@ def serve(options: ServeOptions, resolve: Callable[[str], Path], *, warn: Note, 
             return
         lockstep = Lockstep(engine.run_batch)
     metrics = Metrics(options.max_batch)
-    service = Service(engine, options, metrics, run_batch=lockstep.run_batch if lockstep else None)
+    service = Service(engine, options, metrics, run_batch=lockstep.run_batch if lockstep else None,
+                      admission=admission)
 
     class DrainingServer(uvicorn.Server):
         """uvicorn's server whose first signal drains (ours) and second exits at once."""

@@ -4,7 +4,6 @@ every failure as OpenAI's error shape (`{"error": {"message", "type", "param", "
 from __future__ import annotations
 
 import base64
-import io
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -13,18 +12,17 @@ from typing import Any
 
 import numpy as np
 
+from flux2klein_cli.core.engine.cost import Admission
 from flux2klein_cli.core.engine.engine import Engine, ImageRun
 from flux2klein_cli.core.engine.plan import ReferenceSource, RunFields, RunPlan
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.fields import api_param
 from flux2klein_cli.core.serve.batcher import Batcher, BatchReport, Cancelled, Draining, QueueFull, Ticket
 from flux2klein_cli.core.serve.jobs import JobStore
 from flux2klein_cli.core.serve.options import ServeOptions, parse_size
 
 log = logging.getLogger("flux2klein.serve")
 
-# Core's field names as the Images API spells them.
-PARAMS = {"num_images": "n", "height": "size", "width": "size", "references": "image", "reference": "image",
-          "init_image": "image"}
 RESPONSE_FORMATS = ("b64_json",)
 
 
@@ -52,8 +50,7 @@ def api_error(error: BaseException) -> ApiError:
     if isinstance(error, ApiError):
         return error
     if isinstance(error, FieldError):
-        param = PARAMS.get(error.field, error.field)
-        return ApiError(400, error.named(lambda name: PARAMS.get(name, name)), param=param)
+        return ApiError(400, error.named(api_param), param=api_param(error.field))
     if isinstance(error, QueueFull):
         return ApiError(429, str(error), type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(error.retry_after)})
@@ -62,10 +59,10 @@ def api_error(error: BaseException) -> ApiError:
     if isinstance(error, Cancelled):
         return ApiError(409, str(error), code="cancelled")
     if isinstance(error, UserInputError):
-        text = str(error)
+        text = error.named(api_param)
         return ApiError(400, text, param="image" if text.startswith("reference image") else None)
     if isinstance(error, Flux2KleinError):  # the run failed (out of memory, a non-finite image)
-        return ApiError(500, str(error), type="server_error", code="run_failed")
+        return ApiError(500, error.named(api_param), type="server_error", code="run_failed")
     log.exception("request failed", exc_info=error)
     return ApiError(500, f"internal error ({type(error).__name__}); the server log has the details",
                     type="server_error", code="internal_error")
@@ -96,13 +93,9 @@ def run_fields(body: Mapping[str, Any], references: Sequence[ReferenceSource], m
 
 def encode_png(image: np.ndarray) -> str:
     """One (H, W, 3) uint8 image as base64 PNG text."""
-    from PIL import Image
+    from flux2klein_cli.core.runs.image_files import png_bytes
 
-    from flux2klein_cli.core.runs.image_files import PNG_COMPRESS_LEVEL
-
-    out = io.BytesIO()
-    Image.fromarray(image).save(out, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
-    return base64.b64encode(out.getvalue()).decode("ascii")
+    return base64.b64encode(png_bytes(image)).decode("ascii")
 
 
 def image_data(run: ImageRun) -> list[dict[str, str]]:
@@ -125,10 +118,12 @@ class Service:
     """The engine, the batcher in front of it, the jobs and the metrics; HTTP-free."""
 
     def __init__(self, engine: Engine, options: ServeOptions, metrics: Any = None,
-                 run_batch: Callable[[Sequence[RunPlan]], Sequence[ImageRun]] | None = None):
+                 run_batch: Callable[[Sequence[RunPlan]], Sequence[ImageRun]] | None = None,
+                 admission: Admission | None = None):
         """`run_batch`: how a batch runs (default: the engine's; on several processes, the
-        lockstep one of core/serve/multihost.py, which first sends the batch to the others)."""
-        self.engine, self.options, self.metrics = engine, options, metrics
+        lockstep one of core/serve/multihost.py, which first sends the batch to the others);
+        `admission`: what the host holds (core/engine/opening.py), asked of every request."""
+        self.engine, self.options, self.metrics, self.admission = engine, options, metrics, admission
         self.run_batch = run_batch or engine.run_batch
         self.batcher = Batcher(self.run_batch, max_batch=options.max_batch,
                                wait_s=options.batch_wait_ms / 1000, queue_size=options.queue,
@@ -154,7 +149,10 @@ class Service:
              init_image: ReferenceSource | None = None, mask: ReferenceSource | None = None) -> RunPlan:
         """A request checked against the model (FieldError / UserInputError: 400). No device work."""
         self.check_model(body.get("model"))
-        return self.engine.plan(run_fields(body, references, self.options.max_sequence_length, init_image, mask))
+        plan = self.engine.plan(run_fields(body, references, self.options.max_sequence_length, init_image, mask))
+        if self.admission is not None:
+            self.admission.check(plan)
+        return plan
 
     def submit(self, plan: RunPlan) -> Ticket:
         try:

@@ -28,7 +28,7 @@ from flux2klein_cli.core.choices import DEFAULT_LAYOUT, check_dtype, check_layou
 from flux2klein_cli.core.choices import check_quantize as check_quantize_name
 from flux2klein_cli.core.devices.mesh import default_mesh
 from flux2klein_cli.core.devices.sharding import replicated_rule
-from flux2klein_cli.core.errors import CheckpointError, UserInputError
+from flux2klein_cli.core.errors import CheckpointError, FieldError, UserInputError
 from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST, Resolved, snapshot_files, snapshot_problems
 from flux2klein_cli.core.models.quantized import (
     QUANTIZED_STACKS,
@@ -37,6 +37,7 @@ from flux2klein_cli.core.models.quantized import (
     quantized_linear_paths,
 )
 from flux2klein_cli.core.temporaries import stem, temporary_dir
+from flux2klein_cli.core.weights.checkpoints import open_weights
 from flux2klein_cli.core.weights.configs import read_config, read_json
 from flux2klein_cli.core.weights.convert_target import (
     check_free_space,
@@ -54,8 +55,9 @@ from flux2klein_cli.core.weights.converted import (
     param_key,
 )
 from flux2klein_cli.core.weights.loader import Deltas, ShardingRule, check_plan, iter_arrays, read_into, weight_shapes
+from flux2klein_cli.core.weights.prequantized import prepare
 from flux2klein_cli.core.weights.quantize import quantized_writers
-from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint
+from flux2klein_cli.core.weights.quantized_file import QuantizedCheckpoint
 
 QUANTIZED_COMPONENTS = ("transformer", "text_encoder")  # the VAE is small and convolutional
 _GROUP_BYTES = 256 << 20  # parameters handed to Orbax per partial save
@@ -180,11 +182,14 @@ def convert_component(
             shutil.copyfile(path, dst / path.name)
     config = read_config(src)
     model = abstract_component(name, config, dtype)
+    checkpoint = open_weights(src)
+    if deltas is not None and isinstance(checkpoint, QuantizedCheckpoint):
+        checkpoint.deltas = deltas  # a kept linear a LoRA changes is merged, then rounded to its form again
+    # A quantized file's kept linears are written in their stored form (prequantized.py).
+    model, plan, forms = prepare(model, components()[name].plan_for(model), checkpoint)
     _, abstract_state = nnx.split(model)
     flat = [(path, var.get_value()) for path, var in nnx.to_flat_state(abstract_state)]
     total = _stored_bytes(model, quantize)
-    checkpoint = SafetensorsCheckpoint.open(src)
-    plan = components()[name].plan_for(model)
     report = (lambda done: progress(name, done, total)) if progress else None
     if layout == "flat":
         from flux2klein_cli.core.weights.flat_store import FLAT_DIR, write_flat
@@ -213,6 +218,9 @@ def convert_component(
         "bytes": total,
         "config": config,
         **({"quantize": quantize, "quantized_linears": len(quantized_linear_paths(model))} if quantize else {}),
+        **({"prequantized": {".".join(path): form for path, form in sorted(forms.items())},
+            "source_format": checkpoint.file_format, "source_types": checkpoint.kinds()}
+           if isinstance(checkpoint, QuantizedCheckpoint) else {}),
     }
 
 
@@ -287,7 +295,8 @@ def check_quantize(quantize: str | None, layout: str) -> str | None:
         return None
     check_quantize_name(quantize)
     if layout != "flat":
-        raise UserInputError(f"--quantize {quantize} needs --layout flat (quantized Orbax checkpoints are not written)")
+        raise FieldError("quantize", f"{quantize} needs {{field:layout}} flat (quantized Orbax checkpoints are not "
+                         "written)")
     return quantize
 
 

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST, snapshot_files
 from flux2klein_cli.core.paths import check_name_length
 from flux2klein_cli.core.weights.converted import COPIED_COMPONENTS, FORMAT, MODEL_COMPONENTS
@@ -33,16 +33,16 @@ def target_dir(source: Path, out: str | Path, *, force: bool) -> Path:
     """The directory to write for `--out out`: symlinks resolved (a linked --out is written where
     it points, the link kept). UserInputError when it overlaps an input, or exists and `force`
     is not given, or exists and is not something `convert` wrote."""
-    check_name_length(out, "--out")
+    check_name_length(out, "out")
     given = Path(out).expanduser().absolute()
     try:
         target = given.resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop
-        raise UserInputError(f"--out {given}: cannot resolve it ({e})") from None
+        raise FieldError("out", f"{given}: cannot resolve it ({e})") from None
     _check_apart(source, given, target)
     if target.exists() or os.path.lexists(target):
         if not force:
-            raise UserInputError(f"{given} exists; pass --force to replace it")
+            raise UserInputError(f"{given} exists; pass {{field:force}} to replace it")
         check_replaceable(target, given)
     return target
 
@@ -50,15 +50,15 @@ def target_dir(source: Path, out: str | Path, *, force: bool) -> Path:
 def _check_apart(source: Path, given: Path, target: Path) -> None:
     shown = given if given == target else f"{given} (-> {target})"
     if target == source:
-        raise UserInputError(f"--out {shown} is the source snapshot: convert would replace its own input")
+        raise FieldError("out", f"{shown} is the source snapshot: convert would replace its own input")
     if source in target.parents:
-        raise UserInputError(f"--out {shown} is inside the source snapshot {source}")
+        raise FieldError("out", f"{shown} is inside the source snapshot {source}")
     if target in source.parents:
-        raise UserInputError(f"--out {shown} holds the source snapshot {source}: choose a directory outside it")
+        raise FieldError("out", f"{shown} holds the source snapshot {source}: choose a directory outside it")
     for rel, _ in snapshot_files(source):
         real = (source / rel).resolve()  # a hub snapshot links to blobs elsewhere: inputs too
         if real == target or target in real.parents:
-            raise UserInputError(f"--out {shown} holds an input of the conversion, {real}: "
+            raise FieldError("out", f"{shown} holds an input of the conversion, {real}: "
                                  "choose a directory outside it")
 
 
@@ -66,7 +66,8 @@ def check_replaceable(target: Path, given: Path | None = None) -> None:
     """UserInputError unless `target` is a directory written by `convert`: its manifest, and no file
     the manifest does not account for (nothing of the user's is removed by --force)."""
     shown = given or target
-    refuse = "--force replaces only a directory that convert wrote: remove it yourself or choose another --out"
+    refuse = ("{field:force} replaces only a directory that convert wrote: remove it yourself or choose another "
+              "{field:out}")
     if target.is_symlink() or not target.is_dir():
         raise UserInputError(f"{shown} exists and is not a directory; {refuse}")
     try:
@@ -158,5 +159,5 @@ def _sentence(target: Path, needed: int, e: BaseException, number: int | None, u
                                f"{size_text(needed)}, {size_text(free) if free is not None else 'unknown'} available")
     if number in _UNWRITABLE:
         kind = UserInputError if user_out else Flux2KleinError
-        return kind(f"cannot write --out {target}: {reason}")
+        return kind(f"cannot write {{field:out}} {target}: {reason}")
     return Flux2KleinError(f"could not write {target}: {reason}")

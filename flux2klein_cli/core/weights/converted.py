@@ -105,6 +105,13 @@ def quantize_scheme(manifest: dict[str, Any], name: str) -> str | None:
     return None if scheme in (None, "none") else str(scheme)
 
 
+def prequantized_forms(manifest: dict[str, Any], name: str) -> tuple[tuple[str, str], ...]:
+    """The linears a component keeps in the form its quantized source file stored them in (convert of a
+    GGUF / ComfyUI file: core/weights/prequantized.py), as sorted (dotted module path, form) pairs."""
+    forms = (manifest.get("components", {}).get(name) or {}).get("prequantized") or {}
+    return tuple(sorted((str(path), str(form)) for path, form in forms.items()))
+
+
 def read_manifest(root: str | Path) -> dict[str, Any]:
     """The manifest of a converted directory, checked for format and version."""
     root = Path(root)
@@ -171,7 +178,7 @@ def load_component(
     differs from the stored one; int8 kernels and their scales stay as stored). `layout` is read
     from the manifest unless given (a directory written component by component, as bench_load
     does, has none)."""
-    from flux2klein_cli.core.models.quantized import quantize_abstract
+    from flux2klein_cli.core.models.quantized import prequantize_abstract, quantize_abstract
 
     root = Path(root)
     manifest = read_manifest(root) if layout is None or (root / CONVERTED_MANIFEST).is_file() else {}
@@ -180,6 +187,8 @@ def load_component(
     # A quantized component's int8 kernels and float32 scales keep their stored dtypes whatever `dtype`.
     model = quantize_abstract(abstract_component(name, read_config(root / name), dtype),
                               quantize_scheme(manifest, name))
+    forms = {tuple(path.split(".")): form for path, form in prequantized_forms(manifest, name)}
+    model = prequantize_abstract(model, forms)
     graphdef, state = nnx.split(model)
     flat = list(nnx.to_flat_state(state))
     targets = {}

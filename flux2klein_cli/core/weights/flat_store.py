@@ -55,6 +55,7 @@ _HEADER_BYTES = ALIGNMENT
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(t) for name, t in (("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16),
                                       ("float32", np.float32), ("float64", np.float64), ("int8", np.int8),
+                                      ("float8_e4m3fn", ml_dtypes.float8_e4m3fn),
                                       ("int32", np.int32), ("int64", np.int64), ("uint8", np.uint8), ("bool", np.bool_))
 }
 

@@ -25,6 +25,8 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "F32": np.dtype(np.float32),
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # ComfyUI's fp8 weights and nvfp4 block scales
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),
@@ -53,6 +55,16 @@ class TensorInfo:
 
 def read_header(path: Path) -> dict[str, TensorInfo]:
     """Parse one .safetensors header; a truncated or corrupt file is a CheckpointError."""
+    return _read(path)[0]
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """The header's `__metadata__` (string keys and values; {} when it has none)."""
+    metadata = _read(path)[1]
+    return {str(k): str(v) for k, v in metadata.items()} if isinstance(metadata, dict) else {}
+
+
+def _read(path: Path) -> tuple[dict[str, TensorInfo], object]:
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -86,7 +98,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(
             f"{path}: truncated safetensors file ({size} bytes on disk, header needs {data_end})"
         )
-    return tensors
+    return tensors, header.get("__metadata__")
 
 
 class SafetensorsCheckpoint:

@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import string
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path, PurePath, PurePosixPath
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path, PurePath
 from typing import Any
 
 from flux2klein_cli.core import limits
+from flux2klein_cli.core.engine.cost import Demand
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan, build_plan
-from flux2klein_cli.core.errors import FieldError, UserInputError
+from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
+from flux2klein_cli.core.fields import manifest_key
 from flux2klein_cli.core.runs.batch.manifest import Entry
-
-TEMPLATE_FIELDS = ("index", "seed", "slug")
-# Field names of the plan as a manifest line spells them.
-_LINE_NAMES = {"references": "images", "reference": "images", "prompts": "prompt"}
+from flux2klein_cli.core.runs.outputs import render_outputs
 
 
 @dataclass(frozen=True)
@@ -39,6 +36,8 @@ class Item:
     seeds: tuple[int, ...]
     outputs: tuple[str, ...]  # relative to the output directory, one per image
     digest: str  # the request's hash: a changed line (or a changed default) is a new request
+    # What its run asks of the host (core/engine/cost.py), checked before loading.
+    demand: Demand = field(compare=False, repr=False)
 
     @property
     def index(self) -> int:
@@ -58,11 +57,9 @@ class Batch:
         return sum(item.images for item in self.items)
 
 
-def field_message(error: UserInputError) -> str:
-    """A plan's error in the manifest's words (`images`, not `references`)."""
-    if isinstance(error, FieldError):
-        return error.named(lambda name: _LINE_NAMES.get(name, name))
-    return str(error)
+def field_message(error: Flux2KleinError) -> str:
+    """An error in the manifest's words (`images`, not `references`)."""
+    return error.named(manifest_key)
 
 
 def plan_entry(entry: Entry, facts: ModelFacts) -> list[RunPlan]:
@@ -72,59 +69,6 @@ def plan_entry(entry: Entry, facts: ModelFacts) -> list[RunPlan]:
     plan = build_plan(entry.fields, facts)
     seeds = entry.seeds if entry.seeds is not None else plan.seeds
     return [replace(plan, seeds=(seed,), num_images=1) for seed in seeds]
-
-
-def slug(prompt: str, length: int = 40) -> str:
-    """The prompt as a file-name fragment: lower-case letters and digits joined by dashes."""
-    words = re.findall(r"[a-z0-9]+", prompt.lower())
-    text = "-".join(words)[:length].strip("-")
-    return text or "image"
-
-
-def check_template(template: str) -> None:
-    """Only {index}, {seed} and {slug}, with format specs; a PNG name."""
-    try:
-        parsed = list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise UserInputError(f"output template {template!r} is malformed ({e})") from None
-    for _, name, _, _ in parsed:
-        if name is not None and name not in TEMPLATE_FIELDS:
-            raise UserInputError(f"output template {template!r} names {{{name}}}; it may use "
-                                 f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)}")
-
-
-def render_outputs(template: str, index: int, seeds: Sequence[int], prompt: str) -> tuple[str, ...]:
-    """The item's output names, each a relative path inside the output directory."""
-    check_template(template)
-    names = []
-    for seed in seeds:
-        try:
-            name = template.format(index=index, seed=seed, slug=slug(prompt))
-        except (ValueError, IndexError, KeyError) as e:
-            raise UserInputError(f"output template {template!r} cannot be filled ({e})") from None
-        names.append(check_output_name(name))
-    if len(set(names)) != len(names):
-        raise UserInputError(f"output template {template!r} gives the item's {len(names)} images one name; "
-                             "put {seed} in it")
-    return tuple(names)
-
-
-def check_output_name(name: str) -> str:
-    """A name that stays inside the output directory and ends in .png (normalised)."""
-    if not name or "\0" in name or "\\" in name:
-        raise UserInputError(f"output {name!r} is not a usable file name")
-    path = PurePosixPath(name)
-    if path.is_absolute() or ".." in path.parts:
-        raise UserInputError(f"output {name} would be written outside the output directory")
-    if path.suffix.lower() != ".png":
-        raise UserInputError(f"output {name} must end in .png")
-    normal = os.path.normpath(name)
-    if normal.startswith("."):  # hidden files are the results' and temporaries' names
-        raise UserInputError(f"output {name} must not start with a dot")
-    from flux2klein_cli.core.paths import check_name_length
-
-    check_name_length(normal, "output")
-    return normal
 
 
 def input_files(fields: RunFields | None) -> dict[str, str]:
@@ -177,7 +121,8 @@ def plan_items(entries: Sequence[Entry], facts: ModelFacts, engine: dict[str, An
             continue
         for name in outputs:
             taken[name.lower()] = entry.line
-        items.append(Item(entry, plan.batch_key(), seeds, outputs, digest(entry, seeds, outputs, engine)))
+        items.append(Item(entry, plan.batch_key(), seeds, outputs, digest(entry, seeds, outputs, engine),
+                          Demand(plan, batch=len(plans))))
     return items, bad
 
 

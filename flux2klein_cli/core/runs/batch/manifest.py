@@ -13,8 +13,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from typing import Any
 from flux2klein_cli.core import limits
 from flux2klein_cli.core.engine.plan import RunFields
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.fields import FIELDS, manifest_key, read
 
 DEFAULT_OUTPUT = "{index:05d}-{seed}.png"
 FORMATS = ("jsonl", "csv", "text")
@@ -60,50 +60,11 @@ class LineError(Exception):
     """A line that is not a usable request (its message, without the line number)."""
 
 
-# The fields a line may give, and how each is read from JSON (CSV cells are converted first).
-def _text(name: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise LineError(f"{name} must be text, got {json.dumps(value)}")
-    return value
-
-
-def _whole(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LineError(f"{name} must be a whole number, got {json.dumps(value)}")
-    return value
-
-
-def _number(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise LineError(f"{name} must be a finite number, got {json.dumps(value)}")
-    return float(value)
-
-
-def _flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise LineError(f"{name} must be true or false, got {json.dumps(value)}")
-    return value
-
-
-def _texts(name: str, value: Any) -> tuple[str, ...]:
-    values = [value] if isinstance(value, str) else value
-    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
-        raise LineError(f"{name} must be a list of file names, got {json.dumps(value)}")
-    return tuple(values)
-
-
-def _wholes(name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
-        raise LineError(f"{name} must be a non-empty list of whole numbers, got {json.dumps(value)}")
-    return tuple(_whole(name, v) for v in value)
-
-
-READERS: dict[str, Callable[[str, Any], Any]] = {
-    "prompt": _text, "negative_prompt": _text, "seed": _whole, "seeds": _wholes, "num_images": _whole,
-    "height": _whole, "width": _whole, "steps": _whole, "guidance": _number, "max_sequence_length": _whole,
-    "images": _texts, "kv": _flag, "output": _text, "init_image": _text, "mask": _text, "strength": _number,
-    "padding_mask_crop": _whole, "reference_max_area": _whole,
-}
+# The fields a line may give (core/fields.py spells and reads them; CSV cells are converted first).
+LINE_FIELDS = ("prompt", "negative_prompt", "seed", "seeds", "num_images", "height", "width", "steps", "guidance",
+               "max_sequence_length", "references", "kv", "output", "init_image", "mask", "strength",
+               "padding_mask_crop", "reference_max_area")
+KEYS = {manifest_key(name): name for name in LINE_FIELDS}  # a line's key -> its field
 FILE_FIELDS = ("init_image", "mask")  # one path each, relative to the manifest like `images`
 
 
@@ -113,10 +74,10 @@ def entry_from_object(obj: Any, *, index: int, line: int, text: str, defaults: R
     try:
         if not isinstance(obj, dict):
             raise LineError(f"must be a JSON object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - set(READERS))
+        unknown = sorted(set(obj) - set(KEYS))
         if unknown:
-            raise LineError(f"unknown field {unknown[0]!r} (fields: {', '.join(READERS)})")
-        values = {name: READERS[name](name, value) for name, value in obj.items()}
+            raise LineError(f"unknown field {unknown[0]!r} (fields: {', '.join(KEYS)})")
+        values = {key: read(KEYS[key], value, key) for key, value in obj.items()}
         if "prompt" not in values:
             raise LineError("prompt is missing")
         seeds = values.pop("seeds", None)
@@ -168,9 +129,10 @@ def _csv_value(name: str, cell: str) -> Any:
         if lowered in ("false", "0", "no"):
             return False
         raise LineError(f"kv must be true or false, got {cell!r}")
-    if READERS.get(name) is _whole:
+    kind = FIELDS[KEYS[name]].kind if name in KEYS else None
+    if kind == "whole":
         return _csv_number(name, cell.strip(), int)
-    if READERS.get(name) is _number:
+    if kind == "number":
         return _csv_number(name, cell.strip(), float)
     return cell
 

@@ -21,12 +21,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.engine.engine import Engine, EngineOptions, check_engine_options, composing
+from flux2klein_cli.core.engine.cost import Admission
+from flux2klein_cli.core.engine.engine import Engine, EngineOptions
+from flux2klein_cli.core.engine.opening import Opening
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan
 from flux2klein_cli.core.errors import Flux2KleinError, UserInputError
 from flux2klein_cli.core.runs.batch import grouping, results
 from flux2klein_cli.core.runs.batch.grouping import Batch, Item, Shard
 from flux2klein_cli.core.runs.batch.manifest import DEFAULT_OUTPUT, Entry, read_manifest
+from flux2klein_cli.core.runs.outputs import refuse_existing
 
 Warn = Callable[[str], None]
 Progress = Callable[[int, int, int], None]  # (items finished, items to run, images written)
@@ -98,11 +101,8 @@ def check_outputs(opts: BatchOptions, items: Sequence[Item]) -> None:
     if opts.force or results.results_files(opts.out_dir):
         return
     for item in items:
-        for name in item.outputs:
-            path = opts.out_dir / name
-            if os.path.lexists(path):
-                raise UserInputError(f"{path} exists and no results file in {opts.out_dir} records it; "
-                                     "pass --force to overwrite")
+        refuse_existing((opts.out_dir / name for name in item.outputs),
+                        f" and no results file in {opts.out_dir} records it")
 
 
 @dataclass
@@ -118,6 +118,26 @@ def _prepare(opts: BatchOptions, entries: Sequence[Entry], facts: ModelFacts) ->
     if opts.shard is not None:
         batches = opts.shard.take(batches)
     return _Prepared(items, bad, batches)
+
+
+def _refused(batches: Sequence[Batch], admission: Admission) -> list[results.Record]:
+    """Error records of the items this host cannot hold, refused as generate refuses them."""
+    refused = []
+    for batch in batches:
+        for item in batch.items:
+            try:
+                admission.check(item.demand)
+            except UserInputError as e:
+                refused.append(results.error_record(item, grouping.field_message(e), 0.0))
+    return refused
+
+
+def _record(path: Path, records: Sequence[results.Record]) -> None:
+    file = results.ResultsFile(path)
+    try:
+        file.append(records)
+    finally:
+        file.close()
 
 
 def _pending(batches: Sequence[Batch], done: set[int]) -> list[Batch]:
@@ -206,21 +226,22 @@ def run_batch(
     on_step: Callable[[int, int], None] | None = None,
 ) -> BatchReport:
     """Validate every line, skip what is done, run the rest batch by batch, record each batch."""
-    from flux2klein_cli.core.devices.distributed import is_writer, run_mesh
+    from flux2klein_cli.core.devices.distributed import is_writer
     from flux2klein_cli.core.paths import check_name_length
-    from flux2klein_cli.core.runs.generate import resolve_facts
 
     start = time.perf_counter()
     check_name_length(opts.out_dir, "out_dir")
     if opts.out_dir.exists() and not opts.out_dir.is_dir():
         raise UserInputError(f"output directory {opts.out_dir} is not a directory")
-    check_engine_options(opts.engine)
     on_phase("reading manifest")
     manifest = read_manifest(opts.manifest, opts.defaults, output=opts.output, format=opts.format)
-    resolve = composing(opts.engine, resolve)
-    facts, model_dir = resolve_facts(opts.engine, resolve, on_phase)
-    on_phase("checking manifest lines")
-    prepared = _prepare(opts, manifest.entries, facts)
+
+    def prepare(facts: ModelFacts) -> _Prepared:
+        on_phase("checking manifest lines")
+        return _prepare(opts, manifest.entries, facts)
+
+    opening = Opening(opts.engine, resolve, prepare, on_phase=on_phase)
+    prepared = opening.planned
     if opts.strict and prepared.bad:
         first = prepared.bad[0]
         more = f" (and {len(prepared.bad) - 1} more bad lines)" if len(prepared.bad) > 1 else ""
@@ -245,17 +266,25 @@ def run_batch(
         return report
 
     load_start = time.perf_counter()
-    on_phase("loading model")
-    if model_dir is None:
-        model_dir = resolve(opts.engine.model)
-    engine = Engine.load(opts.engine, model_dir, mesh=run_mesh(opts.engine.devices), warn=warn)
-    load_seconds = time.perf_counter() - load_start
-    if engine.facts != facts:  # the registry's geometry or kind was not this snapshot's: check again
-        prepared = _prepare(opts, manifest.entries, engine.facts)
+    admission = opening.resolve()
+    if opening.planned is not prepared:  # planned again against the snapshot's facts
+        prepared = opening.planned
         pending = _pending(prepared.batches, results.done_items([i for b in prepared.batches for i in b.items],
                                                                 opts.out_dir))
-        report.batches = len(pending)
+    refused = _refused(pending, admission)
+    pending = _pending(pending, {r.index for r in refused})
+    report.batches, report.failed = len(pending), len(refused)
     writer = is_writer()
+    if refused:
+        for record in refused:
+            warn(f"manifest line {record.line}: {record.error}")
+        if writer:
+            _record(results_path, refused)
+    if not pending:
+        report.seconds = dict(total=round(time.perf_counter() - start, 4))
+        return report
+    engine = opening.load(warn)
+    load_seconds = time.perf_counter() - load_start
     if writer:
         opts.out_dir.mkdir(parents=True, exist_ok=True)
     record_file = results.ResultsFile(results_path) if writer else None
@@ -293,7 +322,7 @@ def run_batch(
 def _run_one(engine: Engine, batch: Batch, opts: BatchOptions, writer: bool,
              on_step: Callable[[int, int], None] | None) -> list[results.Record]:
     """One device batch: its items planned again (references read now), run, written, recorded."""
-    from flux2klein_cli.core.runs.generate import png_metadata
+    from flux2klein_cli.core.runs import run_record
     from flux2klein_cli.core.runs.image_files import write_png
 
     start = time.perf_counter()
@@ -310,7 +339,8 @@ def _run_one(engine: Engine, batch: Batch, opts: BatchOptions, writer: bool,
         runs = engine.run_batch([plan for _, plans in planned for plan in plans], on_step=on_step)
     except Flux2KleinError as e:
         seconds = time.perf_counter() - start
-        return sorted(records + [results.error_record(item, str(e), seconds) for item, _ in planned],
+        return sorted(records + [results.error_record(item, grouping.field_message(e), seconds)
+                                 for item, _ in planned],
                       key=lambda r: r.index)
     written: list[tuple[Item, str | None]] = []
     lora = engine.lora_records
@@ -322,9 +352,9 @@ def _run_one(engine: Engine, batch: Batch, opts: BatchOptions, writer: bool,
                 for name, plan, run in zip(item.outputs, plans, runs[first:first + len(plans)], strict=True):
                     path = opts.out_dir / name
                     path.parent.mkdir(parents=True, exist_ok=True)
-                    write_png(path, run.images[0], png_metadata(plan, run, 0, engine.options, lora), force=True)
+                    write_png(path, run.images[0], run_record.encode(plan, 0, engine.options, lora), force=True)
             except (Flux2KleinError, OSError) as e:
-                error = str(e)
+                error = grouping.field_message(e) if isinstance(e, Flux2KleinError) else str(e)
         first += len(plans)
         written.append((item, error))
     seconds = time.perf_counter() - start

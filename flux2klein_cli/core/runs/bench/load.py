@@ -25,7 +25,8 @@ to the component's bytes. `build_seconds` is the part spent building the abstrac
 `zero_copy_bytes` counts the parameter bytes whose device buffer lies inside a mapped file of
 the layout (all of them, when JAX adopted every view).
 
-    python -m flux2klein_cli.core.runs.bench.load /tmp/medium --convert --reps 5 --json
+`python benchmarks/load.py` runs it with more choices (components, kinds, a cold page cache, a
+converted directory kept between runs).
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def bench_load(
             converted[layout] = scratch / layout
             say(f"converting {', '.join(names)} to {converted[layout]} ({layout})")
             start = time.perf_counter()
-            _convert_components(model_dir, converted[layout], names, dtype, layout)
+            convert_components(model_dir, converted[layout], names, dtype, layout)
             say(f"converted in {time.perf_counter() - start:.1f} s")
     try:
         result: dict[str, Any] = {
@@ -143,7 +144,7 @@ def _layout_of(directory: Path, name: str) -> str:
     return found[0]
 
 
-def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype: str, layout: str) -> None:
+def convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype: str, layout: str) -> None:
 
     from flux2klein_cli.core.devices.mesh import default_mesh
     from flux2klein_cli.core.devices.sharding import replicated_rule
@@ -157,7 +158,7 @@ def _convert_components(model_dir: Path, out: Path, names: Sequence[str], dtype:
 
 def _bench_component(model_dir: Path, converted: dict[str, Path], name: str, dtype: str, reps: int,
                      kinds: Sequence[str], say: Callable[[str], None], cold: bool = False) -> dict[str, Any]:
-    weights = sorted((model_dir / name).glob("*.safetensors"))
+    weights = sorted((model_dir / name).glob("*.safetensors")) + sorted((model_dir / name).glob("*.gguf"))
     out: dict[str, Any] = {"file_bytes": sum(p.stat().st_size for p in weights)}
     plans: list[tuple[str, list[Path], list[str]]] = []
     if "safetensors" in kinds:
@@ -242,7 +243,7 @@ def _cat_timed(files: Sequence[Path]) -> dict[str, Any]:
 
 
 def _child(args: Sequence[str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "flux2klein_cli.core.runs.bench.load", "--child", *args],
+    done = subprocess.run([sys.executable, "-m", "flux2klein_cli.core.runs.bench.load", *args],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"bench child {' '.join(args)} failed:\n{done.stderr[-2000:]}")
@@ -379,42 +380,5 @@ def _child_main(args: Sequence[str]) -> None:
     print(json.dumps(result))
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    import argparse
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "--child":
-        _child_main(argv[1:])
-        return
-    parser = argparse.ArgumentParser(description="Time loading a checkpoint per component and per path.")
-    parser.add_argument("model_dir", type=Path)
-    parser.add_argument("--converted", type=Path,
-                        help="Its `flux2klein convert` directory (or one written by --convert-to).")
-    parser.add_argument("--convert-to", type=Path, metavar="DIR",
-                        help="Write the components in --layout to DIR (kept) and exit: for repeated runs.")
-    parser.add_argument("--layout", default="flat", choices=LAYOUT_KINDS, help="Layout for --convert-to.")
-    parser.add_argument("--convert", action="store_true", help="Convert to a temporary directory for the run.")
-    parser.add_argument("--components", default=",".join(COMPONENTS))
-    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--kinds", default=",".join(KINDS))
-    parser.add_argument("--cold", action="store_true", help="Evict the files from the page cache before each run.")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    if args.convert_to:
-        start = time.perf_counter()
-        _convert_components(args.model_dir.expanduser().resolve(), args.convert_to.expanduser().absolute(),
-                            [c for c in args.components.split(",") if (args.model_dir / c / "config.json").is_file()],
-                            args.dtype, args.layout)
-        print(json.dumps({"converted": str(args.convert_to), "layout": args.layout,
-                          "seconds": round(time.perf_counter() - start, 2), "peak_rss_bytes": _status_bytes("VmHWM")}))
-        return
-    result = bench_load(args.model_dir, converted_dir=args.converted, convert=args.convert,
-                        components=args.components.split(","), dtype=args.dtype, reps=args.reps,
-                        kinds=args.kinds.split(","), log=lambda m: print(m, file=sys.stderr, flush=True),
-                        cold=args.cold)
-    print(json.dumps(result, indent=None if args.json else 2))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # one measurement in a fresh process (_child)
+    _child_main(sys.argv[1:])

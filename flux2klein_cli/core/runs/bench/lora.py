@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.errors import FieldError, UserInputError
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -22,7 +22,7 @@ def parse_ranks(text: str) -> list[int]:
     except ValueError:
         ranks = []
     if not ranks or any(r < 1 for r in ranks):
-        raise UserInputError(f"--ranks {text}: give positive integers separated by commas, e.g. 16,64")
+        raise FieldError("ranks", f"{text}: give positive integers separated by commas, e.g. 16,64")
     return ranks
 
 

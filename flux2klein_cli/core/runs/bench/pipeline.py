@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from flux2klein_cli.core.models.transformer import TransformerConfig
@@ -43,7 +42,7 @@ def bench_pipeline(
     batch: int,
     steps: int | None,
     reps: int,
-    dtype: Any = jnp.bfloat16,
+    dtype: str = "bf16",
     references: tuple[tuple[int, int], ...] = (),
     kv: bool = False,
     mesh: Any = None,
@@ -54,7 +53,8 @@ def bench_pipeline(
     warn: Callable[[str], None] | None = None,
     lora: list[str] | None = None,
 ) -> dict[str, Any]:
-    """Load, first call and steady-state phases of a text-to-image (or edit) run.
+    """Load, first call and steady-state phases of a text-to-image (or edit) run on the `Engine`,
+    planned as `generate` plans it (the references are random images of the given sizes).
 
     With `store` (the default, as `generate` and `edit` run) the pipeline's programs come from
     the executable store at `compile_cache` (None: the default store): loaded when stored,
@@ -71,50 +71,59 @@ def bench_pipeline(
     speed-up is reported beside the token-count bound, with the saving of reusing one cache
     over four prompts.
     """
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+    from flux2klein_cli.core.engine.engine import Engine, EngineOptions
 
     start = time.perf_counter()
-    from flux2klein_cli.core.lora.files import LoraSpec
-
-    executables, store_info = None, None
-    if store:
-        from flux2klein_cli.core.compile.attach import StoredExecutables
-        from flux2klein_cli.core.compile.store import ExecutableStore
-
-        executable_store = ExecutableStore(compile_cache, on_warning=warn)  # None: Python warnings
-        executables = StoredExecutables(model_dir, executable_store, mesh=mesh, save=save, effort=effort)
-        store_info = dict(root=str(executable_store.root), save=save, effort=effort)
-    pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=[LoraSpec.parse(t) for t in lora or ()],
-                                  executables=executables, warn=warn)
+    options = EngineOptions(model=str(model_dir), dtype=dtype, compile_cache=compile_cache, save_executables=save,
+                            effort=effort, lora=tuple(lora or ()), store=store)
+    engine = Engine.load(options, Path(model_dir), mesh=mesh, warn=warn or (lambda message: None))
     load_s = time.perf_counter() - start
-    from flux2klein_cli.core.hub.registry import sampling
-
-    chosen = sampling(pipeline.snapshot.is_distilled, steps)
-    rng = np.random.default_rng(0)
-    refs = [rng.uniform(-1, 1, (h, w, 3)).astype(np.float32) for h, w in references]
-    request = Request(prompts=["a red fox in snow"] * batch, steps=chosen.steps, guidance=chosen.guidance,
-                      height=height, width=width, references=refs)
-    result = dict(load_s=load_s, load_components_s=pipeline.models.seconds,
-                  lora=pipeline.lora.records() if pipeline.lora else [], steps=request.steps, batch=batch,
-                  height=height, width=width, references=[f"{w}x{h}" for h, w in references], store=store_info,
-                  **_time_request(pipeline, request, reps),
-                  devices=device_memory(pipeline))
+    stored = engine.executables.store
+    store_info = None if stored is None else dict(root=str(stored.store.root), save=save, effort=effort)
+    fields = bench_fields(batch, height, width, steps, references)
+    plan = engine.plan(fields)
+    pipeline = engine.pipeline
+    result = dict(load_s=load_s, load_components_s=pipeline.models.seconds, lora=engine.lora_records,
+                  steps=plan.steps, batch=batch, height=height, width=width,
+                  references=[f"{w}x{h}" for h, w in references], store=store_info,
+                  **_time_plan(engine, plan, reps), devices=device_memory(pipeline))
     if not kv:
         return result
-    kv_request = dataclasses.replace(request, kv=True)
-    kv_run = _time_request(pipeline, kv_request, reps)
+    kv_plan = engine.plan(dataclasses.replace(fields, kv=True))
+    kv_run = _time_plan(engine, kv_plan, reps)
     plain_s = result["phases"]["denoise"]["median"]
     kv_s = kv_run["phases"]["denoise"]["median"] + kv_run["phases"]["reference_kv"]["median"]
-    geometry = pipeline.geometry
-    bound = kv_speedup_bound(pipeline.models.transformer.config, text=request.max_sequence_length,
+    geometry = plan.geometry
+    bound = kv_speedup_bound(pipeline.models.transformer.config, text=plan.max_sequence_length,
                              image=geometry.tokens(height, width),
-                             refs=sum(geometry.tokens(h, w) for h, w in references), steps=request.steps)
+                             refs=sum(geometry.tokens(h, w) for h, w in plan.reference_sizes), steps=plan.steps)
     return dict(
         result, kv=kv_run,
         kv_speedup=dict(transformer=plain_s / kv_s, run=result["run_s"]["median"] / kv_run["run_s"]["median"],
                         bound=bound, of_bound=plain_s / kv_s / bound),
-        kv_reuse=_time_reuse(pipeline, kv_request, prompts=4),
+        kv_reuse=_time_reuse(engine, fields, prompts=4),
     )
+
+
+def bench_fields(batch: int, height: int, width: int, steps: int | None,
+                 references: tuple[tuple[int, int], ...] = ()) -> Any:
+    """The timed request: `batch` prompts of one image each, and random references of the given
+    (height, width) sizes, as uploads (no file is written), kept at their size."""
+    import io
+
+    from PIL import Image
+
+    from flux2klein_cli.core.engine.plan import RunFields
+
+    rng = np.random.default_rng(0)
+    uploads = []
+    for i, (h, w) in enumerate(references):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(buffer, format="PNG", compress_level=1)
+        uploads.append((f"reference-{i}.png", buffer.getvalue()))
+    largest = max((h * w for h, w in references), default=None)
+    return RunFields(prompts=("a red fox in snow",) * batch, references=tuple(uploads), height=height, width=width,
+                     steps=steps, reference_max_area=largest)
 
 
 def device_memory(pipeline: Any) -> dict[str, Any]:
@@ -135,22 +144,22 @@ def device_memory(pipeline: Any) -> dict[str, Any]:
                 peak_bytes=peaks or None)
 
 
-def _time_request(pipeline: Any, request: Any, reps: int) -> dict[str, Any]:
+def _time_plan(engine: Any, plan: Any, reps: int) -> dict[str, Any]:
     def call() -> Any:
-        pipeline.forget_reference_kv()  # every timed KV request computes its cache
-        return pipeline(request)
+        engine.forget_reference_kv()  # every timed KV request computes its cache
+        run = engine.run(plan)
+        return run, {phase: s for phase, s in run.seconds.items() if phase != "total"}
 
-    result = call()
-    first = result.seconds
-    executables = list(result.executables) if pipeline.executables is not None else None
+    result, first = call()
+    executables = list(result.executables) if engine.executables.store is not None else None
     with xla_builds() as built:
-        runs = [call().seconds for _ in range(reps)]
+        runs = [call()[1] for _ in range(reps)]
     phases = list(first)
     steady = {p: summarize([r[p] for r in runs]) for p in phases}
     compile_s = sum(max(first[p] - steady[p]["median"], 0.0) for p in phases)
     total = {"min": sum(steady[p]["min"] for p in phases), "median": sum(steady[p]["median"] for p in phases)}
     return dict(compile_s=compile_s, first_call_s=sum(first.values()), first_call=first, phases=steady, run_s=total,
-                per_image_s=total["median"] / request.batch, executables=executables, timed_compiles=built)
+                per_image_s=total["median"] / plan.batch, executables=executables, timed_compiles=built)
 
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # jax's dispatch.BACKEND_COMPILE_EVENT
@@ -173,18 +182,18 @@ def xla_builds() -> Iterator[list[str]]:
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def _time_reuse(pipeline: Any, request: Any, prompts: int) -> dict[str, Any]:
+def _time_reuse(engine: Any, fields: Any, prompts: int) -> dict[str, Any]:
     """`prompts` single-prompt KV edits of the same references, one after another: each
     computing its own cache, then reusing the first one's (in memory)."""
-    singles = [dataclasses.replace(request, prompts=[f"prompt {i}"]) for i in range(prompts)]
+    singles = [engine.plan(dataclasses.replace(fields, prompts=(f"prompt {i}",), kv=True)) for i in range(prompts)]
 
     def series(reuse: bool) -> float:
-        pipeline.forget_reference_kv()
+        engine.forget_reference_kv()
         start = time.perf_counter()
         for single in singles:
             if not reuse:
-                pipeline.forget_reference_kv()
-            pipeline(single)
+                engine.forget_reference_kv()
+            engine.run(single)
         return time.perf_counter() - start
 
     series(True)  # compile for batch 1

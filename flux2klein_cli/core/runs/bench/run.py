@@ -13,14 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.choices import check_phase
-from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.defaults import DEFAULTS
+from flux2klein_cli.core.errors import FieldError, UserInputError, field
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
-# Options only some phases use, by phase; given with another phase they are exit 2.
-PHASE_FLAGS: dict[str, tuple[str, ...]] = {
-    "ttfi": ("--diffusers",),
-    "pipeline": ("--mesh", "--tpu", "--compile-cache", "--no-save", "--effort", "--no-store", "--lora", "--refs"),
-    "lora": ("--ranks",),
+# Options only some phases use, by phase (as fields); given with another phase they are exit 2.
+PHASE_FIELDS: dict[str, tuple[str, ...]] = {
+    "ttfi": ("diffusers",),
+    "pipeline": ("mesh", "tpu", "compile_cache", "no_save", "effort", "no_store", "lora", "refs"),
+    "lora": ("ranks",),
 }
 DEFAULT_RANKS = "16,64"
 STEPS_PHASE_STEPS = 8  # `--phase steps` without --steps: enough steps for a bar's cost per step to show
@@ -30,8 +31,8 @@ STEPS_PHASE_STEPS = 8  # `--phase steps` without --steps: enough steps for a bar
 class BenchOptions:
     model: str = DEFAULT_MODEL
     phase: str = "pipeline"
-    height: int = 1024
-    width: int = 1024
+    height: int = DEFAULTS.side
+    width: int = DEFAULTS.side
     batch: int = 1
     steps: int | None = None
     reps: int = 3
@@ -52,11 +53,11 @@ class BenchOptions:
     vae: str | None = None
 
     def given(self) -> dict[str, bool]:
-        """The phase-specific options given, by flag."""
-        return {"--diffusers": self.diffusers, "--mesh": bool(self.mesh), "--tpu": bool(self.tpu),
-                "--compile-cache": self.compile_cache is not None, "--no-save": not self.save,
-                "--effort": self.effort != "default", "--no-store": not self.store, "--lora": bool(self.lora),
-                "--ranks": self.ranks is not None, "--refs": bool(self.reference_sizes())}
+        """The phase-specific options given, by field."""
+        return {"diffusers": self.diffusers, "mesh": bool(self.mesh), "tpu": bool(self.tpu),
+                "compile_cache": self.compile_cache is not None, "no_save": not self.save,
+                "effort": self.effort != "default", "no_store": not self.store, "lora": bool(self.lora),
+                "ranks": self.ranks is not None, "refs": bool(self.reference_sizes())}
 
     def reference_sizes(self) -> tuple[tuple[int, int], ...]:
         """(height, width) of each reference of the timed edit; () for text to image."""
@@ -74,10 +75,10 @@ class BenchOptions:
         check_dtype(self.dtype)
         check_effort(self.effort)
         given = self.given()
-        for only, flags in PHASE_FLAGS.items():
-            wrong = [flag for flag in flags if given[flag]] if self.phase != only else []
+        for only, names in PHASE_FIELDS.items():
+            wrong = [field(name) for name in names if given[name]] if self.phase != only else []
             if wrong:
-                raise UserInputError(f"{' and '.join(wrong)}: only with --phase {only}")
+                raise UserInputError(f"{' and '.join(wrong)}: only with {{field:phase}} {only}")
         if self.diffusers:
             from flux2klein_cli.core.extras import require_parity
 
@@ -86,7 +87,7 @@ class BenchOptions:
             if value is not None:
                 limits.check_int(name, value, limits.LIMITS.size_multiple, limits.LIMITS.max_side, "px")
         if self.batch < 1 or self.reps < 1 or (self.steps is not None and self.steps < 1):
-            raise UserInputError("--bs, --reps and --steps must be at least 1")
+            raise UserInputError("{field:batch}, {field:reps} and {field:steps} must be at least 1")
         # The limits table's bounds, as build_shape applies them to compile's shape (--bs is num_images).
         if self.steps is not None:
             limits.check_steps(self.steps)
@@ -94,10 +95,11 @@ class BenchOptions:
         if self.height is not None and self.width is not None:  # the pixel count; the multiple comes later
             limits.check_size(self.height, self.width, multiple=1)
         if self.kv and (self.phase != "pipeline" or not self.reference_sizes()):
-            raise UserInputError(f"--kv times edits: use it with --phase pipeline and --refs 1..{MAX_REFERENCES}")
-        store_flags = [flag for flag in ("--compile-cache", "--no-save", "--effort") if given[flag]]
-        if not self.store and store_flags:
-            raise UserInputError(f"--no-store uses no executable store: drop {' and '.join(store_flags)}")
+            raise FieldError("kv", f"times edits: use it with {{field:phase}} pipeline and {{field:refs}} "
+                             f"1..{MAX_REFERENCES}")
+        store_fields = [field(name) for name in ("compile_cache", "no_save", "effort") if given[name]]
+        if not self.store and store_fields:
+            raise FieldError("no_store", f"uses no executable store: drop {' and '.join(store_fields)}")
 
 
 def _quiet(message: str) -> AbstractContextManager[Any]:
@@ -153,7 +155,7 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
         with busy(f"timing the denoising loop of {opts.model}"):
             result = bench_steps(path, height=opts.height, width=opts.width, steps=opts.steps or STEPS_PHASE_STEPS,
-                                 reps=opts.reps, dtype=target, per_call=(1, 2), compile_cache=opts.compile_cache)
+                                 reps=opts.reps, dtype=opts.dtype, per_call=(1, 2), compile_cache=opts.compile_cache)
     elif opts.phase == "decode":
         from flux2klein_cli.core.runs.bench.decode import bench_decode
 
@@ -173,22 +175,23 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
 
 def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | None,
               busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from flux2klein_cli.core.compile.specs import configs_from_snapshot
     from flux2klein_cli.core.devices.distributed import DeviceOptions, run_mesh
+    from flux2klein_cli.core.engine.cost import check_mesh
+    from flux2klein_cli.core.engine.plan import build_plan, model_facts
     from flux2klein_cli.core.hub.components import resolve_composed
-    from flux2klein_cli.core.runs.bench.pipeline import bench_pipeline
-    from flux2klein_cli.core.runs.run_cost import check_run_fits
+    from flux2klein_cli.core.runs.bench.pipeline import bench_fields, bench_pipeline
 
     run_on = run_mesh(DeviceOptions(mesh=opts.mesh, tpu=opts.tpu))
     path = resolve_composed(opts.model, opts.transformer, opts.vae)
-    check_run_fits(run_on, path, opts.batch)
-    if opts.kv:
-        from flux2klein_cli.core.hub.checkpoint import Snapshot
-        from flux2klein_cli.core.runs.generate import check_kv_model
-
-        check_kv_model(Snapshot.open(path), opts.model)
+    check_mesh(run_on, configs_from_snapshot(path).transformer)
+    fields = bench_fields(opts.batch, opts.height, opts.width, opts.steps, opts.reference_sizes())
+    build_plan(replace(fields, kv=opts.kv), model_facts(opts.model, model_dir=path))  # type: ignore[arg-type]
     with busy(f"benchmarking {opts.model}"):
         result = bench_pipeline(path, height=opts.height, width=opts.width, batch=opts.batch, steps=opts.steps,
-                                reps=opts.reps, dtype=target, references=opts.reference_sizes(), kv=opts.kv,
+                                reps=opts.reps, dtype=opts.dtype, references=opts.reference_sizes(), kv=opts.kv,
                                 mesh=run_on, store=opts.store, compile_cache=opts.compile_cache, save=opts.save,
                                 effort=opts.effort, warn=warn, lora=list(opts.lora))
     return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)

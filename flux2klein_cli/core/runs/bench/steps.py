@@ -1,7 +1,7 @@
 """What a denoising progress bar costs: the loop as one call (no bar) against the forms a bar
 runs it in (k steps a call, each call queued before the previous one is waited for).
 
-Each form runs the same request through the pipeline as `generate` does (stored executables,
+Each form runs the same plan on the engine as `generate` does (stored executables,
 loaded or compiled first), its `denoise` phase timed; the forms alternate within each
 repetition so that a busy host slows them alike. Cost per step is the form's median over the
 single call's, minus one.
@@ -12,31 +12,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import jax.numpy as jnp
-
 from flux2klein_cli.core.runs.bench.stats import summarize
 
 
-def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: int, dtype: Any = jnp.bfloat16,
+def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: int, dtype: str = "bf16",
                 per_call: tuple[int, ...] = (1,), compile_cache: Path | None = None) -> dict[str, Any]:
-    from flux2klein_cli.core.compile.attach import StoredExecutables
-    from flux2klein_cli.core.compile.store import ExecutableStore
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+    from flux2klein_cli.core.engine.engine import Engine, EngineOptions
+    from flux2klein_cli.core.engine.plan import RunFields
+    from flux2klein_cli.core.pipeline.denoise import steps_per_call
 
-    pipeline = KleinPipeline.load(model_dir, dtype=dtype,
-                                  executables=StoredExecutables(model_dir, ExecutableStore(compile_cache)))
-    from flux2klein_cli.core.hub.registry import sampling
-
-    request = Request(prompts=["a red fox in snow"], steps=steps,
-                      guidance=sampling(pipeline.snapshot.is_distilled).guidance,
-                      height=height, width=width)
-    forms: dict[str, int | None] = {"one call": None, **{f"{k} step(s) a call": k for k in per_call}}
+    engine = Engine.load(EngineOptions(model=str(model_dir), dtype=dtype, compile_cache=compile_cache), model_dir,
+                         warn=lambda message: None)
+    plan = engine.plan(RunFields(prompts=("a red fox in snow",), steps=steps, height=height, width=width))
+    # k steps a call, or the divisor of the steps nearest below it (every call runs the same program)
+    forms: dict[str, int | None] = {"one call": None,
+                                    **{f"{k} step(s) a call": steps_per_call(steps, steps // k) for k in per_call}}
 
     def run(k: int | None) -> float:
-        if k is None:
-            return pipeline(request).seconds["denoise"]
-        pipeline.progress_calls = steps // k  # steps_per_call then picks k (a divisor of steps)
-        return pipeline(request, on_step=lambda done, total: None).seconds["denoise"]
+        on_step = None if k is None else (lambda done, total: None)  # a bar's callback, drawing nothing
+        return engine.run(plan, on_step, steps_per_call=k).seconds["denoise"]
 
     for k in forms.values():  # first calls: load or compile each form's programs
         run(k)

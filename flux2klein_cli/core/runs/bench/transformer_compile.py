@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
 from flux2klein_cli.core.runs.bench.stats import summarize
 
@@ -20,11 +21,11 @@ def bench_transformer_compile(model: str, *, height: int, width: int, batch: int
     """Lower and compile seconds (min, median) of `reps` cold compiles of `model`'s transformer."""
     from flux2klein_cli.core.compile.specs import configs_from_registry
     from flux2klein_cli.core.hub.registry import spec_for
-    from flux2klein_cli.core.runs.images import validate_size
+    from flux2klein_cli.core.limits import check_size
 
     spec = spec_for(model)
     geometry = configs_from_registry(spec.alias).geometry
-    validate_size(height, width, multiple_of=geometry.pixels_per_token)
+    check_size(height, width, geometry.pixels_per_token)
     runs = []
     for i in range(reps):
         runs.append(transformer_compile_seconds(spec.transformer, scan=not unrolled, batch=batch, height=height,
@@ -45,7 +46,7 @@ def transformer_compile_seconds(
     batch: int = 1,
     height: int = 1024,
     width: int = 1024,
-    text_tokens: int = 512,
+    text_tokens: int = DEFAULTS.max_sequence_length,
     dtype: Any = jnp.bfloat16,
     pixels_per_token: int,
 ) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """What a run will cost, known before any work: the largest size the model's positions can
-address, a peak-memory estimate from the shapes, and the work in token-steps.
+address, a peak-memory estimate from the shapes, and the work in token-steps; `Admission`
+applies them to every plan of every door.
 
 The estimate is deliberately simple and on the safe side: every parameter, plus the largest
 live activations of one transformer block for the whole batch (the denoise loop scans the
@@ -12,10 +13,9 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flux2klein_cli.core.errors import FieldError, UserInputError
+from flux2klein_cli.core.errors import FieldError
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -24,28 +24,6 @@ if TYPE_CHECKING:
 # 4 steps of one 1024x1024 image is 16384; this is ~64 such images, minutes on a GPU, hours on a CPU.
 LONG_RUN_TOKEN_STEPS = 1 << 20
 GIB = 2**30
-
-
-def max_positions(axes_dims_rope: tuple[int, ...], rope_theta: float) -> int:
-    """How many positions one RoPE axis tells apart: the wavelength of its slowest frequency,
-    2*pi*theta^((d-2)/d). Further apart than that, two tokens get the same rotation."""
-    dim = min(axes_dims_rope[1:3]) if len(axes_dims_rope) >= 3 else min(axes_dims_rope)
-    return int(2 * math.pi * rope_theta ** ((dim - 2) / dim))
-
-
-def max_side(transformer_config: dict[str, Any], pixels_per_token: int) -> int:
-    """The largest --height / --width in pixels, a multiple of `pixels_per_token`."""
-    axes = tuple(int(d) for d in transformer_config.get("axes_dims_rope", (32, 32, 32, 32)))
-    theta = float(transformer_config.get("rope_theta", 2000))
-    return max_positions(axes, theta) * pixels_per_token
-
-
-def check_size_limit(height: int, width: int, transformer_config: dict[str, Any], pixels_per_token: int) -> None:
-    limit = max_side(transformer_config, pixels_per_token)
-    for label, value in (("height", height), ("width", width)):
-        if value > limit:
-            raise FieldError(label, f"{value} is above this model's limit of {limit} px (its position encoding "
-                             f"tells {limit // pixels_per_token} tokens apart per side)")
 
 
 @dataclass(frozen=True)
@@ -118,16 +96,16 @@ def device_memory_bytes() -> tuple[int, str]:
 
 
 def check_fits(cost: RunCost, available: int, where: str) -> None:
-    """Refuse a run whose estimate is above the memory it has, saying what would fit."""
+    """Refuse a run whose estimate is above the memory it has, naming what to change and what would fit."""
     if cost.peak_bytes <= available:
         return
+    need = (f"this run needs about {cost.peak_bytes / GIB:.1f} GiB for {cost.batch} image(s), more than the "
+            f"{available / GIB:.1f} GiB of {where}")
     fit = cost.images_that_fit(available)
-    hint = (f"at most --num-images {fit} in all (prompts x images) would fit" if fit >= 1
-            else "a smaller --height/--width would fit")
-    raise UserInputError(
-        f"this run needs about {cost.peak_bytes / GIB:.1f} GiB ({cost.batch} image(s)), more than the "
-        f"{available / GIB:.1f} GiB of {where}; {hint}"
-    )
+    if fit >= 1:
+        raise FieldError("num_images", f"asks too much: {need}; at most {fit} image(s) in all (prompts x images) "
+                         "would fit")
+    raise FieldError("size", f"is too large: {need}; a smaller size would fit")
 
 
 def describe_long_run(cost: RunCost) -> str | None:
@@ -138,13 +116,64 @@ def describe_long_run(cost: RunCost) -> str | None:
             f"1024x1024 image), about {cost.peak_bytes / GIB:.1f} GiB")
 
 
-def check_run_fits(mesh: Mesh | None, model_dir: str | Path, batch: int) -> None:
-    """The mesh's divisibility checks for a model directory's transformer, before loading it."""
-    if mesh is None:
-        return
-    from flux2klein_cli.core.devices.mesh import check_divides
-    from flux2klein_cli.core.hub.checkpoint import Snapshot
-    from flux2klein_cli.core.weights.configs import read_config
+def check_mesh(mesh: Mesh | None, transformer_config: dict[str, Any]) -> None:
+    """The mesh's divisibility checks for a transformer, before loading it."""
+    if mesh is not None:
+        from flux2klein_cli.core.devices.mesh import check_divides
 
-    config = read_config(Snapshot.open(model_dir).component("transformer"))
-    check_divides(mesh, batch=batch, heads=int(config.get("num_attention_heads", 1)))
+        check_divides(mesh, batch=1, heads=int(transformer_config.get("num_attention_heads", 1)))
+
+
+class Demand:
+    """What of a plan decides its memory and work (RunPlan has these attributes too): kept per
+    item where a door holds many requests (batch) without their pixels."""
+
+    __slots__ = ("batch", "height", "width", "reference_sizes", "max_sequence_length", "steps", "cfg", "geometry")
+
+    def __init__(self, plan: Any, batch: int | None = None):
+        for name in self.__slots__:
+            setattr(self, name, getattr(plan, name))
+        if batch is not None:
+            self.batch = batch
+
+
+class Admission:
+    """What this host can hold, asked of every plan at every door (generate / edit, each batch
+    item, each serve request) before any device work: the memory estimate against the device
+    (a mesh spreads both over its devices: its own checks apply), and a word on long runs.
+    `memory`: (bytes, where) instead of the first local device's."""
+
+    def __init__(self, configs: Any, dtype: str, mesh: Mesh | None = None,
+                 memory: tuple[int, str] | None = None):
+        from flux2klein_cli.core.choices import jax_dtype
+
+        self.transformer_config = configs.transformer
+        self.mesh = mesh
+        self.item_bytes = 4 if dtype == "fp32" else 2
+        self.parameter_bytes = parameter_bytes(
+            {"transformer": configs.transformer, "text_encoder": configs.text_encoder, "vae": configs.vae},
+            jax_dtype(dtype))
+        self.memory = memory if memory is not None or mesh is not None else device_memory_bytes()
+        self.scores = materialises_scores(self.item_bytes)
+
+    def cost(self, plan: Any) -> RunCost:
+        geometry = plan.geometry
+        image_tokens = geometry.tokens(plan.height, plan.width)
+        ref_tokens = sum(geometry.tokens(h, w) for h, w in plan.reference_sizes)
+        passes = 2 if plan.cfg else 1  # CFG: a second, negative pass
+        return RunCost(
+            parameter_bytes=self.parameter_bytes,
+            activation_bytes_per_image=passes * activation_bytes(
+                self.transformer_config, image_tokens, plan.max_sequence_length, ref_tokens, self.item_bytes,
+                scores=self.scores),
+            batch=plan.batch, token_steps=image_tokens * plan.steps * plan.batch * passes,
+        )
+
+    def check(self, plan: Any) -> None:
+        """A FieldError (`num_images`, or `size`) when the plan cannot fit the device's memory."""
+        if self.memory is not None and self.mesh is None:
+            check_fits(self.cost(plan), *self.memory)
+
+    def long_run(self, plan: Any) -> str | None:
+        """One line for a plan that will take long, or None."""
+        return describe_long_run(self.cost(plan))

@@ -15,9 +15,8 @@ by `serve` may say it in transparency instead (OpenAI's Images API): see `mask_l
 Padding mask crop (`padding_mask_crop=`): the box around the mask's nonzero pixels, grown by the
 padding and then to the output's aspect (`crop_box`, diffusers' `get_crop_region`); the init image
 and the mask cropped to it and resized to the output size keeping the aspect, edges stretched into
-any gap (`_fill`, diffusers' resize mode "fill"); after decoding, the image resized back to the box
-(`_cover`, mode "crop": a resize to cover it, centre-cropped to it, the inverse of "fill") and laid
-under the init image, which covers it where the mask is black (`paste_back`, `apply_overlay`).
+any gap (`_fill`, diffusers' resize mode "fill"). After decoding, the pipeline pastes the image
+back into the box (core/pipeline/pixels.py: `paste_back`).
 """
 
 from __future__ import annotations
@@ -205,35 +204,3 @@ def _fill(image: Image.Image, width: int, height: int) -> Image.Image:
             out.paste(resized.resize((gap, height), box=(0, 0, 0, height)), box=(0, 0))
             out.paste(resized.resize((gap, height), box=(resized.width, 0, resized.width, height)), box=(gap + w, 0))
     return out
-
-
-def _cover(image: Image.Image, width: int, height: int) -> Image.Image:
-    """`image` Lanczos-resized to cover (width, height) keeping its aspect, centre-cropped to it
-    (diffusers' "crop"): with the box at the output's aspect, a plain resize up to rounding."""
-    ratio, source = width / height, image.width / image.height
-    w = width if ratio > source else image.width * height // image.height
-    h = height if ratio <= source else image.height * width // image.width
-    out = Image.new("RGB", (width, height))
-    out.paste(image.resize((w, h), resample=Image.Resampling.LANCZOS), box=(width // 2 - w // 2, height // 2 - h // 2))
-    return out
-
-
-def paste_back(images: np.ndarray, original: np.ndarray, mask: np.ndarray,
-               box: tuple[int, int, int, int]) -> np.ndarray:
-    """(B, H, W, 3) uint8 images made at the crop's size, each resized into `box` of a transparent
-    canvas the init image's size, then the init image (`original`: (H, W, 4) RGBA uint8) laid over
-    it with opacity 255 - `mask` ((H, W) uint8, white = repaint; gray levels as given, not
-    binarised): black outside the box where the mask is white, which a mask inside its box never is."""
-    height, width = mask.shape
-    keep = Image.new("RGBa", (width, height))
-    keep.paste(Image.fromarray(original, "RGBA").convert("RGBa"), mask=Image.fromarray(255 - mask, "L"))
-    keep = keep.convert("RGBA")
-    x1, y1, x2, y2 = box
-    out = []
-    for image in images:
-        canvas = Image.new("RGBA", (width, height))
-        canvas.paste(_cover(Image.fromarray(image, "RGB"), x2 - x1, y2 - y1), (x1, y1))
-        layered = canvas.convert("RGB").convert("RGBA")
-        layered.alpha_composite(keep)
-        out.append(np.asarray(layered.convert("RGB")))
-    return np.stack(out)

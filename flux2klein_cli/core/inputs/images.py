@@ -1,4 +1,4 @@
-"""Reference images in, generated pixels out: the exact pre/post-processing of diffusers' Flux2KleinPipeline.
+"""Reference images in: the exact preprocessing of diffusers' Flux2KleinPipeline.
 
 Preprocessing of one reference (diffusers 0.42 `Flux2KleinPipeline.__call__` + `Flux2ImageProcessor`):
 
@@ -20,20 +20,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.errors import UserInputError
 from flux2klein_cli.core.limits import LIMITS, check_file_size, check_reference_pixels
 from flux2klein_cli.core.paths import check_input_file
 
+# A reference as the caller names it: a file, or (label, bytes) of an upload (`serve`: a request never
+# names a server-side path).
+ReferenceSource = Path | tuple[str, bytes]
+
 MIN_SIDE = 64
 MAX_ASPECT = 8
-MAX_AREA = 1024 * 1024
+MAX_AREA = DEFAULTS.reference_max_area
 # The largest reference read, from the limits table (core/limits.py): one bound of our own instead of
 # Pillow's decompression-bomb warning (89 MP) and error (179 MP).
-MAX_REFERENCE_SIDE = LIMITS.reference_side
 MAX_REFERENCE_PIXELS = LIMITS.reference_pixels
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
@@ -118,6 +121,19 @@ def load_reference(path: str | os.PathLike[str], data: bytes | None = None, *, k
     return rgb
 
 
+def read_reference(source: ReferenceSource, *, keep_alpha: bool = False) -> tuple[str, Image.Image]:
+    """(name, image) of a reference, read by `load_reference`. An upload's name carries a digest of
+    its bytes: names are part of a plan's batch key, so two uploads called image.png must not pass
+    for one reference. `keep_alpha`: RGBA when the image has transparency."""
+    if isinstance(source, tuple):
+        import hashlib
+
+        label, data = source
+        return (f"{label}@sha256:{hashlib.sha256(data).hexdigest()[:16]}",
+                load_reference(label, data, keep_alpha=keep_alpha))
+    return str(source), load_reference(source, keep_alpha=keep_alpha)
+
+
 def check_reference(image: Image.Image, name: str = "reference image") -> None:
     """The size and aspect checks diffusers runs on every reference before processing any."""
     width, height = image.size
@@ -136,13 +152,6 @@ def _area_capped_size(width: int, height: int, max_area: int = MAX_AREA) -> tupl
     # Same float expression and truncation as diffusers, so the sizes agree to the pixel.
     scale = math.sqrt(max_area / (width * height))
     return int(width * scale), int(height * scale)
-
-
-def reference_size(width: int, height: int, *, multiple_of: int, max_area: int = MAX_AREA) -> tuple[int, int]:
-    """The (width, height) a reference of this size has after preprocessing (no pixels needed);
-    `multiple_of` is the model's pixels per token (LatentGeometry), `max_area` the area cap."""
-    w, h = _area_capped_size(width, height, max_area)
-    return (w // multiple_of) * multiple_of, (h // multiple_of) * multiple_of
 
 
 def preprocess_reference(
@@ -166,42 +175,3 @@ def preprocess_reference(
         raise UserInputError(f"{name} has pixel mode {image.mode} that cannot be converted to RGB: {e}") from None
     pixels = np.asarray(rgb).astype(np.float32) / 255.0
     return 2.0 * pixels - 1.0
-
-
-def postprocess(images: np.ndarray) -> np.ndarray:
-    """Decoded images (B, H, W, 3) in about [-1, 1] -> uint8, as diffusers' postprocess(output_type="pil").
-
-    Denormalise and clamp in the input's own dtype (diffusers does it on the VAE output tensor, bf16 included),
-    then float32, * 255, round half to even, uint8.
-    """
-    x = np.asarray(images)
-    if x.ndim == 3:
-        x = x[None]
-    if x.ndim != 4 or x.shape[-1] != 3:
-        raise ValueError(f"expected images of shape (B, H, W, 3), got {x.shape}")
-    if not np.issubdtype(x.dtype, np.floating) and x.dtype != ml_dtypes.bfloat16:
-        x = x.astype(np.float32)
-    # A typed 0.5: bf16 * a Python float would promote to float32 and round differently from diffusers.
-    half = np.asarray(0.5, dtype=x.dtype)
-    y = x * half  # a new array: the passes below work in place (a 512x512 image is on serve's path)
-    y += half
-    y = y.astype(np.float32, copy=False)
-    np.clip(y, 0.0, 1.0, out=y)  # clamping to 0/1 is exact in any dtype
-    y *= 255
-    np.rint(y, out=y)  # round half to even, as torch's round
-    return y.astype(np.uint8)
-
-
-def validate_size(height: int | None, width: int | None, *, multiple_of: int) -> None:
-    """An explicit output size: positive and a multiple of the model's pixels per token
-    (`multiple_of`, LatentGeometry; 16 for the published models). None means "not given"."""
-    for label, value in (("height", height), ("width", width)):
-        if value is None:
-            continue
-        if value < multiple_of:
-            raise UserInputError(f"{label} must be at least {multiple_of} px, got {value}")
-        if value % multiple_of:
-            lower = value - value % multiple_of
-            raise UserInputError(
-                f"{label} {value} is not a multiple of {multiple_of}; use {lower} or {lower + multiple_of}"
-            )

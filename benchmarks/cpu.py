@@ -4,10 +4,11 @@ On a loaded host absolute times drift; the forms are timed in turn, round after 
 one process; whole images each in its own process), so their ratios hold. Needs torch and
 diffusers (the [parity] extra).
 
-    python -m flux2klein_cli.core.runs.bench.cpu matmul
-    python -m flux2klein_cli.core.runs.bench.cpu image /tmp/medium --dtype bf16 --size 512 --steps 4
-    python -m flux2klein_cli.core.runs.bench.cpu step /tmp/4b/transformer --size 1024
-`image` times ours with oneMKL's dots and with XLA's (FLUX2KLEIN_CPU_MATMUL=xla, core/models/kernels.py).
+    python benchmarks/cpu.py matmul
+    python benchmarks/cpu.py image /tmp/medium --dtype bf16 --size 512 --steps 4
+    python benchmarks/cpu.py step /tmp/4b/transformer --size 1024
+`image` times ours with the CPU's kernel plugin and float32 accumulation and with XLA's forms as
+written (FLUX2KLEIN_CPU_MATMUL=xla, core/models/kernels.py).
 """
 
 from __future__ import annotations
@@ -67,15 +68,19 @@ def one_form(form: str, model: str, dtype: str, size: int, steps: int, calls: in
     needs; diffusers' fp32 call took 3-4x longer beside a loaded JAX pipeline)."""
     prompt = "a red fox in snow"
     if form.startswith("flux2klein"):
-        from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
+        from pathlib import Path
 
-        pipe = KleinPipeline.load(model, dtype=jnp.bfloat16 if dtype == "bf16" else jnp.float32)
-        request = Request(prompts=[prompt], steps=steps, guidance=1.0, height=size, width=size)
+        from flux2klein_cli.core.engine.engine import Engine, EngineOptions
+        from flux2klein_cli.core.engine.plan import RunFields
+
+        engine = Engine.load(EngineOptions(model=model, dtype=dtype, store=False), Path(model), warn=print)
+        plan = engine.plan(RunFields(prompts=(prompt,), steps=steps, guidance=1.0, height=size, width=size))
         phases: dict[str, float] = {}
 
         def call() -> None:
-            for k, v in pipe(request).seconds.items():
-                phases[k] = min(v, phases.get(k, v))
+            for k, v in engine.run(plan).seconds.items():
+                if k != "total":
+                    phases[k] = min(v, phases.get(k, v))
 
         best = interleave({form: call}, calls)[form]
         return {"s": best, "phases": {k: round(v, 3) for k, v in phases.items() if v}}
@@ -148,7 +153,7 @@ def step(transformer_dir: str, size: int, text_tokens: int, rounds: int, calls: 
     runs: dict[str, list[float]] = {f: [] for f in STEP_FORMS}
     for _ in range(rounds):
         for form in STEP_FORMS:
-            cmd = [sys.executable, "-m", "flux2klein_cli.core.runs.bench.cpu", "one-step", form, transformer_dir,
+            cmd = [sys.executable, __file__, "one-step", form, transformer_dir,
                    "--size", str(size), "--text-tokens", str(text_tokens), "--calls", str(calls)]
             done = subprocess.run(cmd, env=settings.child_environment(), capture_output=True, text=True, check=True)
             runs[form].append(json.loads(done.stdout.strip().splitlines()[-1])["s"])
@@ -171,7 +176,7 @@ def image(model: str, dtype: str, size: int, steps: int, rounds: int, calls: int
             env = settings.child_environment()
             if form == "flux2klein-xla":
                 env[settings.CPU_MATMUL] = "xla"
-            cmd = [sys.executable, "-m", "flux2klein_cli.core.runs.bench.cpu", "one", form, model, "--dtype", dtype,
+            cmd = [sys.executable, __file__, "one", form, model, "--dtype", dtype,
                    "--size", str(size), "--steps", str(steps), "--calls", str(calls)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             runs[form].append(json.loads(done.stdout.strip().splitlines()[-1]))

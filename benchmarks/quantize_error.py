@@ -20,14 +20,14 @@ update is about 1% of the residual stream, far less than in a trained model, so 
 error understates what a layer adds and the update's overstates it for bf16, whose output is
 rounded to bf16 as a whole (the residual stream's rounding, not the layer's arithmetic).
 
-    python -m flux2klein_cli.core.runs.quantize_error --model 4b --height 512 --width 512 --text-tokens 512
+    python benchmarks/quantize_error.py --model 4b --height 512 --width 512 --text-tokens 512
 
 `--velocity PRESET` measures the whole transformer instead, on a random checkpoint of that preset
 (tiny, medium) converted to float32 with and without `--quantize int8`: at each step of the
 float32 run's trajectory, the velocity of each variant from the same latents and the same
 (float32) text features, against float32's.
 
-    python -m flux2klein_cli.core.runs.quantize_error --velocity medium --height 256 --width 256 --steps 4
+    python benchmarks/quantize_error.py --velocity medium --height 256 --width 256 --steps 4
 """
 
 from __future__ import annotations
@@ -226,9 +226,13 @@ def velocity_errors(preset: str, height: int, width: int, steps: int, seed: int 
     import tempfile
     from pathlib import Path
 
+    from flux2klein_cli.core.engine.engine import Engine, EngineOptions
+    from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.pipeline.denoise import denoise_fn
-    from flux2klein_cli.core.pipeline.pipeline import KleinPipeline, Request
     from flux2klein_cli.core.weights.convert import convert
+
+    def engine(directory: Path, dtype: str) -> Engine:
+        return Engine.load(EngineOptions(model=str(directory), dtype=dtype, store=False), directory, warn=print)
 
     with tempfile.TemporaryDirectory(prefix="quantize-error-") as tmp:
         root = Path(tmp)
@@ -236,25 +240,25 @@ def velocity_errors(preset: str, height: int, width: int, steps: int, seed: int 
         dirs = {None: root / "fp32", "int8": root / "int8"}
         for scheme, out in dirs.items():
             convert(root / "src", out, dtype="fp32", quantize=scheme)
-        reference = KleinPipeline.load(dirs[None], dtype=jnp.float32)
+        reference = engine(dirs[None], "fp32")
         captured: dict[str, Any] = {}
-        run_loop = reference.denoise
+        run_loop = reference.pipeline.denoise
 
         def capture(inputs: Any, *args: Any, **kwargs: Any) -> Any:
             captured["inputs"] = inputs
             return run_loop(inputs, *args, **kwargs)
 
-        reference.denoise = capture  # type: ignore[method-assign]
-        reference(Request(prompts=["a red fox in the snow"], steps=steps, guidance=1.0, height=height,
-                          width=width, seed=seed))
+        reference.pipeline.denoise = capture  # the loop's inputs: text features, noise, schedule
+        reference.run(reference.plan(RunFields(prompts=("a red fox in the snow",), steps=steps, guidance=1.0,
+                                               height=height, width=width, seed=seed)))
         inputs = captured["inputs"]
         sigmas = np.asarray(inputs.sigmas)
 
-        def velocities(pipeline: KleinPipeline, compute: str, trajectory: list[Any]) -> list[np.ndarray]:
+        def velocities(run_on: Engine, compute: str, trajectory: list[Any]) -> list[np.ndarray]:
             """The velocity at each step from `trajectory[i]` (float32's latents; appended to
             while it is float32's own run)."""
             options = dataclasses.replace(TraceOptions.local(), int8_compute=compute)
-            graphdef, state = nnx.split(pipeline.models.transformer)
+            graphdef, state = nnx.split(run_on.pipeline.models.transformer)
             one_step = denoise_fn(graphdef, 1, options)
             out = []
             for i in range(steps):
@@ -269,10 +273,10 @@ def velocity_errors(preset: str, height: int, width: int, steps: int, seed: int 
         del reference
         rows: dict[str, list[float]] = {}
         for variant, (dtype, scheme, compute) in VARIANTS.items():
-            pipeline = KleinPipeline.load(dirs[scheme], dtype=dtype)
-            got = velocities(pipeline, compute, trajectory)
+            variant_engine = engine(dirs[scheme], "bf16" if dtype == jnp.bfloat16 else "fp32")
+            got = velocities(variant_engine, compute, trajectory)
             rows[variant] = [relative(g, e) for g, e in zip(got, expected, strict=True)]
-            del pipeline
+            del variant_engine
     return {"preset": preset, "height": height, "width": width, "steps": steps, "seed": seed, "velocity": rows}
 
 

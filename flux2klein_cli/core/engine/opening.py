@@ -1,0 +1,118 @@
+"""Opening an engine, the one way every door (generate / edit, batch, serve) does it.
+
+Everything that can fail before the weights load fails first, cheapest first: the engine's
+options (dtype, effort, devices, LoRA files, path lengths, the KV store), then the door's plans
+against the model's facts (from its configs, before any download when they are here). `resolve`
+then finds the model (downloading it if need be), plans again if the snapshot's facts are not
+the ones planned against, makes the mesh, checks the transformer fits it, and gives the
+`Admission` every plan must pass before any device work (core/engine/cost.py). Only `load`
+reads weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from flux2klein_cli.core.engine.cost import Admission, check_mesh
+from flux2klein_cli.core.engine.engine import Engine, EngineOptions, Warn
+from flux2klein_cli.core.engine.plan import ModelFacts, model_facts
+from flux2klein_cli.core.errors import FieldError
+
+T = TypeVar("T")
+Phase = Callable[[str], None]
+
+
+def check_engine_options(options: EngineOptions) -> None:
+    """What an engine's options must satisfy before anything loads (a missing LoRA fails here)."""
+    from flux2klein_cli.core.choices import check_effort, jax_dtype
+    from flux2klein_cli.core.lora.files import LoraSpec, resolve_lora
+    from flux2klein_cli.core.paths import check_name_length
+
+    check_name_length(options.model, "model")
+    for path, name in ((options.kv_cache_dir, "kv_cache_dir"), (options.compile_cache, "compile_cache")):
+        if path is not None:
+            check_name_length(path, name)
+    check_effort(options.effort)
+    jax_dtype(options.dtype)
+    options.devices.check()
+    for text in options.lora:
+        resolve_lora(LoraSpec.parse(text))
+
+
+def check_kv_store(options: EngineOptions, facts: ModelFacts) -> None:
+    """A reference KV store keeps what only a KV-trained checkpoint computes."""
+    if options.kv_cache_dir is not None and not facts.kv:
+        raise FieldError("kv_cache_dir", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {facts.name} is "
+                         f"{facts.pipeline_class}: use a KV-trained model (9b-kv)")
+
+
+def composing(options: EngineOptions, resolve: Callable[[str], Path]) -> Callable[[str], Path]:
+    """`resolve`, composing the transformer / VAE from elsewhere into the snapshot when given."""
+    if not (options.transformer or options.vae):
+        return resolve
+    from flux2klein_cli.core.hub.components import compose, resolve_overrides
+
+    sources = resolve_overrides(options.transformer, options.vae)
+    return lambda model: compose(resolve(model), sources)
+
+
+def _no_plans(facts: ModelFacts) -> None:
+    return None
+
+
+class Opening(Generic[T]):
+    """An engine on its way: `planned` is what the door's `plan(facts)` gave, made again
+    whenever the facts change; `resolve()` then `load()`."""
+
+    def __init__(self, options: EngineOptions, resolve: Callable[[str], Path],
+                 plan: Callable[[ModelFacts], T] = _no_plans, *, on_phase: Phase = lambda phase: None):  # type: ignore[assignment]
+        check_engine_options(options)
+        self.options, self._plan, self._on_phase = options, plan, on_phase
+        self._resolve = composing(options, resolve)
+        self.model_dir: Path | None = None
+        facts = model_facts(options.model, transformer=options.transformer, vae=options.vae)
+        if facts is None:  # only the snapshot tells: resolve it now
+            on_phase("loading model")
+            self.model_dir = self._resolve(options.model)
+            facts = model_facts(options.model, model_dir=self.model_dir)
+        self.facts: ModelFacts = facts  # type: ignore[assignment]
+        check_kv_store(options, self.facts)
+        self.planned: T = plan(self.facts)
+        self.mesh: Any = None
+        self.admission: Admission | None = None
+
+    def resolve(self) -> Admission:
+        """The model on disk (downloaded if need be), the plans again if its facts are not the
+        ones planned against, the mesh, and what this host admits."""
+        from flux2klein_cli.core.compile.specs import configs_from_snapshot
+        from flux2klein_cli.core.devices.distributed import run_mesh
+
+        if self.admission is not None:
+            return self.admission
+        self._on_phase("loading model")
+        if self.model_dir is None:
+            self.model_dir = self._resolve(self.options.model)
+        configs = configs_from_snapshot(self.model_dir)
+        facts = ModelFacts.of(self.options.model, configs)
+        if facts != self.facts:  # the registry's geometry or kind was not this snapshot's
+            self.facts = facts
+            check_kv_store(self.options, facts)
+            self.planned = self._plan(facts)
+        self.mesh = run_mesh(self.options.devices)
+        check_mesh(self.mesh, configs.transformer)
+        self.admission = Admission(configs, self.options.dtype, self.mesh)
+        return self.admission
+
+    def load(self, warn: Warn) -> Engine:
+        """The engine, its weights read (after `resolve`'s checks, which it runs if not yet run)."""
+        self.resolve()
+        assert self.model_dir is not None
+        return Engine.load(self.options, self.model_dir, mesh=self.mesh, warn=warn)
+
+
+def open_engine(options: EngineOptions, resolve: Callable[[str], Path], *, warn: Warn,
+                on_phase: Phase = lambda phase: None) -> Engine:
+    """An engine, every check before loading run, for a caller that plans its requests later."""
+    return Opening(options, resolve, on_phase=on_phase).load(warn)
