@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flux2klein_cli.core import settings
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.models import kernels, trace
 
 
@@ -68,13 +69,16 @@ def one_form(form: str, model: str, dtype: str, size: int, steps: int, calls: in
     needs; diffusers' fp32 call took 3-4x longer beside a loaded JAX pipeline)."""
     prompt = "a red fox in snow"
     if form.startswith("flux2klein"):
-        from pathlib import Path
+        from flux2klein_cli.core.engine.engine import EngineOptions
+        from flux2klein_cli.core.engine.opening import Opening
+        from flux2klein_cli.core.engine.plan import RunFields, build_plan
+        from flux2klein_cli.core.hub.snapshot import resolve_model
 
-        from flux2klein_cli.core.engine.engine import Engine, EngineOptions
-        from flux2klein_cli.core.engine.plan import RunFields
-
-        engine = Engine.load(EngineOptions(model=model, dtype=dtype, store=False), Path(model), warn=print)
-        plan = engine.plan(RunFields(prompts=(prompt,), steps=steps, guidance=1.0, height=size, width=size))
+        request = RunFields(prompts=(prompt,), steps=steps, guidance=1.0, height=size, width=size)
+        opening = Opening(EngineOptions(model=model, dtype=dtype, store=False), resolve_model,
+                          lambda facts: build_plan(request, facts))
+        plan = opening.admitted(print)  # refused as generate refuses what this host cannot hold
+        engine = opening.load(print)
         phases: dict[str, float] = {}
 
         def call() -> None:
@@ -207,7 +211,7 @@ def main() -> None:
             sub_parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
             sub_parser.add_argument("--steps", type=int, default=4)
         else:
-            sub_parser.add_argument("--text-tokens", type=int, default=512)
+            sub_parser.add_argument("--text-tokens", type=int, default=DEFAULTS.max_sequence_length)
     args = parser.parse_args()
     status = kernels.plugin_status()
     out = {"cpu_matmul": status.name, "why": status.reason}

@@ -26,13 +26,18 @@ def main() -> None:
     args = parser.parse_args()
 
     from flux2klein_cli.core.engine.engine import EngineOptions
-    from flux2klein_cli.core.engine.opening import open_engine
-    from flux2klein_cli.core.engine.plan import RunFields
+    from flux2klein_cli.core.engine.opening import Opening
+    from flux2klein_cli.core.engine.plan import RunFields, build_plan
     from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.runs.image_files import write_png
     from flux2klein_cli.core.serve.service import encode_png
 
-    engine = open_engine(EngineOptions(model=args.model, dtype=args.dtype), resolve_model, warn=lambda m: None)
+    # The device batch run_batch makes of BS one-image plans, refused as generate refuses what this host cannot hold.
+    batch = RunFields(prompts=("a lighthouse at dawn",), num_images=args.bs, height=args.size, width=args.size)
+    opening = Opening(EngineOptions(model=args.model, dtype=args.dtype), resolve_model,
+                      lambda facts: build_plan(batch, facts))
+    opening.admitted(print)
+    engine = opening.load(lambda m: None)
 
     def plans(rep: int) -> list:
         return [engine.plan(RunFields(prompts=(f"a lighthouse at dawn, study {rep}-{i}",), seed=rep * 100 + i,

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.hub import random_checkpoint as rc
 from flux2klein_cli.core.models.layers import layer_norm, linear, silu
 from flux2klein_cli.core.models.quantized import QuantizedLinear, quantize_abstract, quantize_weights
@@ -227,12 +228,21 @@ def velocity_errors(preset: str, height: int, width: int, steps: int, seed: int 
     from pathlib import Path
 
     from flux2klein_cli.core.engine.engine import Engine, EngineOptions
-    from flux2klein_cli.core.engine.plan import RunFields
+    from flux2klein_cli.core.engine.opening import Opening
+    from flux2klein_cli.core.engine.plan import RunFields, build_plan
+    from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.pipeline.denoise import denoise_fn
     from flux2klein_cli.core.weights.convert import convert
 
+    request = RunFields(prompts=("a red fox in the snow",), steps=steps, guidance=1.0, height=height, width=width,
+                        seed=seed)
+
     def engine(directory: Path, dtype: str) -> Engine:
-        return Engine.load(EngineOptions(model=str(directory), dtype=dtype, store=False), directory, warn=print)
+        """Opened as generate opens one, the request checked against what this host holds."""
+        opening = Opening(EngineOptions(model=str(directory), dtype=dtype, store=False), resolve_model,
+                          lambda facts: build_plan(request, facts))
+        opening.admitted(print)
+        return opening.load(print)
 
     with tempfile.TemporaryDirectory(prefix="quantize-error-") as tmp:
         root = Path(tmp)
@@ -249,8 +259,7 @@ def velocity_errors(preset: str, height: int, width: int, steps: int, seed: int 
             return run_loop(inputs, *args, **kwargs)
 
         reference.pipeline.denoise = capture  # the loop's inputs: text features, noise, schedule
-        reference.run(reference.plan(RunFields(prompts=("a red fox in the snow",), steps=steps, guidance=1.0,
-                                               height=height, width=width, seed=seed)))
+        reference.run(reference.plan(request))
         inputs = captured["inputs"]
         sigmas = np.asarray(inputs.sigmas)
 
@@ -285,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", choices=("4b", "9b"), default="4b")
     parser.add_argument("--height", type=int, default=512)
     parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--text-tokens", type=int, default=512)
+    parser.add_argument("--text-tokens", type=int, default=DEFAULTS.max_sequence_length)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sigma", type=float, default=0.5, help="the timestep (noise level) of the modulation")
     parser.add_argument("--velocity", metavar="PRESET", help="the whole transformer's velocity per step on a "

@@ -54,6 +54,8 @@ def test_rules_between_options(changes: dict[str, object], words: str) -> None:
     assert words in message(caught.value, SHAPE_FLAGS)
 
 
-def test_a_kv_edit_with_references_passes() -> None:
-    BenchOptions(kv=True, refs="4").check()
-    BenchOptions(kv=True, refs="512x512,768x1024").check()
+def test_a_kv_edit_with_references_passes_on_a_kv_model_only() -> None:
+    BenchOptions(model="9b-kv", kv=True, refs="4").check()
+    BenchOptions(model="9b-kv", kv=True, refs="512x512,768x1024").check()
+    with pytest.raises(UserInputError, match="needs a KV-trained checkpoint"):  # the plan's rule, before any load
+        BenchOptions(model="4b", kv=True, refs="4").check()

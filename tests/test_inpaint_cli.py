@@ -104,16 +104,19 @@ def test_an_inpaint_run_compiles_nothing_in_a_second_process(tiny_checkpoint: Pa
 
 
 @pytest.mark.slow
-def test_parity_with_an_init_image_and_a_mask(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_parity_with_an_init_image_a_mask_and_its_crop(tiny_checkpoint: Path, tmp_path: Path) -> None:
     import json
 
     images(tmp_path)
     result = runner.invoke(app, ["parity", "--model", str(tiny_checkpoint), "--steps", "3", "--init-image",
                                  str(tmp_path / "init.png"), "--mask", str(tmp_path / "mask.png"), "--strength", "0.7",
-                                 "--out-dir", str(tmp_path / "parity"), "--json"], catch_exceptions=False)
+                                 "--padding-mask-crop", "8", "--out-dir", str(tmp_path / "parity"), "--json"],
+                           catch_exceptions=False)
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["pipeline"] == "Flux2KleinInpaintPipeline" and (report["width"], report["height"]) == (128, 96)
+    with Image.open(report["files"]["ours"]) as ours:  # the plan ran with it: its record says so
+        assert report["padding_mask_crop"] == 8 and ours.text["padding_mask_crop"] == "8"
     assert report["ssim"] >= 0.999 and report["max_diff"] <= 2, report
 
 

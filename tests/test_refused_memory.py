@@ -68,6 +68,7 @@ def test_every_door_refuses_what_memory_cannot_hold_with_one_line(tiny_checkpoin
     from flux2klein_cli.core.engine.engine import Engine, EngineOptions
     from flux2klein_cli.core.engine.plan import RunFields, build_plan, model_facts
     from flux2klein_cli.core.errors import FieldError
+    from flux2klein_cli.core.fields import flag
     from flux2klein_cli.core.runs.batch.run import BatchOptions, run_batch
     from flux2klein_cli.core.serve.options import ServeOptions
     from flux2klein_cli.core.serve.service import Service, api_error
@@ -96,6 +97,14 @@ def test_every_door_refuses_what_memory_cannot_hold_with_one_line(tiny_checkpoin
     records = [json.loads(line) for line in (tmp_path / "renders" / "results.jsonl").read_text().splitlines()]
     assert (report.failed, report.exit_code, warned) == (1, 1, [f"manifest line 1: num_images {detail}"])
     assert [(r["status"], r["error"]) for r in records] == [("error", f"num_images {detail}")]
+    # Two lines of one image each fit alone, but not as the one device batch --bs 2 makes of them.
+    manifest.write_text("".join(json.dumps({"prompt": f"fox {i}", "height": 32, "width": 32}) + "\n"
+                                for i in range(2)))
+    with pytest.raises(FieldError) as too_big:
+        run_batch(BatchOptions(EngineOptions(model=model), manifest, tmp_path / "paired", batch_size=2),
+                  lambda name: Path(name))
+    assert too_big.value.named(flag) == "--bs " + detail.replace("in all (prompts x images)", "in one device batch")
+    assert not (tmp_path / "paired").exists()
 
     engine = SimpleNamespace(facts=facts, options=EngineOptions(model=model), run_batch=None,
                              plan=lambda f: build_plan(f, facts))  # an engine whose weights never load

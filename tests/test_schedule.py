@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flux2klein_cli.core.hub.random_checkpoint import SCHEDULER_CONFIG
-from flux2klein_cli.core.hub.registry import MODELS
+from flux2klein_cli.core.hub.registry import MODELS, sampling
 from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, empirical_mu, make_schedule
 from tests.fixtures.reference import lazy
 
@@ -57,6 +57,7 @@ def test_schedule_is_diffusers_to_the_bit(tokens: int, steps: int) -> None:
 def test_default_steps_and_guidance_are_the_pipelines() -> None:
     """Base (undistilled) models sample as Flux2KleinPipeline does by default: 50 steps, guidance 4."""
     defaults = inspect.signature(diffusers.Flux2KleinPipeline.__call__).parameters
-    base = [spec for spec in MODELS.values() if not spec.distilled]
-    assert base and all(spec.steps == defaults["num_inference_steps"].default == 50 for spec in base)
-    assert all(spec.guidance == defaults["guidance_scale"].default == 4.0 for spec in base)
+    base = sampling(distilled=False)
+    assert any(not spec.distilled for spec in MODELS.values())
+    assert base.steps == defaults["num_inference_steps"].default == 50
+    assert base.guidance == defaults["guidance_scale"].default == 4.0 and base.cfg

@@ -117,13 +117,13 @@ MaskOpt = Annotated[Path | None, typer.Option(
     "black kept (binarised at half gray).")]
 StrengthOpt = Annotated[float | None, float_option(
     "--strength", help="With --init-image: how much of the schedule runs, in (0, 1]; 1 starts from pure noise "
-    "\\[default: 0.8]")]
+    f"\\[default: {DEFAULTS.strength}]")]
 PaddingMaskCropOpt = Annotated[int | None, typer.Option(
     "--padding-mask-crop", metavar="PIXELS", help="With --mask: inpaint only the mask's box grown by PIXELS on each "
     "side (and to the output's aspect), scaled up to the output size, then pasted back into the init image.")]
 ReferenceMaxAreaOpt = Annotated[int | None, typer.Option(
     "--reference-max-area", metavar="PIXELS", help="References above this many pixels are scaled down to it, "
-    "keeping their aspect, before the crop to multiples of 16 \\[default: 1048576 = 1024x1024]")]
+    f"keeping their aspect, before the crop to multiples of 16 \\[default: {DEFAULTS.reference_max_area}]")]
 CoordinatorOpt = Annotated[str | None, typer.Option("--coordinator", help="Multi-process run: the coordinator "
                                                     "HOST:PORT (process 0's); TPU slices need no flag.")]
 NumProcessesOpt = Annotated[int | None, typer.Option("--num-processes", help="Multi-process run: how many "

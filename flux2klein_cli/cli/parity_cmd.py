@@ -11,6 +11,7 @@ from flux2klein_cli.cli import options as o
 from flux2klein_cli.cli.output import Table, emit_json, note, plain, show_table, user_errors
 from flux2klein_cli.cli.params import float_option
 from flux2klein_cli.core import choices
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
 
@@ -20,8 +21,8 @@ def parity(
                       ] = "a red fox in snow, golden hour",
     image: Annotated[list[Path], typer.Option("--image", "-i", help="Reference image(s): compares an edit.")
                      ] = [],  # noqa: B006 (typer reads the default; it is never mutated)
-    height: Annotated[int | None, typer.Option("--height", help="Output height \\[default: 1024 or the first "
-                                               "reference's].")] = None,
+    height: Annotated[int | None, typer.Option("--height", help=f"Output height \\[default: {DEFAULTS.side} or the "
+                                               "first reference's].")] = None,
     width: Annotated[int | None, typer.Option("--width", help="Output width \\[default: as height].")] = None,
     steps: o.StepsOpt = None,
     guidance: o.GuidanceOpt = None,
@@ -36,31 +37,30 @@ def parity(
     init_image: o.InitImageOpt = None,
     mask: o.MaskOpt = None,
     strength: o.StrengthOpt = None,
+    padding_mask_crop: o.PaddingMaskCropOpt = None,
     transformer: o.TransformerOpt = None,
     vae: o.VaeOpt = None,
     as_json: o.JsonOpt = False,
 ) -> None:
     """Compare with diffusers' pipeline: SSIM, PSNR and max pixel difference.
 
-    Needs the \\[parity] extra (torch, diffusers). With --init-image (and --mask), against
-    diffusers' Flux2KleinInpaintPipeline, the noise drawn by torch from --seed. Writes both
-    images and a difference image; exits 1 when SSIM is below --threshold.
+    Needs the \\[parity] extra (torch, diffusers). With --init-image (and --mask, and
+    --padding-mask-crop), against diffusers' Flux2KleinInpaintPipeline, the noise drawn by torch
+    from --seed. Writes both images and a difference image; exits 1 when SSIM is below --threshold.
 
     Example: flux2klein parity --model 4b --steps 4 --height 512 --width 512 --json
     """
-    from functools import partial
-
     from flux2klein_cli.core.devices.runtime import configure_jax
-    from flux2klein_cli.core.hub.components import resolve_composed
+    from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.runs.parity import parity_check
 
     configure_jax()
     with user_errors():
         report = parity_check(
-            model=model, resolve=partial(resolve_composed, transformer=transformer, vae=vae),
-            prompt=prompt, references=list(image), height=height, width=width,
+            model=model, resolve=resolve_model, prompt=prompt, references=list(image), height=height, width=width,
             steps=steps, guidance=guidance, seed=seed, dtype=dtype.value, out_dir=out_dir, force=force, lora=lora,
-            init_image=init_image, mask=mask, strength=strength,
+            init_image=init_image, mask=mask, strength=strength, padding_mask_crop=padding_mask_crop,
+            transformer=transformer, vae=vae,
         )
     passed = report["ssim"] >= threshold
     report["threshold"], report["passed"] = threshold, passed

@@ -57,7 +57,7 @@ def compile_all(
                 raise
             raise Flux2KleinError(
                 f"{spec.name} does not fit the target's memory ({first_line(e)}); try a smaller {{field:batch}} or "
-                "size, more chips, or an int8 model (flux2klein convert {field:quantize} int8)") from None
+                "size, more chips, or an int8 model (flux2klein convert --quantize int8)") from None
         results[i] = compiled, store.finish(spec, parts, compiled, lower_s, compile_s, save, caught)
         say(f"{spec.name}: compiled in {compile_s:.2f} s")
         finished()

@@ -95,16 +95,21 @@ def device_memory_bytes() -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
 
 
-def check_fits(cost: RunCost, available: int, where: str) -> None:
-    """Refuse a run whose estimate is above the memory it has, naming what to change and what would fit."""
+# The field a refusal for too many images names, and what its count is: a request's images, or the
+# device batch a door makes of several requests (batch's --bs).
+IMAGES_IN = {"num_images": "in all (prompts x images)", "batch_size": "in one device batch"}
+
+
+def check_fits(cost: RunCost, available: int, where: str, images: str = "num_images") -> None:
+    """Refuse a run whose estimate is above the memory it has, naming what to change (`images`,
+    or the size) and what would fit."""
     if cost.peak_bytes <= available:
         return
     need = (f"this run needs about {cost.peak_bytes / GIB:.1f} GiB for {cost.batch} image(s), more than the "
             f"{available / GIB:.1f} GiB of {where}")
     fit = cost.images_that_fit(available)
     if fit >= 1:
-        raise FieldError("num_images", f"asks too much: {need}; at most {fit} image(s) in all (prompts x images) "
-                         "would fit")
+        raise FieldError(images, f"asks too much: {need}; at most {fit} image(s) {IMAGES_IN[images]} would fit")
     raise FieldError("size", f"is too large: {need}; a smaller size would fit")
 
 
@@ -169,10 +174,10 @@ class Admission:
             batch=plan.batch, token_steps=image_tokens * plan.steps * plan.batch * passes,
         )
 
-    def check(self, plan: Any) -> None:
-        """A FieldError (`num_images`, or `size`) when the plan cannot fit the device's memory."""
+    def check(self, plan: Any, images: str = "num_images") -> None:
+        """A FieldError (`images`, or `size`) when the plan cannot fit the device's memory."""
         if self.memory is not None and self.mesh is None:
-            check_fits(self.cost(plan), *self.memory)
+            check_fits(self.cost(plan), *self.memory, images)
 
     def long_run(self, plan: Any) -> str | None:
         """One line for a plan that will take long, or None."""

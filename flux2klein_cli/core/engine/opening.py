@@ -17,8 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from flux2klein_cli.core.engine.cost import Admission, check_mesh
 from flux2klein_cli.core.engine.engine import Engine, EngineOptions, Warn
-from flux2klein_cli.core.engine.plan import ModelFacts, model_facts
-from flux2klein_cli.core.errors import FieldError
+from flux2klein_cli.core.engine.plan import ModelFacts, check_kv_model, model_facts
 
 T = TypeVar("T")
 Phase = Callable[[str], None]
@@ -39,13 +38,6 @@ def check_engine_options(options: EngineOptions) -> None:
     options.devices.check()
     for text in options.lora:
         resolve_lora(LoraSpec.parse(text))
-
-
-def check_kv_store(options: EngineOptions, facts: ModelFacts) -> None:
-    """A reference KV store keeps what only a KV-trained checkpoint computes."""
-    if options.kv_cache_dir is not None and not facts.kv:
-        raise FieldError("kv_cache_dir", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {facts.name} is "
-                         f"{facts.pipeline_class}: use a KV-trained model (9b-kv)")
 
 
 def composing(options: EngineOptions, resolve: Callable[[str], Path]) -> Callable[[str], Path]:
@@ -78,7 +70,7 @@ class Opening(Generic[T]):
             self.model_dir = self._resolve(options.model)
             facts = model_facts(options.model, model_dir=self.model_dir)
         self.facts: ModelFacts = facts  # type: ignore[assignment]
-        check_kv_store(options, self.facts)
+        check_kv_model(self.facts, "kv_cache_dir" if options.kv_cache_dir is not None else None)
         self.planned: T = plan(self.facts)
         self.mesh: Any = None
         self.admission: Admission | None = None
@@ -98,12 +90,23 @@ class Opening(Generic[T]):
         facts = ModelFacts.of(self.options.model, configs)
         if facts != self.facts:  # the registry's geometry or kind was not this snapshot's
             self.facts = facts
-            check_kv_store(self.options, facts)
+            check_kv_model(facts, "kv_cache_dir" if self.options.kv_cache_dir is not None else None)
             self.planned = self._plan(facts)
         self.mesh = run_mesh(self.options.devices)
         check_mesh(self.mesh, configs.transformer)
         self.admission = Admission(configs, self.options.dtype, self.mesh)
         return self.admission
+
+    def admitted(self, warn: Warn, plan_of: Callable[[T], Any] = lambda planned: planned) -> T:
+        """`resolve`, then the plan (`plan_of(planned)`) refused if this host cannot hold it (a
+        `FieldError`, as every door refuses) and announced if it will take long; `planned`."""
+        admission = self.resolve()
+        plan = plan_of(self.planned)
+        admission.check(plan)
+        message = admission.long_run(plan)
+        if message:
+            warn(message)
+        return self.planned
 
     def load(self, warn: Warn) -> Engine:
         """The engine, its weights read (after `resolve`'s checks, which it runs if not yet run)."""
@@ -111,8 +114,3 @@ class Opening(Generic[T]):
         assert self.model_dir is not None
         return Engine.load(self.options, self.model_dir, mesh=self.mesh, warn=warn)
 
-
-def open_engine(options: EngineOptions, resolve: Callable[[str], Path], *, warn: Warn,
-                on_phase: Phase = lambda phase: None) -> Engine:
-    """An engine, every check before loading run, for a caller that plans its requests later."""
-    return Opening(options, resolve, on_phase=on_phase).load(warn)

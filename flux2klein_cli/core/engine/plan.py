@@ -331,20 +331,31 @@ def check_sampling(model: ModelFacts, *, batch: int, max_sequence_length: int, s
     chosen = sampling(model.distilled, steps, guidance)
     limits.check_guidance(chosen.guidance)
     limits.check_reference_count(references)
-    if kv and not model.kv:
-        raise FieldError("kv", f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
-                         f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
+    check_kv_model(model, "kv" if kv else None)
     if kv and not references:
         raise FieldError("kv", "needs at least one reference image ({field:references})")
     return chosen
 
 
-def build_shape(model: ModelFacts, *, dtype: Any, height: int | None = None, width: int | None = None,
-                steps: int | None = None, guidance: float | None = None, batch: int = 1, prompts: int = 1,
-                references: Sequence[tuple[int, int]] = (), max_sequence_length: int = DEFAULTS.max_sequence_length,
-                kv: bool = False, steps_per_call: int | None = None) -> Any:
-    """A run's shape without its pixels (`compile`, `bench`): the checks of `build_plan` on the
-    fields a shape has, the same defaults, and the shape of that plan."""
+def check_kv_model(model: ModelFacts, field: str | None) -> None:
+    """A reference KV cache (`kv`, `kv_cache_dir`: the field asking for one; None: none asked)
+    holds what only a KV-trained checkpoint computes."""
+    if field is not None and not model.kv:
+        raise FieldError(field, f"needs a KV-trained checkpoint (Flux2KleinKVPipeline); {model.name} is "
+                         f"{model.pipeline_class}: use a KV-trained model (9b-kv)")
+
+
+def build_shape(model: ModelFacts, *, dtype: Any, steps_per_call: int | None = None, **fields: Any) -> Any:
+    """A run's shape without its pixels (`compile`, `bench`): `shape_plan(model, **fields)`'s shape."""
+    return shape_plan(model, **fields).shape(dtype, steps_per_call)
+
+
+def shape_plan(model: ModelFacts, *, height: int | None = None, width: int | None = None, steps: int | None = None,
+               guidance: float | None = None, batch: int = 1, prompts: int = 1,
+               references: Sequence[tuple[int, int]] = (), max_sequence_length: int = DEFAULTS.max_sequence_length,
+               kv: bool = False) -> RunPlan:
+    """A plan without pixels (empty prompts, no images read): the checks of `build_plan` on the
+    fields a shape has, and the same defaults."""
     limits.check_int("prompts", prompts, 1, limits.LIMITS.images)
     if batch % prompts:
         raise FieldError("batch", f"{batch} is not a multiple of the {prompts} prompts")
@@ -354,11 +365,10 @@ def build_shape(model: ModelFacts, *, dtype: Any, height: int | None = None, wid
     height, width = side if height is None else height, side if width is None else width
     for size in ((height, width), *references):
         check_size(*size, model)
-    plan = RunPlan(model=model.name, prompts=("",) * prompts, negative_prompt="", seeds=tuple(range(batch)),
+    return RunPlan(model=model.name, prompts=("",) * prompts, negative_prompt="", seeds=tuple(range(batch)),
                    num_images=batch // prompts, height=height, width=width, steps=chosen.steps,
                    guidance=float(chosen.guidance), cfg=chosen.cfg, max_sequence_length=max_sequence_length, kv=kv,
                    geometry=model.geometry, reference_sizes=tuple(references))
-    return plan.shape(dtype, steps_per_call)
 
 
 def model_facts(model: str, *, transformer: str | None = None, vae: str | None = None,

@@ -127,7 +127,7 @@ def load_models(
     if lora is not None:
         if snapshot.converted:
             raise UserInputError(f"{snapshot.root}: {{field:lora}} needs a diffusers snapshot; a converted model's "
-                                 "weights are final (merge LoRAs when converting: flux2klein convert {field:lora})")
+                                 "weights are final (merge LoRAs when converting: flux2klein convert --lora)")
         from functools import partial
 
         loaders["transformer"] = partial(load_transformer, deltas=lora)

@@ -38,14 +38,6 @@ class ModelSpec:
     text_encoder: dict[str, Any] = field(repr=False)
     geometry: str = "4b"  # its published geometry (core/hub/random_checkpoint.PRESETS), for compile-only work
 
-    @property
-    def steps(self) -> int:
-        return sampling(self.distilled).steps
-
-    @property
-    def guidance(self) -> float:
-        return sampling(self.distilled).guidance
-
 
 @dataclass(frozen=True)
 class Sampling:

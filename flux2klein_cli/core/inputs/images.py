@@ -35,9 +35,6 @@ ReferenceSource = Path | tuple[str, bytes]
 MIN_SIDE = 64
 MAX_ASPECT = 8
 MAX_AREA = DEFAULTS.reference_max_area
-# The largest reference read, from the limits table (core/limits.py): one bound of our own instead of
-# Pillow's decompression-bomb warning (89 MP) and error (179 MP).
-MAX_REFERENCE_PIXELS = LIMITS.reference_pixels
 _SIXTEEN_BIT = ("I;16", "I;16L", "I;16B", "I;16N")
 
 
@@ -48,7 +45,8 @@ def _one_line(text: object) -> str:
 @contextmanager
 def _own_size_limit() -> Iterator[None]:
     """Pillow's decompression-bomb checks off (its warning is three raw lines): `load_reference` applies
-    MAX_REFERENCE_PIXELS itself, from the header, before any pixel is decoded."""
+    the limits table's `reference_pixels` itself, one bound of our own, from the header, before any
+    pixel is decoded."""
     saved = Image.MAX_IMAGE_PIXELS
     Image.MAX_IMAGE_PIXELS = None
     try:

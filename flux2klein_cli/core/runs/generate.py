@@ -111,12 +111,7 @@ def run_generate(
         return plan, plan_outputs(opts.output, plan.batch, force=opts.force)
 
     opening = Opening(options, resolve, plan_run, on_phase=on_phase)
-    admission = opening.resolve()
-    plan, outputs = opening.planned
-    admission.check(plan)
-    message = admission.long_run(plan)
-    if message:
-        warn(message)
+    plan, outputs = opening.admitted(warn, lambda planned: planned[0])
     load_start = time.perf_counter()
     engine = opening.load(warn)
     load_seconds = time.perf_counter() - load_start

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from flux2klein_cli.core.engine.engine import Engine, EngineOptions
-from flux2klein_cli.core.engine.plan import RunFields, RunPlan
+from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan
 from flux2klein_cli.core.errors import Flux2KleinError
 from flux2klein_cli.core.extras import require_parity
 from flux2klein_cli.core.pipeline.pixels import postprocess
@@ -119,7 +119,6 @@ class InitImages:
 
     init_image: Any
     mask: Any = None
-    padding_mask_crop: int | None = None  # diffusers' padding_mask_crop (its output is then PIL only)
 
 
 def read_sources(fields: RunFields) -> tuple[list[Any], InitImages | None]:
@@ -131,7 +130,7 @@ def read_sources(fields: RunFields) -> tuple[list[Any], InitImages | None]:
     if fields.init_image is None:
         return references, None
     mask = None if fields.mask is None else read_reference(fields.mask)[1]
-    return references, InitImages(read_reference(fields.init_image)[1], mask, fields.padding_mask_crop)
+    return references, InitImages(read_reference(fields.init_image)[1], mask)
 
 
 def torch_noise(shape: tuple[int, ...], seed: int) -> np.ndarray:
@@ -156,8 +155,8 @@ def run_reference(reference: Any, plan: RunPlan, noise_nchw: np.ndarray, pil_ref
         mask = init.mask if init.mask is not None else Image.new("L", init.init_image.size, 255)
         kwargs.update(image=init.init_image, mask_image=mask, strength=plan.strength,
                       generator=torch.Generator().manual_seed(plan.seeds[0]))
-        if init.padding_mask_crop is not None:
-            kwargs.update(padding_mask_crop=init.padding_mask_crop, output_type="pil")
+        if plan.padding_mask_crop is not None:  # diffusers' output is then PIL only
+            kwargs.update(padding_mask_crop=plan.padding_mask_crop, output_type="pil")
         if pil_references:
             kwargs["image_reference"] = pil_references[0] if len(pil_references) == 1 else pil_references
     elif pil_references:
@@ -170,7 +169,7 @@ def run_reference(reference: Any, plan: RunPlan, noise_nchw: np.ndarray, pil_ref
         kwargs["negative_prompt_embeds"] = negative
     if type(reference).__name__ != "Flux2KleinKVPipeline":  # distilled only: it takes no guidance argument
         kwargs["guidance_scale"] = plan.guidance
-    if init is not None and init.padding_mask_crop is not None:
+    if plan.padding_mask_crop is not None:
         # diffusers 0.42's paste back is broken: apply_overlay's "crop" resize is Flux2ImageProcessor's
         # override, a plain centre crop, so the box gets the middle of the made image at the wrong
         # scale. Compared with its intent instead: VaeImageProcessor's own resize (cover, centre crop).
@@ -210,14 +209,20 @@ class ParityRun:
     plan: RunPlan
 
 
-def run_parity(engine: Engine, fields: RunFields, torch_dtype: str) -> ParityRun:
-    """Both pipelines on one request and the same initial noise (drawn from its seeds; with an
-    init image, torch's draw: see run_reference). A KV checkpoint's reference pipeline always
-    uses the reference KV cache, so ours does too."""
+def parity_fields(fields: RunFields, facts: ModelFacts) -> RunFields:
+    """The request as both pipelines run it: a KV checkpoint's reference pipeline always uses the
+    reference KV cache, so ours does too."""
     from dataclasses import replace
 
-    kv = engine.facts.kv and bool(fields.references) and fields.init_image is None
-    plan = engine.plan(replace(fields, kv=kv))
+    return replace(fields, kv=facts.kv and bool(fields.references) and fields.init_image is None)
+
+
+def run_parity(engine: Engine, fields: RunFields, torch_dtype: str) -> ParityRun:
+    """Both pipelines on one request and the same initial noise (drawn from its seeds; with an
+    init image, torch's draw: see run_reference), as `parity_fields` plans it."""
+    from dataclasses import replace
+
+    plan = engine.plan(parity_fields(fields, engine.facts))
     references, init = read_sources(fields)
     if init is not None:
         noise = torch_noise(plan.geometry.latents_shape(plan.batch, plan.height, plan.width), plan.seeds[0])
@@ -249,13 +254,17 @@ def parity_check(
     mask: Path | None = None,
     strength: float | None = None,
     padding_mask_crop: int | None = None,
+    transformer: str | None = None,
+    vae: str | None = None,
     warn: Any = lambda message: None,
 ) -> dict[str, Any]:
     """What `flux2klein parity` does: both pipelines, metrics, and the three images on disk. With
-    `init_image` (and `mask`), against diffusers' inpaint pipeline. The request is planned as
-    `generate` plans it, before anything loads."""
+    `init_image` (and `mask`), against diffusers' inpaint pipeline. The engine opens as
+    `generate` opens one (core/engine/opening.py): the request planned and the outputs checked
+    before anything loads, refused if this host cannot hold it."""
 
-    from flux2klein_cli.core.engine.plan import build_plan, model_facts
+    from flux2klein_cli.core.engine.opening import Opening
+    from flux2klein_cli.core.engine.plan import build_plan
     from flux2klein_cli.core.runs import run_record
     from flux2klein_cli.core.runs.image_files import write_png
     from flux2klein_cli.core.runs.outputs import plan_outputs
@@ -264,13 +273,19 @@ def parity_check(
     fields = RunFields(prompts=(prompt,), references=tuple(Path(p) for p in references), height=height, width=width,
                        steps=steps, guidance=guidance, seed=seed, init_image=init_image, mask=mask, strength=strength,
                        padding_mask_crop=padding_mask_crop)
-    model_dir = resolve(model)
-    build_plan(fields, model_facts(model, model_dir=model_dir))  # type: ignore[arg-type]
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    targets = {name: plan_outputs(out_dir / f"{name}.png", 1, force=force)[0] for name in ("ours", "diffusers", "diff")}
-    options = EngineOptions(model=model, dtype=dtype, lora=tuple(lora or ()), store=False)
-    engine = Engine.load(options, model_dir, warn=warn)
+
+    def plan_run(facts: ModelFacts) -> tuple[RunPlan, dict[str, Path]]:
+        plan = build_plan(parity_fields(fields, facts), facts)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        return plan, {name: plan_outputs(out_dir / f"{name}.png", 1, force=force)[0]
+                      for name in ("ours", "diffusers", "diff")}
+
+    options = EngineOptions(model=model, dtype=dtype, lora=tuple(lora or ()), store=False, transformer=transformer,
+                            vae=vae)
+    opening = Opening(options, resolve, plan_run)
+    _, targets = opening.admitted(warn, lambda planned: planned[0])
+    engine = opening.load(warn)
     run = run_parity(engine, fields, dtype)
     plan = run.plan
     meta = run_record.encode(plan, 0, options, engine.lora_records)  # `generate --from` reruns it
@@ -285,5 +300,6 @@ def parity_check(
         files={name: str(path) for name, path in targets.items()},
         lora=engine.lora_records,
         **({} if init_image is None else {"init_image": str(init_image), "mask": None if mask is None else str(mask),
-                                          "strength": plan.strength, "pipeline": INPAINT_PIPELINE}),
+                                          "strength": plan.strength, "pipeline": INPAINT_PIPELINE,
+                                          "padding_mask_crop": padding_mask_crop}),
     )

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from flux2klein_cli.core import limits, settings
+from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.engine.engine import EngineOptions
 from flux2klein_cli.core.errors import FieldError
 
@@ -27,7 +28,7 @@ class ServeOptions:
     drain_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     max_body_bytes: int = 64 * MIB  # a request body (an edit's uploads included); larger: 413
     warm: tuple[tuple[int, int], ...] = ()  # (width, height) compiled before ready
-    max_sequence_length: int = 512  # prompt tokens of every request
+    max_sequence_length: int = DEFAULTS.max_sequence_length  # prompt tokens of every request
     jobs_kept: int = 256  # finished jobs whose results stay readable
     pad_batches: bool = True  # pad batches to a power of two plans (few batch sizes to compile)
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core.engine.cost import Admission
+from flux2klein_cli.core.engine.cost import Admission, Demand
 from flux2klein_cli.core.engine.engine import Engine, EngineOptions
 from flux2klein_cli.core.engine.opening import Opening
 from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, RunPlan
@@ -130,6 +130,14 @@ def _refused(batches: Sequence[Batch], admission: Admission) -> list[results.Rec
             except UserInputError as e:
                 refused.append(results.error_record(item, grouping.field_message(e), 0.0))
     return refused
+
+
+def check_device_batches(batches: Sequence[Batch], admission: Admission) -> None:
+    """Each device batch as the engine will run it (its items' images together, up to --bs) fits
+    this host, else the run is refused before anything loads or is recorded (`batch_size`)."""
+    for batch in batches:
+        if len(batch.items) > 1:
+            admission.check(Demand(batch.items[0].demand, batch=batch.images), images="batch_size")
 
 
 def _record(path: Path, records: Sequence[results.Record]) -> None:
@@ -273,6 +281,7 @@ def run_batch(
                                                                 opts.out_dir))
     refused = _refused(pending, admission)
     pending = _pending(pending, {r.index for r in refused})
+    check_device_batches(pending, admission)
     report.batches, report.failed = len(pending), len(refused)
     writer = is_writer()
     if refused:

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -34,33 +33,16 @@ def kv_speedup_bound(cfg: TransformerConfig, *, text: int, image: int, refs: int
     return plain / (flops(refs, refs) + steps * flops(n, n + refs))
 
 
-def bench_pipeline(
-    model_dir: Any,
-    *,
-    height: int,
-    width: int,
-    batch: int,
-    steps: int | None,
-    reps: int,
-    dtype: str = "bf16",
-    references: tuple[tuple[int, int], ...] = (),
-    kv: bool = False,
-    mesh: Any = None,
-    store: bool = True,
-    compile_cache: Path | None = None,
-    save: bool = True,
-    effort: str = "default",
-    warn: Callable[[str], None] | None = None,
-    lora: list[str] | None = None,
-) -> dict[str, Any]:
-    """Load, first call and steady-state phases of a text-to-image (or edit) run on the `Engine`,
-    planned as `generate` plans it (the references are random images of the given sizes).
+def bench_pipeline(opening: Any, fields: Any, *, reps: int, kv: bool = False,
+                   warn: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    """Load, first call and steady-state phases of the text-to-image (or edit) run `fields` asks
+    for (`bench_fields`), on the engine `opening` (core/engine/opening.py) loads, planned as
+    `generate` plans it.
 
-    With `store` (the default, as `generate` and `edit` run) the pipeline's programs come from
-    the executable store at `compile_cache` (None: the default store): loaded when stored,
-    compiled (and stored, unless not `save`) when not, in the first call's `executables`
-    phase; each run reports what the store did per program. Without it every program is
-    jit-compiled on first use.
+    With a store (the default, as `generate` and `edit` run) the pipeline's programs come from
+    the executable store: loaded when stored, compiled (and stored, unless the options say not
+    to save) when not, in the first call's `executables` phase; each run reports what the store
+    did per program. Without one every program is jit-compiled on first use.
 
     `compile_s` is the first call's extra time over the steady-state median of each phase:
     with a store, the executables phase plus whatever still traces or compiles on the first
@@ -71,21 +53,18 @@ def bench_pipeline(
     speed-up is reported beside the token-count bound, with the saving of reusing one cache
     over four prompts.
     """
-    from flux2klein_cli.core.engine.engine import Engine, EngineOptions
-
     start = time.perf_counter()
-    options = EngineOptions(model=str(model_dir), dtype=dtype, compile_cache=compile_cache, save_executables=save,
-                            effort=effort, lora=tuple(lora or ()), store=store)
-    engine = Engine.load(options, Path(model_dir), mesh=mesh, warn=warn or (lambda message: None))
+    engine = opening.load(warn)
     load_s = time.perf_counter() - start
+    options = engine.options
     stored = engine.executables.store
-    store_info = None if stored is None else dict(root=str(stored.store.root), save=save, effort=effort)
-    fields = bench_fields(batch, height, width, steps, references)
+    store_info = None if stored is None else dict(root=str(stored.store.root), save=options.save_executables,
+                                                  effort=options.effort)
     plan = engine.plan(fields)
     pipeline = engine.pipeline
     result = dict(load_s=load_s, load_components_s=pipeline.models.seconds, lora=engine.lora_records,
-                  steps=plan.steps, batch=batch, height=height, width=width,
-                  references=[f"{w}x{h}" for h, w in references], store=store_info,
+                  steps=plan.steps, batch=plan.batch, height=plan.height, width=plan.width,
+                  references=[f"{w}x{h}" for h, w in plan.reference_sizes], store=store_info,
                   **_time_plan(engine, plan, reps), devices=device_memory(pipeline))
     if not kv:
         return result
@@ -95,7 +74,7 @@ def bench_pipeline(
     kv_s = kv_run["phases"]["denoise"]["median"] + kv_run["phases"]["reference_kv"]["median"]
     geometry = plan.geometry
     bound = kv_speedup_bound(pipeline.models.transformer.config, text=plan.max_sequence_length,
-                             image=geometry.tokens(height, width),
+                             image=geometry.tokens(plan.height, plan.width),
                              refs=sum(geometry.tokens(h, w) for h, w in plan.reference_sizes), steps=plan.steps)
     return dict(
         result, kv=kv_run,

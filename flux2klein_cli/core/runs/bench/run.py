@@ -14,6 +14,8 @@ from typing import Any
 
 from flux2klein_cli.core.choices import check_phase
 from flux2klein_cli.core.defaults import DEFAULTS
+from flux2klein_cli.core.engine.engine import EngineOptions
+from flux2klein_cli.core.engine.plan import ModelFacts, RunPlan
 from flux2klein_cli.core.errors import FieldError, UserInputError, field
 from flux2klein_cli.core.hub.registry import DEFAULT_MODEL
 
@@ -66,9 +68,10 @@ class BenchOptions:
         return parse_refs(self.refs, self.height, self.width)
 
     def check(self) -> None:
-        """Every rule between the options, before anything is loaded (exit 2)."""
-        from flux2klein_cli.core import limits
+        """Every rule between the options, before anything is loaded (exit 2); the sizes, steps
+        and images too when the model's configs are here (else once it is resolved)."""
         from flux2klein_cli.core.choices import check_dtype, check_effort
+        from flux2klein_cli.core.engine.plan import model_facts
         from flux2klein_cli.core.pipeline.references import MAX_REFERENCES
 
         check_phase(self.phase)
@@ -83,23 +86,25 @@ class BenchOptions:
             from flux2klein_cli.core.extras import require_parity
 
             require_parity("bench --diffusers")
-        for name, value in (("height", self.height), ("width", self.width)):  # the model's multiple once it is known
-            if value is not None:
-                limits.check_int(name, value, limits.LIMITS.size_multiple, limits.LIMITS.max_side, "px")
         if self.batch < 1 or self.reps < 1 or (self.steps is not None and self.steps < 1):
             raise UserInputError("{field:batch}, {field:reps} and {field:steps} must be at least 1")
-        # The limits table's bounds, as build_shape applies them to compile's shape (--bs is num_images).
-        if self.steps is not None:
-            limits.check_steps(self.steps)
-        limits.check_images(self.batch)
-        if self.height is not None and self.width is not None:  # the pixel count; the multiple comes later
-            limits.check_size(self.height, self.width, multiple=1)
         if self.kv and (self.phase != "pipeline" or not self.reference_sizes()):
             raise FieldError("kv", f"times edits: use it with {{field:phase}} pipeline and {{field:refs}} "
                              f"1..{MAX_REFERENCES}")
         store_fields = [field(name) for name in ("compile_cache", "no_save", "effort") if given[name]]
         if not self.store and store_fields:
             raise FieldError("no_store", f"uses no executable store: drop {' and '.join(store_fields)}")
+        facts = model_facts(self.model, transformer=self.transformer, vae=self.vae)
+        if facts is not None:
+            self.planned(facts)
+
+    def planned(self, facts: ModelFacts) -> RunPlan:
+        """The timed run without its pixels, by the plan's rules (`--bs` is its images): what
+        `compile` checks of the same shape, and the model's defaults applied."""
+        from flux2klein_cli.core.engine.plan import shape_plan
+
+        return shape_plan(facts, height=self.height, width=self.width, steps=self.steps, batch=self.batch,
+                          references=self.reference_sizes(), kv=self.kv)
 
 
 def _quiet(message: str) -> AbstractContextManager[Any]:
@@ -113,9 +118,11 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
     `progress` (None: quiet) what is being timed, `busy(message)` wraps a long measurement
     (a spinner), `warn` gets the executable store's warnings."""
     opts.check()
-    from flux2klein_cli.core.choices import jax_dtype
+    return {"model": opts.model, "phase": opts.phase, "dtype": opts.dtype, **_measure(opts, note, progress, warn, busy)}
 
-    target = jax_dtype(opts.dtype)
+
+def _measure(opts: BenchOptions, note: Callable[[str], None], progress: Callable[[str], None] | None,
+             warn: Callable[[str], None] | None, busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
     if opts.phase == "transformer-compile":  # abstract shapes: no checkpoint to resolve
         from flux2klein_cli.core.runs.bench.transformer_compile import bench_transformer_compile
 
@@ -125,76 +132,68 @@ def run_bench(opts: BenchOptions, *, note: Callable[[str], None] = lambda m: Non
         from flux2klein_cli.core.runs.bench.plan import bench_without_slice
 
         with busy(f"compiling {opts.model} for {opts.tpu}"):
-            result = bench_without_slice(opts.model, tpu=opts.tpu, height=opts.height, width=opts.width,
-                                         batch=opts.batch, steps=opts.steps, references=opts.reference_sizes(),
-                                         kv=opts.kv, dtype=opts.dtype, compile_cache=opts.compile_cache,
-                                         save=opts.save and opts.store, effort=opts.effort, warn=warn)
-        return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
+            return bench_without_slice(opts.model, tpu=opts.tpu, height=opts.height, width=opts.width,
+                                       batch=opts.batch, steps=opts.steps, references=opts.reference_sizes(),
+                                       kv=opts.kv, dtype=opts.dtype, compile_cache=opts.compile_cache,
+                                       save=opts.save and opts.store, effort=opts.effort, warn=warn)
     from flux2klein_cli.core.devices.runtime import configure_jax
+
+    if opts.phase in ("steps", "pipeline", "decode"):  # timed in this process
+        configure_jax()
+    if opts.phase in ("steps", "pipeline"):  # on an engine, opened as generate opens one
+        return _on_engine(opts, warn or (lambda message: None), busy)
+    from flux2klein_cli.core.engine.plan import model_facts
     from flux2klein_cli.core.hub.components import resolve_composed
 
-    if opts.phase in ("steps", "decode", "pipeline"):  # timed in this process
-        configure_jax()
-    if opts.phase == "pipeline":  # the mesh before the model: its checks come first
-        return _pipeline(opts, target, warn, busy)
     path = resolve_composed(opts.model, opts.transformer, opts.vae)
+    planned = opts.planned(model_facts(opts.model, model_dir=path))  # type: ignore[arg-type]
     if opts.phase == "load":
         from flux2klein_cli.core.runs.bench.load import bench_load, load_kinds
 
-        result = bench_load(path, convert=True, dtype=opts.dtype, reps=opts.reps, kinds=load_kinds(note),
-                            log=progress)
-        return dict(phase=opts.phase, **result)
+        return bench_load(path, convert=True, dtype=opts.dtype, reps=opts.reps, kinds=load_kinds(note), log=progress)
     if opts.phase == "lora":
         from flux2klein_cli.core.runs.bench.lora import bench_lora, parse_ranks
 
-        result = bench_lora(path, ranks=parse_ranks(opts.ranks or DEFAULT_RANKS), dtype=opts.dtype, reps=opts.reps,
-                            log=progress)
-        return dict(phase=opts.phase, **result)
-    if opts.phase == "steps":  # what a progress bar costs the denoising loop
-        from flux2klein_cli.core.runs.bench.steps import bench_steps
-
-        with busy(f"timing the denoising loop of {opts.model}"):
-            result = bench_steps(path, height=opts.height, width=opts.width, steps=opts.steps or STEPS_PHASE_STEPS,
-                                 reps=opts.reps, dtype=opts.dtype, per_call=(1, 2), compile_cache=opts.compile_cache)
-    elif opts.phase == "decode":
+        return bench_lora(path, ranks=parse_ranks(opts.ranks or DEFAULT_RANKS), dtype=opts.dtype, reps=opts.reps,
+                          log=progress)
+    if opts.phase == "decode":
+        from flux2klein_cli.core.choices import jax_dtype
         from flux2klein_cli.core.runs.bench.decode import bench_decode
 
-        result = bench_decode(path, height=opts.height, width=opts.width, batch=opts.batch, reps=opts.reps,
-                              dtype=target, log=progress)
-    else:  # ttfi
-        from flux2klein_cli.core.hub.registry import sampling
-        from flux2klein_cli.core.runs.bench.ttfi import bench_ttfi
+        return bench_decode(path, height=planned.height, width=planned.width, batch=opts.batch, reps=opts.reps,
+                            dtype=jax_dtype(opts.dtype), log=progress)
+    from flux2klein_cli.core.runs.bench.ttfi import bench_ttfi
 
-        with busy(f"timing first images of {opts.model}"):
-            ttfi = sampling(distilled=True, steps=opts.steps)  # timed as the distilled models run
-            result = bench_ttfi(path, height=opts.height, width=opts.width, steps=ttfi.steps,
-                                guidance=ttfi.guidance, reps=opts.reps, dtype=opts.dtype, diffusers=opts.diffusers)
-        return dict(model=opts.model, phase=opts.phase, **result)
-    return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
+    with busy(f"timing first images of {opts.model}"):  # the run generate plans for these options
+        return bench_ttfi(path, height=planned.height, width=planned.width, steps=planned.steps,
+                          guidance=planned.guidance, reps=opts.reps, dtype=opts.dtype, diffusers=opts.diffusers)
 
 
-def _pipeline(opts: BenchOptions, target: Any, warn: Callable[[str], None] | None,
-              busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
+def _on_engine(opts: BenchOptions, warn: Callable[[str], None],
+               busy: Callable[[str], AbstractContextManager[Any]]) -> dict[str, Any]:
+    """The pipeline and steps phases: the engine opened with every check generate runs (options,
+    paths, the plan, the mesh, what this host holds), then timed."""
     from dataclasses import replace
 
-    from flux2klein_cli.core.compile.specs import configs_from_snapshot
-    from flux2klein_cli.core.devices.distributed import DeviceOptions, run_mesh
-    from flux2klein_cli.core.engine.cost import check_mesh
-    from flux2klein_cli.core.engine.plan import build_plan, model_facts
-    from flux2klein_cli.core.hub.components import resolve_composed
+    from flux2klein_cli.core.devices.distributed import DeviceOptions
+    from flux2klein_cli.core.engine.opening import Opening
+    from flux2klein_cli.core.engine.plan import build_plan
+    from flux2klein_cli.core.hub.snapshot import resolve_model
     from flux2klein_cli.core.runs.bench.pipeline import bench_fields, bench_pipeline
+    from flux2klein_cli.core.runs.bench.steps import bench_steps
 
-    run_on = run_mesh(DeviceOptions(mesh=opts.mesh, tpu=opts.tpu))
-    path = resolve_composed(opts.model, opts.transformer, opts.vae)
-    check_mesh(run_on, configs_from_snapshot(path).transformer)
-    fields = bench_fields(opts.batch, opts.height, opts.width, opts.steps, opts.reference_sizes())
-    build_plan(replace(fields, kv=opts.kv), model_facts(opts.model, model_dir=path))  # type: ignore[arg-type]
+    options = EngineOptions(model=opts.model, dtype=opts.dtype, devices=DeviceOptions(mesh=opts.mesh, tpu=opts.tpu),
+                            compile_cache=opts.compile_cache, save_executables=opts.save, effort=opts.effort,
+                            transformer=opts.transformer, vae=opts.vae, lora=opts.lora, store=opts.store)
+    steps = opts.steps or (STEPS_PHASE_STEPS if opts.phase == "steps" else None)
+    fields = bench_fields(opts.batch, opts.height, opts.width, steps, opts.reference_sizes())
+    opening = Opening(options, resolve_model, lambda facts: build_plan(replace(fields, kv=opts.kv), facts))
+    opening.admitted(warn)
+    if opts.phase == "steps":  # what a progress bar costs the denoising loop
+        with busy(f"timing the denoising loop of {opts.model}"):
+            return bench_steps(opening.load(warn), opening.planned, reps=opts.reps, per_call=(1, 2))
     with busy(f"benchmarking {opts.model}"):
-        result = bench_pipeline(path, height=opts.height, width=opts.width, batch=opts.batch, steps=opts.steps,
-                                reps=opts.reps, dtype=opts.dtype, references=opts.reference_sizes(), kv=opts.kv,
-                                mesh=run_on, store=opts.store, compile_cache=opts.compile_cache, save=opts.save,
-                                effort=opts.effort, warn=warn, lora=list(opts.lora))
-    return dict(model=opts.model, phase=opts.phase, dtype=opts.dtype, **result)
+        return bench_pipeline(opening, fields, reps=opts.reps, kv=opts.kv, warn=warn)
 
 
 def _on_tpu_host(tpu: str) -> bool:

@@ -9,21 +9,16 @@ single call's, minus one.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from flux2klein_cli.core.runs.bench.stats import summarize
 
 
-def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: int, dtype: str = "bf16",
-                per_call: tuple[int, ...] = (1,), compile_cache: Path | None = None) -> dict[str, Any]:
-    from flux2klein_cli.core.engine.engine import Engine, EngineOptions
-    from flux2klein_cli.core.engine.plan import RunFields
+def bench_steps(engine: Any, plan: Any, *, reps: int, per_call: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """`plan` on `engine` in each form, `reps` times (after a first call of each)."""
     from flux2klein_cli.core.pipeline.denoise import steps_per_call
 
-    engine = Engine.load(EngineOptions(model=str(model_dir), dtype=dtype, compile_cache=compile_cache), model_dir,
-                         warn=lambda message: None)
-    plan = engine.plan(RunFields(prompts=("a red fox in snow",), steps=steps, height=height, width=width))
+    steps = plan.steps
     # k steps a call, or the divisor of the steps nearest below it (every call runs the same program)
     forms: dict[str, int | None] = {"one call": None,
                                     **{f"{k} step(s) a call": steps_per_call(steps, steps // k) for k in per_call}}
@@ -41,4 +36,4 @@ def bench_steps(model_dir: Path, *, height: int, width: int, steps: int, reps: i
     base = summarize(times["one call"])
     result = {name: dict(summarize(t), per_step=summarize([x / steps for x in t]),
                          cost=summarize(t)["median"] / base["median"] - 1) for name, t in times.items()}
-    return dict(steps=steps, height=height, width=width, reps=reps, forms=result)
+    return dict(steps=steps, height=plan.height, width=plan.width, batch=plan.batch, reps=reps, forms=result)

@@ -21,11 +21,9 @@ def bench_transformer_compile(model: str, *, height: int, width: int, batch: int
     """Lower and compile seconds (min, median) of `reps` cold compiles of `model`'s transformer."""
     from flux2klein_cli.core.compile.specs import configs_from_registry
     from flux2klein_cli.core.hub.registry import spec_for
-    from flux2klein_cli.core.limits import check_size
 
     spec = spec_for(model)
     geometry = configs_from_registry(spec.alias).geometry
-    check_size(height, width, geometry.pixels_per_token)
     runs = []
     for i in range(reps):
         runs.append(transformer_compile_seconds(spec.transformer, scan=not unrolled, batch=batch, height=height,
@@ -44,8 +42,8 @@ def transformer_compile_seconds(
     *,
     scan: bool,
     batch: int = 1,
-    height: int = 1024,
-    width: int = 1024,
+    height: int = DEFAULTS.side,
+    width: int = DEFAULTS.side,
     text_tokens: int = DEFAULTS.max_sequence_length,
     dtype: Any = jnp.bfloat16,
     pixels_per_token: int,
