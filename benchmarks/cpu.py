@@ -7,7 +7,8 @@ diffusers (the [parity] extra).
     python benchmarks/cpu.py matmul
     python benchmarks/cpu.py image /tmp/medium --dtype bf16 --size 512 --steps 4
     python benchmarks/cpu.py step /tmp/4b/transformer --size 1024
-`image` times ours with oneMKL's dots and with XLA's (FLUX2KLEIN_CPU_MATMUL=xla, core/models/cpu_matmul.py).
+`image` times ours with the CPU's kernel plugin and float32 accumulation and with XLA's forms as
+written (FLUX2KLEIN_CPU_MATMUL=xla, core/models/kernels.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flux2klein_cli.core import settings
 from flux2klein_cli.core.defaults import DEFAULTS
-from flux2klein_cli.core.models import cpu_matmul
+from flux2klein_cli.core.models import kernels, trace
 
 
 def interleave(forms: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
@@ -48,10 +50,10 @@ def matmul(n: int, rounds: int) -> dict[str, Any]:
     for name, dt in (("bf16", jnp.bfloat16), ("fp32", jnp.float32)):
         a = jnp.asarray(a32, dt)
         plain = jax.jit(lambda x, y: jax.lax.dot_general(x, y, (((1,), (0,)), ((), ()))))
-        hooked = jax.jit(lambda x, y: cpu_matmul.dot_general(x, y, (((1,), (0,)), ((), ()))))
+        hooked = jax.jit(lambda x, y: trace.dot_general(x, y, (((1,), (0,)), ((), ()))))
         t = torch.from_numpy(a32).to(torch.bfloat16 if name == "bf16" else torch.float32)
         forms[f"jax xla {name}"] = lambda f=plain, a=a: f(a, a).block_until_ready()
-        if name == "bf16" and cpu_matmul.backend():
+        if name == "bf16" and kernels.plugin_status().name:
             forms[f"jax onemkl {name}"] = lambda f=hooked, a=a: f(a, a).block_until_ready()
         forms[f"torch {name}"] = lambda t=t: t @ t
     best = interleave(forms, rounds)
@@ -148,7 +150,6 @@ def one_step(form: str, transformer_dir: str, size: int, text_tokens: int, calls
 def step(transformer_dir: str, size: int, text_tokens: int, rounds: int, calls: int) -> dict[str, Any]:
     """One transformer step, ours (oneMKL path where the CPU has it) and diffusers', each form in
     its own process, the processes in turn for `rounds` rounds; the median of each one's best."""
-    import os
     import statistics
     import subprocess
     import sys
@@ -158,7 +159,7 @@ def step(transformer_dir: str, size: int, text_tokens: int, rounds: int, calls: 
         for form in STEP_FORMS:
             cmd = [sys.executable, __file__, "one-step", form, transformer_dir,
                    "--size", str(size), "--text-tokens", str(text_tokens), "--calls", str(calls)]
-            done = subprocess.run(cmd, env=dict(os.environ), capture_output=True, text=True, check=True)
+            done = subprocess.run(cmd, env=settings.child_environment(), capture_output=True, text=True, check=True)
             runs[form].append(json.loads(done.stdout.strip().splitlines()[-1])["s"])
     median = {f: statistics.median(v) for f, v in runs.items()}
     return {"step_s": {f: round(v, 3) for f, v in median.items()},
@@ -169,7 +170,6 @@ def step(transformer_dir: str, size: int, text_tokens: int, rounds: int, calls: 
 def image(model: str, dtype: str, size: int, steps: int, rounds: int, calls: int) -> dict[str, Any]:
     """Per-image seconds of each form, each in its own process, the processes in turn for
     `rounds` rounds; the median over rounds of each process's best call."""
-    import os
     import statistics
     import subprocess
     import sys
@@ -177,9 +177,9 @@ def image(model: str, dtype: str, size: int, steps: int, rounds: int, calls: int
     runs: dict[str, list[dict[str, Any]]] = {f: [] for f in FORMS}
     for _ in range(rounds):
         for form in FORMS:
-            env = dict(os.environ)
+            env = settings.child_environment()
             if form == "flux2klein-xla":
-                env[cpu_matmul.ENV] = "xla"
+                env[settings.CPU_MATMUL] = "xla"
             cmd = [sys.executable, __file__, "one", form, model, "--dtype", dtype,
                    "--size", str(size), "--steps", str(steps), "--calls", str(calls)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
@@ -213,7 +213,7 @@ def main() -> None:
         else:
             sub_parser.add_argument("--text-tokens", type=int, default=DEFAULTS.max_sequence_length)
     args = parser.parse_args()
-    status = cpu_matmul.status()
+    status = kernels.plugin_status()
     out = {"cpu_matmul": status.name, "why": status.reason}
     if args.what == "matmul":
         out["gflops"] = matmul(args.n, args.rounds)

@@ -22,6 +22,7 @@ from flux2klein_cli.core.compile.compile_all import compile_all  # noqa: E402
 from flux2klein_cli.core.compile.store import ExecutableStore  # noqa: E402
 from flux2klein_cli.core.devices.tpu import parse_preset  # noqa: E402
 from flux2klein_cli.core.errors import UserInputError  # noqa: E402
+from flux2klein_cli.core.models import trace  # noqa: E402
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry  # noqa: E402
 
 KLEIN = LatentGeometry(pixels_per_token=16, channels=128)  # the tiny fixtures', as the published models'
@@ -96,7 +97,7 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
 
     for default, fast in zip(by_effort["default"], by_effort["fast"], strict=True):
         assert same_3x3_convolutions(default) > 0 and same_3x3_convolutions(fast) > 0, default.name
-    monkeypatch.setattr(P, "MATMUL_CONV_PLATFORMS", frozenset({"tpu", "cpu"}))
+    monkeypatch.setattr(trace, "MATMUL_CONV_PLATFORMS", frozenset({"tpu", "cpu"}))
     by_effort["fast"] = vae_programs("fast")
     for default, fast in zip(by_effort["default"], by_effort["fast"], strict=True):
         assert same_3x3_convolutions(default) > 0 and same_3x3_convolutions(fast) == 0, default.name

@@ -1,5 +1,6 @@
-"""bf16 Linear dots and attention through oneMKL on AMX CPUs (core/models/cpu_matmul.py), XLA's
-forms elsewhere."""
+"""The AMX kernel plugin (core/models/cpu_matmul.py): bf16 Linear dots, attention and the VAE's
+convolutions through oneMKL on AMX CPUs, chosen by the backend dispatch (core/models/trace.py,
+kernels.py); XLA's forms elsewhere."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from flax import nnx
 
 from flux2klein_cli.core.compile import keys as store_keys
 from flux2klein_cli.core.compile import store, target
-from flux2klein_cli.core.models import cpu_matmul, layers
+from flux2klein_cli.core.devices import cpu
+from flux2klein_cli.core.models import cpu_matmul, kernels, layers, trace
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 
@@ -29,9 +31,9 @@ DIMS = (((1,), (0,)), ((), ()))
 @pytest.fixture
 def fresh_status() -> Iterator[None]:
     """Each test detects again; the process's real choice comes back afterwards."""
-    cpu_matmul.status.cache_clear()
+    kernels.plugin_status.cache_clear()
     yield
-    cpu_matmul.status.cache_clear()
+    kernels.plugin_status.cache_clear()
 
 
 def bf16_linear(seed: int = 0) -> nnx.Linear:
@@ -46,18 +48,24 @@ def hlo(fn, *args, platform: str = "cpu") -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
+def amx_options(on: bool = True) -> TraceOptions:
+    """A CPU program's options with the AMX plugin on or off."""
+    return TraceOptions("cpu", "blocked", kernels="amx" if on else None)
+
+
 def test_cpu_flags_read_the_first_processor() -> None:
-    assert cpu_matmul.has_amx_bf16(cpu_matmul.cpu_flags(CPUINFO_AMX))
-    assert not cpu_matmul.has_amx_bf16(cpu_matmul.cpu_flags(CPUINFO_AVX512))
-    assert cpu_matmul.cpu_flags("no flags here") == frozenset()
+    assert cpu.has_amx_bf16(cpu.cpu_flags(CPUINFO_AMX))
+    assert not cpu.has_amx_bf16(cpu.cpu_flags(CPUINFO_AVX512))
+    assert cpu.has_bf16_dot(cpu.cpu_flags(CPUINFO_AVX512)) and not cpu.has_bf16_dot(frozenset({"avx2", "fma"}))
+    assert cpu.cpu_flags("no flags here") == frozenset()
 
 
 def test_a_cpu_without_amx_keeps_xlas_dot(monkeypatch: pytest.MonkeyPatch, fresh_status: None) -> None:
-    flags = cpu_matmul.cpu_flags(CPUINFO_AVX512)
-    monkeypatch.setattr(cpu_matmul, "cpu_flags", lambda: flags)
-    monkeypatch.delenv(cpu_matmul.ENV, raising=False)
-    assert cpu_matmul.backend() is None
-    assert "AMX" in cpu_matmul.status().reason
+    flags = cpu.cpu_flags(CPUINFO_AVX512)
+    monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+    assert kernels.plugin_status().name is None and TraceOptions.for_platform("cpu").kernels is None
+    assert "AMX" in kernels.plugin_status().reason
     layer = bf16_linear()
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 64)), jnp.bfloat16)
     assert cpu_matmul.TARGET not in hlo(lambda x: layer(x), x)
@@ -67,32 +75,33 @@ def test_a_cpu_without_amx_keeps_xlas_dot(monkeypatch: pytest.MonkeyPatch, fresh
 
 def test_opt_out_and_missing_pieces_fall_back(monkeypatch: pytest.MonkeyPatch, fresh_status: None,
                                               tmp_path: Path) -> None:
-    flags = cpu_matmul.cpu_flags(CPUINFO_AMX)
-    monkeypatch.setattr(cpu_matmul.platform, "machine", lambda: "x86_64")
-    monkeypatch.setenv(cpu_matmul.ENV, "xla")
-    assert cpu_matmul._load(flags).name is None
-    monkeypatch.delenv(cpu_matmul.ENV)
-    monkeypatch.setattr(cpu_matmul, "find_mkl", lambda: None)
-    assert "oneMKL is not installed" in cpu_matmul._load(flags).reason
-    monkeypatch.setattr(cpu_matmul, "find_mkl", lambda: "/nowhere/libmkl_rt.so.3")
+    flags = cpu.cpu_flags(CPUINFO_AMX)
+    monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+    monkeypatch.setenv("FLUX2KLEIN_CPU_MATMUL", "xla")
+    assert kernels.detect(flags).name is None
+    monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL")
+    monkeypatch.setattr(kernels, "find_mkl", lambda: None)
+    assert "oneMKL is not installed" in kernels.detect(flags).reason
+    monkeypatch.setattr(kernels, "find_mkl", lambda: "/nowhere/libmkl_rt.so.3")
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_matmul.shutil, "which", lambda name: None)
-    status = cpu_matmul._load(flags)
+    status = kernels.detect(flags)
     assert status.name is None and "no C++ compiler" in status.reason
     assert not list((tmp_path / "native").iterdir())  # nothing half-built left
 
 
-def test_only_cpu_programs_hold_the_custom_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("fake", "test"))
+def test_only_cpu_programs_hold_the_custom_call() -> None:
     x, w = jnp.ones((4, 8), jnp.bfloat16), jnp.ones((8, 16), jnp.bfloat16)
-    dot = lambda x, w: cpu_matmul.dot_general(x, w, DIMS)  # noqa: E731
+    dot = traced_under(lambda x, w: trace.dot_general(x, w, DIMS), amx_options())
     assert cpu_matmul.TARGET in hlo(dot, x, w)
     assert cpu_matmul.TARGET not in hlo(dot, x, w, platform="tpu")
     # float32 and batched dots are not its business.
     assert cpu_matmul.TARGET not in hlo(dot, x.astype(jnp.float32), w.astype(jnp.float32))
-    batched = lambda x, w: cpu_matmul.dot_general(x, w, (((2,), (1,)), ((0,), (0,))))  # noqa: E731
+    batched = traced_under(lambda x, w: trace.dot_general(x, w, (((2,), (1,)), ((0,), (0,)))), amx_options())
     assert cpu_matmul.TARGET not in hlo(batched, jnp.ones((2, 4, 8), jnp.bfloat16), jnp.ones((2, 8, 3), jnp.bfloat16))
+    assert cpu_matmul.TARGET not in hlo(traced_under(lambda x, w: trace.dot_general(x, w, DIMS), amx_options(False)),
+                                        x, w)
 
 
 def qkv(batch: int, queries: int, keys: int, heads: int, dim: int, seed: int = 0) -> tuple[jax.Array, ...]:
@@ -112,9 +121,9 @@ def test_attention_takes_the_shim_only_on_the_onemkl_path(monkeypatch: pytest.Mo
     def traced(*args: jax.Array, platform: str = "cpu") -> str:  # a new function: no trace cached from before
         return hlo(lambda q, k, v: cpu_attention(q, k, v), *args, platform=platform)
 
-    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status(None, "no AMX"))
+    monkeypatch.setattr(kernels, "plugin_status", lambda: kernels.Status(None, "no AMX"))
     assert cpu_matmul.ATTENTION_TARGET not in traced(q, k, v)  # the fallback: XLA's blocked form
-    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("fake", "test"))
+    monkeypatch.setattr(kernels, "plugin_status", lambda: kernels.Status("amx", "test"))
     assert cpu_matmul.ATTENTION_TARGET in traced(q, k, v)
     assert cpu_matmul.ATTENTION_TARGET not in traced(q, k, v, platform="tpu")
     assert cpu_matmul.ATTENTION_TARGET not in traced(*(a.astype(jnp.float32) for a in (q, k, v)))
@@ -139,7 +148,7 @@ def text_attention_under(onemkl: bool) -> object:
     from flux2klein_cli.core.models.qwen3 import _attention
 
     return jax.jit(traced_under(lambda q, k, v, mask: _attention(q, k, v, mask, q.shape[-1] ** -0.5),
-                                TraceOptions("cpu", "blocked", onemkl=onemkl)))
+                                amx_options(onemkl)))
 
 
 def test_the_text_encoders_attention_takes_the_shim_only_on_the_onemkl_path() -> None:
@@ -162,20 +171,19 @@ def bf16_conv(c_in: int, c_out: int, seed: int = 0, size: int = 3) -> nnx.Module
 
 def conv_under(onemkl: bool) -> object:
     """The VAE's conv as a CPU program traced with the oneMKL kernels on or off."""
-    return nnx.jit(traced_under(lambda m, x: m(x), TraceOptions("cpu", "blocked", onemkl=onemkl)))
+    return nnx.jit(traced_under(lambda m, x: m(x), amx_options(onemkl)))
 
 
-def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path() -> None:
     module, x = bf16_conv(4, 6), jnp.ones((1, 8, 8, 4), jnp.bfloat16)
 
     def traced(onemkl: bool, module: nnx.Module = module, platform: str = "cpu") -> str:
         graphdef, state = nnx.split(module)
-        fn = traced_under(lambda s, x: nnx.merge(graphdef, s)(x), TraceOptions("cpu", "blocked", onemkl=onemkl))
+        fn = traced_under(lambda s, x: nnx.merge(graphdef, s)(x), amx_options(onemkl))
         return hlo(fn, state, x, platform=platform)
 
     assert cpu_matmul.CONV_TARGET not in traced(False)
     assert cpu_matmul.CONV_TARGET in traced(True)
-    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("fake", "test"))  # as on an AMX CPU
     assert cpu_matmul.TARGET in traced(True, bf16_conv(4, 6, size=1))  # 1x1: the Linear layers' dot
     assert cpu_matmul.TARGET not in traced(False, bf16_conv(4, 6, size=1))
     assert cpu_matmul.CONV_TARGET not in traced(True, platform="tpu")
@@ -195,16 +203,14 @@ def bf16_resnet(c_in: int, c_out: int, groups: int, seed: int = 0) -> nnx.Module
     return block
 
 
-def test_the_vaes_norm_silu_conv_takes_one_shim_call_only_on_the_onemkl_path(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_vaes_norm_silu_conv_takes_one_shim_call_only_on_the_onemkl_path() -> None:
     block, x = bf16_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)
 
     def traced(onemkl: bool, block: nnx.Module = block, platform: str = "cpu") -> str:
         graphdef, state = nnx.split(block)
-        fn = traced_under(lambda s, x: nnx.merge(graphdef, s)(x), TraceOptions("cpu", "blocked", onemkl=onemkl))
+        fn = traced_under(lambda s, x: nnx.merge(graphdef, s)(x), amx_options(onemkl))
         return hlo(fn, state, x, platform=platform)
 
-    monkeypatch.setattr(cpu_matmul, "status", lambda: cpu_matmul.Status("fake", "test"))  # as on an AMX CPU
     assert traced(True).count(f"@{cpu_matmul.NORM_CONV_TARGET}(") == 2  # conv1 and conv2, each with its norm
     assert f"@{cpu_matmul.CONV_TARGET}(" not in traced(True)
     assert cpu_matmul.NORM_CONV_TARGET not in traced(False)
@@ -212,17 +218,21 @@ def test_the_vaes_norm_silu_conv_takes_one_shim_call_only_on_the_onemkl_path(
 
 
 def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin and the dot form are in the trace options each program's key holds; the setting
+    that chooses them is in every key too."""
+    forms = {TraceOptions("cpu", "blocked", kernels=k, bf16_compute=d).as_key()["kernels" if k else "bf16_compute"]
+             for k, d in ((None, "f32"), ("amx", "bf16"), (None, "f32-accumulate"))}
+    assert forms == {"f32", "amx", "f32-accumulate"}
     spec = target.ProgramSpec("axpy", jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),))
     keys = set()
-    for name in (None, "onemkl-amx-bf16:a", "onemkl-amx-bf16:b"):
-        monkeypatch.setattr(cpu_matmul, "status", lambda name=name: cpu_matmul.Status(name, "test"))
-        parts = store_keys.key_parts(spec)
-        assert parts["flags"]["cpu_matmul"] == name
-        keys.add(store_keys.key_of(parts))
-    assert len(keys) == 3
+    for value in ("auto", "xla"):
+        monkeypatch.setenv("FLUX2KLEIN_CPU_MATMUL", value)
+        keys.add(store_keys.key_of(store_keys.key_parts(spec)))
+    assert len(keys) == 2
 
 
-amx = pytest.mark.skipif(cpu_matmul.backend() is None, reason=f"no oneMKL AMX path: {cpu_matmul.status().reason}")
+amx = pytest.mark.skipif(kernels.plugin_status().name is None,
+                         reason=f"no oneMKL AMX path: {kernels.plugin_status().reason}")
 
 
 @amx
@@ -334,7 +344,7 @@ def test_on_amx_the_fused_norm_silu_conv_matches_xlas_forms(shape: tuple[int, ..
     x = jnp.asarray(3 * np.random.default_rng(1).standard_normal((b, h, w, c_in)) + 1, jnp.bfloat16)
 
     def first_conv(onemkl: bool) -> np.ndarray:
-        options = TraceOptions("cpu", "blocked", onemkl=onemkl)
+        options = amx_options(onemkl)
         fn = traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), options)
         return np.asarray(nnx.jit(fn)(block, x), np.float32)
 
@@ -356,7 +366,7 @@ def test_on_amx_non_finite_values_stay_non_finite() -> None:
     np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
     np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
     block = bf16_resnet(8, 8, 4)
-    resnet = [np.asarray(nnx.jit(traced_under(lambda m, x: m(x), TraceOptions("cpu", "blocked", onemkl=onemkl)))(
+    resnet = [np.asarray(nnx.jit(traced_under(lambda m, x: m(x), amx_options(onemkl)))(
         block, x), np.float32) for onemkl in (True, False)]
     np.testing.assert_array_equal(np.isnan(resnet[0]), np.isnan(resnet[1]))
     assert np.isnan(resnet[0]).any()

@@ -58,9 +58,9 @@ def test_generate_writes_pngs_with_metadata_and_json(tiny_checkpoint: Path, tmp_
     report = json.loads(result.stdout)
     assert report["outputs"] == [str(tmp_path / "fox-0.png"), str(tmp_path / "fox-1.png")]
     assert report["seeds"] == [7, 8] and report["steps"] == 2 and report["cfg"] is False
-    from flux2klein_cli.core.models import cpu_matmul  # what this host's CPU runs take, and why
+    from flux2klein_cli.core.models import kernels  # what this host's CPU runs take, and why
 
-    assert report["cpu_kernels"] == {"onemkl": cpu_matmul.backend(), "why": cpu_matmul.status().reason}
+    assert report["cpu_kernels"] == kernels.report()
     assert report["cpu_kernels"]["why"]
     for path, seed in zip(report["outputs"], (7, 8), strict=True):
         image = Image.open(path)

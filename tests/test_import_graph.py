@@ -168,3 +168,32 @@ def test_the_walk_sees_deferred_imports_and_cycles() -> None:
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
     assert "flux2klein_cli.core.pipeline.programs" in graph["flux2klein_cli.core.compile.specs"]
+
+
+_ENVIRONMENT = ("environ", "getenv", "putenv", "unsetenv", "environb")
+
+
+def environment_uses(tree: ast.AST) -> list[str]:
+    """Each use of the process environment in `tree`, as `os.environ.setdefault`, `os.getenv`, ..."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            found += [f"os.{a.name}" for a in node.names if a.name in _ENVIRONMENT]
+        elif (isinstance(node, ast.Attribute) and node.attr in _ENVIRONMENT and isinstance(node.value, ast.Name)
+              and node.value.id == "os"):
+            found.append(f"os.{node.attr}")
+    for node in ast.walk(tree):  # what is done with os.environ: os.environ.get, os.environ.setdefault
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "environ":
+            found.append(f"os.environ.{node.attr}")
+    return sorted(found)
+
+
+def test_the_environment_is_read_in_one_module_and_written_by_the_entry_point() -> None:
+    """core/settings.py reads every variable; the console entry (cli/main.py) alone writes, and only
+    defaults (`setdefault`); no other module touches os.environ."""
+    uses = {name: environment_uses(ast.parse(path.read_text())) for name, path in module_names().items()}
+    readers = {name for name, found in uses.items() if found}
+    assert readers == {"flux2klein_cli.core.settings", "flux2klein_cli.cli.main"}, sorted(readers)
+    assert uses["flux2klein_cli.cli.main"] == ["os.environ", "os.environ.setdefault"]
+    assert environment_uses(ast.parse("from os import getenv\nimport os\nos.environ['A'] = '1'\n")) == [
+        "os.environ", "os.getenv"]

@@ -267,18 +267,15 @@ def test_compile_tpu_without_libtpu_prints_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value, ok", [("bogus", False), ("XLA", False), ("xla", True), ("auto", True), ("", True)])
 def test_cpu_matmul_variable_checked(monkeypatch: pytest.MonkeyPatch, value: str, ok: bool) -> None:
-    from flux2klein_cli.core.models import cpu_matmul
+    from flux2klein_cli.core import settings
+    from flux2klein_cli.core.models.trace import TraceOptions
 
     monkeypatch.setenv("FLUX2KLEIN_CPU_MATMUL", value)
     if ok:
-        assert cpu_matmul.choice() == (value or "auto")
+        assert settings.cpu_matmul() == (value or "auto")
         return
-    cpu_matmul.status.cache_clear()
-    try:
-        with pytest.raises(UserInputError, match=rf"^FLUX2KLEIN_CPU_MATMUL='{value}': use one of auto, xla$"):
-            cpu_matmul.backend()  # what a CPU run's trace options ask first
-    finally:
-        cpu_matmul.status.cache_clear()
+    with pytest.raises(UserInputError, match=rf"^FLUX2KLEIN_CPU_MATMUL='{value}': use one of auto, xla$"):
+        TraceOptions.for_platform("cpu")  # what a CPU run asks first
 
 
 # --- --help -----------------------------------------------------------------------------------------------

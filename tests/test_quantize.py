@@ -73,7 +73,8 @@ def test_dynamic_int8_compute_is_opt_in_traced_and_in_the_key(monkeypatch: pytes
     import jax
 
     from flux2klein_cli.core.errors import UserInputError
-    from flux2klein_cli.core.models.trace import INT8_COMPUTE_ENV, TraceOptions, tracing
+    from flux2klein_cli.core.models.trace import TraceOptions, tracing
+    from flux2klein_cli.core.settings import INT8_COMPUTE as INT8_COMPUTE_ENV
 
     monkeypatch.delenv(INT8_COMPUTE_ENV, raising=False)
     plain = TraceOptions.for_platform("tpu")
@@ -219,7 +220,7 @@ def test_int8_dynamic_compute_against_diffusers_fp32(tiny_checkpoint: Path, int8
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """FLUX2KLEIN_INT8_COMPUTE=dynamic: activations rounded per token too; the same bound."""
     from flux2klein_cli.core.engine.plan import RunFields
-    from flux2klein_cli.core.models.trace import INT8_COMPUTE_ENV
+    from flux2klein_cli.core.settings import INT8_COMPUTE as INT8_COMPUTE_ENV
     from tests.test_pipeline_parity import synthetic_image
 
     monkeypatch.setenv(INT8_COMPUTE_ENV, "dynamic")

@@ -113,7 +113,4 @@ for name, command in (
 
 
 def main() -> None:
-    from flux2klein_cli.core.devices.tpu import quiet_libtpu_without_tpu
-
-    quiet_libtpu_without_tpu()  # libtpu (the [tpu] extra) on a host without TPUs: no noise
     app()

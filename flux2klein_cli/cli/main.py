@@ -34,9 +34,6 @@ GRACE_S = 4.0  # time the main thread gets to clean up before the watchdog exits
 _RETRY_S = 0.02
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _state = {"signalled": False, "announced": False, "exiting": False, "hooked": False}
-# Test hook: a path; once the command has returned, the exit touches it and waits (10 s at most) for a
-# signal, so a test can send one during the interpreter's shutdown (tests/test_interrupts.py).
-TEST_EXIT_MARK = "FLUX2KLEIN_TEST_EXIT_MARK"
 
 
 class Interrupted(BaseException):
@@ -155,9 +152,11 @@ def _at_exit() -> None:
         os._exit(EXIT_INTERRUPTED)
 
 
-def _pause_for_test() -> None:
-    """FLUX2KLEIN_TEST_EXIT_MARK's exit hook (registered last, so it runs first)."""
-    with open(os.environ[TEST_EXIT_MARK], "w"):
+def _pause_for_test(mark: str) -> None:
+    """FLUX2KLEIN_TEST_EXIT_MARK's exit hook (registered last, so it runs first): a test hook that
+    touches the path it names once the command has returned, then waits (10 s at most) for a
+    signal, so a test can send one during the interpreter's shutdown (tests/test_interrupts.py)."""
+    with open(mark, "w"):
         pass
     deadline = time.monotonic() + 10.0
     while not _state["signalled"] and time.monotonic() < deadline:
@@ -213,9 +212,19 @@ def _wrap_init_backend(module: ModuleType) -> None:
     module._init_backend = init_backend  # type: ignore[attr-defined]
 
 
+def _set_process_environment() -> None:
+    """The one place the process environment is written: defaults that libraries read when they
+    load (core/devices/runtime.py says which); a value already set wins."""
+    from flux2klein_cli.core.devices.runtime import process_defaults
+
+    for name, value in process_defaults().items():
+        os.environ.setdefault(name, value)
+
+
 def _run() -> int | str | None:
     try:
         install_handlers()
+        _set_process_environment()
         from flux2klein_cli.cli.app import main as app_main
 
         app_main()
@@ -241,8 +250,11 @@ def main() -> None:
             _state["exiting"] = True  # the command is over: a signal from now on is noted, not raised
     except (Interrupted, KeyboardInterrupt):  # the signal came while _run was handling an exit
         code = EXIT_INTERRUPTED
-    if os.environ.get(TEST_EXIT_MARK):
-        atexit.register(_pause_for_test)
+    from flux2klein_cli.core.settings import test_exit_mark
+
+    mark = test_exit_mark()
+    if mark:
+        atexit.register(_pause_for_test, mark)
     if _state["signalled"] or code == EXIT_INTERRUPTED:
         # Also when a library swallowed the exception and the command went on: the user asked to stop.
         _announce()

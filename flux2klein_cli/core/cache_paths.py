@@ -1,4 +1,5 @@
-"""Where flux2klein keeps its caches: the root and every folder under it, computed here only.
+"""Where flux2klein keeps its caches: the root and every folder under it, computed here only
+(the variables are read in core/settings.py).
 
 The root is `$FLUX2KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux2klein`, else `~/.cache/flux2klein`.
 Each cache is a folder under it; the executable store may be moved on its own
@@ -9,24 +10,22 @@ ours: huggingface_hub places them (HF_HOME, HF_HUB_CACHE).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-CACHE_ENV = "FLUX2KLEIN_CACHE"
-STORE_ENV = "FLUX2KLEIN_COMPILE_CACHE"
+from flux2klein_cli.core import settings
 
 
 def cache_root() -> Path:
-    value = os.environ.get(CACHE_ENV)
+    value = settings.cache_root()
     if value:
         return Path(value).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = settings.xdg_cache_home() or Path.home() / ".cache"
     return Path(base).expanduser() / "flux2klein"
 
 
 def executables_dir() -> Path:
     """The executable store's default: `$FLUX2KLEIN_COMPILE_CACHE`, else `executables/` under the root."""
-    value = os.environ.get(STORE_ENV)
+    value = settings.compile_cache()
     if value:
         return Path(value).expanduser()
     return cache_root() / "executables"

@@ -11,23 +11,19 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding
 
+from flux2klein_cli.core import settings
 from flux2klein_cli.core.compile.target import ProgramSpec, Target, mesh_desc
-from flux2klein_cli.core.models import cpu_matmul
 
 FORMAT = 3  # bump when the entry layout or the key's meaning changes (3: CPU entries carry their kernels)
 # The source a fingerprint covers: the whole package (a hand-kept list of the traced modules
 # once missed core/devices/sharding.py, whose edits then served stale executables).
 _CODE_SUFFIXES = (".py", ".cc")
-# Environment that changes the compiled program (FLUX2KLEIN_GPU_ATTENTION: which attention a GPU
-# program traces; the trace options in the key hold it too).
-_FLAG_ENV = ("XLA_FLAGS", "LIBTPU_INIT_ARGS", "FLUX2KLEIN_GPU_ATTENTION")
 _FLAG_CONFIG = ("jax_default_matmul_precision", "jax_enable_x64")
 
 
@@ -50,7 +46,9 @@ def library_versions(platform: str) -> dict[str, str | None]:
 
 
 def compile_flags() -> dict[str, Any]:
-    flags: dict[str, Any] = {name: os.environ.get(name) for name in _FLAG_ENV}
+    """The compiler's flags and the settings that change programs (core/settings.py's
+    PROGRAM_VARIABLES; the trace options in each program's key hold their effect too)."""
+    flags: dict[str, Any] = settings.program_variables()
     for name in _FLAG_CONFIG:
         value = getattr(jax.config, name, None)
         flags[name] = None if value is None else str(value)
@@ -111,8 +109,6 @@ def key_parts(spec: ProgramSpec) -> dict[str, Any]:
         "flags": compile_flags(),
         "compiler_options": target.compiler_options,
     }
-    if target.platform == "cpu":  # which kernel a bf16 Linear's dot is (core/models/cpu_matmul.py)
-        parts["flags"]["cpu_matmul"] = cpu_matmul.backend()
     return json.loads(_canonical(parts))  # the form it has after a round trip through meta.json
 
 

@@ -158,8 +158,8 @@ class AbstractModels:
     @classmethod
     def build(cls, configs: ModelConfigs, dtype: Any = jnp.bfloat16) -> AbstractModels:
         from flux2klein_cli.core.models.quantized import prequantize_abstract, quantize_abstract
-        from flux2klein_cli.core.models.qwen3 import Qwen3Config, Qwen3TextEncoder
-        from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig
+        from flux2klein_cli.core.models.qwen3 import Qwen3Config, abstract_text_encoder
+        from flux2klein_cli.core.models.transformer import TransformerConfig, abstract_transformer
         from flux2klein_cli.core.models.vae import VAEConfig, abstract_vae
 
         # Built as the loaders build them (load_transformer, load_qwen3, load_vae).
@@ -167,10 +167,9 @@ class AbstractModels:
         qcfg = Qwen3Config.from_dict(configs.text_encoder)
         forms = {tuple(path.split(".")): form for path, form in configs.prequantized}
         return cls(
-            transformer=prequantize_abstract(quantize_abstract(nnx.eval_shape(lambda: Flux2Transformer(
-                tcfg, dtype=dtype, scan_layers=True, rngs=nnx.Rngs(0))), configs.quantize), forms),
-            text_encoder=quantize_abstract(nnx.eval_shape(lambda: Qwen3TextEncoder(
-                qcfg, dtype=dtype, rngs=nnx.Rngs(0))), configs.quantize),
+            transformer=prequantize_abstract(quantize_abstract(abstract_transformer(tcfg, dtype=dtype),
+                                                               configs.quantize), forms),
+            text_encoder=quantize_abstract(abstract_text_encoder(qcfg, dtype=dtype), configs.quantize),
             vae=abstract_vae(VAEConfig.from_dict(configs.vae), dtype=dtype),
             configs=configs, dtype=dtype,
         )
@@ -290,17 +289,10 @@ def _key(models: AbstractModels, component: str, target: Target, **extra: Any) -
             **extra}
 
 
-# Where `--effort fast` traces the VAE's 3x3 convolutions as matmuls: libtpu compiles them far
-# quicker; elsewhere they cost compile and run time (docs/benchmarks.md, "Ahead-of-time compilation").
-MATMUL_CONV_PLATFORMS = frozenset({"tpu"})
-
-
 def trace_options(target: Target) -> TraceOptions:
-    """The forms the target's programs are traced in: its platform's attention (a TPU target
-    gets the TPU kernel from any host) and, at `fast` on a platform of MATMUL_CONV_PLATFORMS,
-    the VAE's 3x3 convolutions as matmuls. Part of each program's key."""
-    fast_convs = target.effort == "fast" and target.platform in MATMUL_CONV_PLATFORMS
-    return TraceOptions.for_platform(target.platform, convs_as_matmuls=fast_convs)
+    """The forms the target's programs are traced in (the backend dispatch's rule for its platform
+    and effort: a TPU target gets the TPU kernel from any host). Part of each program's key."""
+    return TraceOptions.for_platform(target.platform, effort=target.effort)
 
 
 def text_encoder_program(models: AbstractModels, target: Target, prompts: int, length: int,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from jax.sharding import Mesh
 
+from flux2klein_cli.core import settings
 from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 from flux2klein_cli.core.errors import FieldError, UserInputError
 
@@ -66,7 +67,7 @@ def start_runtime(options: DeviceOptions) -> None:
         jax.distributed.initialize(coordinator_address=options.coordinator, num_processes=options.num_processes,
                                    process_id=options.process_id)
         _initialized = True
-    elif "," in os.environ.get("TPU_WORKER_HOSTNAMES", ""):  # a multi-host TPU slice
+    elif "," in settings.tpu_worker_hostnames():  # a multi-host TPU slice
         jax.distributed.initialize()
         _initialized = True
 

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
+from flux2klein_cli.core import settings
 from flux2klein_cli.core.cache_paths import xla_dir
 from flux2klein_cli.core.errors import UserInputError
 
-CACHE_ENV = "FLUX2KLEIN_XLA_CACHE"
+CACHE_ENV = settings.XLA_CACHE
 
 
 def xla_cache_dir() -> Path | None:
@@ -18,8 +18,8 @@ def xla_cache_dir() -> Path | None:
     every program of a run, and on CPU an executable that jax also wrote to its cache was
     stored without its fused kernels (the next process recompiled it). A path that is (or lies
     under) something other than a folder is one line naming the variable, as the other
-    FLUX2KLEIN_* variables are checked (core/models/cpu_matmul.py)."""
-    value = os.environ.get(CACHE_ENV)
+    FLUX2KLEIN_* variables are checked (core/settings.py)."""
+    value = settings.xla_cache()
     if value is None or value.lower() in ("", "0", "off", "false", "no"):
         return None
     cache = xla_dir() if value.lower() in ("1", "on", "true", "yes") else Path(value).expanduser()
@@ -60,3 +60,19 @@ def configure_jax(warn: Callable[[str], None] | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def process_defaults() -> dict[str, str]:
+    """Environment this process should have before jax and native libraries load, for the console
+    entry (cli/main.py, the one writer of os.environ) to set where unset: libtpu's on a host
+    without TPU chips (devices/tpu.py), and on an AMX CPU oneMKL's threads told to sleep at once
+    after each product (they spin for 200 ms by default, holding the cores XLA's threads need for
+    the work between products)."""
+    from flux2klein_cli.core.devices import cpu
+    from flux2klein_cli.core.devices.tpu import libtpu_defaults
+
+    defaults = libtpu_defaults()
+    if cpu.is_x86() and cpu.has_amx_bf16(cpu.cpu_flags()):
+        defaults["KMP_BLOCKTIME"] = "0"
+    return defaults
+

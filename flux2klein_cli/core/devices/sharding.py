@@ -31,6 +31,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
+from flux2klein_cli.core import settings
+
 BATCH_AXES = ("data", "fsdp")
 # Projections whose output features are heads or MLP width (column parallel) ...
 COLUMN = {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "linear_in", "to_qkv_mlp_proj",
@@ -135,7 +137,7 @@ def batch_shards(batch: int) -> int:
 # What the batch axes a batch leaves idle do: "sequence" splits the image-token sequence over
 # them (as `context`), "replicate" holds copies of the batch; "auto" is the rule of
 # `idle_form` (docs/multi-device.md has the measurements behind it).
-IDLE_FORMS = ("auto", "sequence", "replicate")
+IDLE_FORMS = settings.IDLE_AXES_CHOICES  # FLUX2KLEIN_IDLE_AXES forces one
 
 
 def idle_batch_axes(mesh: Mesh | jax.sharding.AbstractMesh, batch: int) -> tuple[str, ...]:

@@ -14,7 +14,6 @@ one chip, v7-8 four).
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,16 +153,16 @@ def tpu_chips_present() -> bool:
     return False
 
 
-def quiet_libtpu_without_tpu(accelerator: str | None = None) -> None:
-    """On a host without TPU chips, libtpu (when installed) still loads with jax and prints
-    multi-line errors about the missing TPU metadata, and takes a machine-wide lock that
-    makes a second process's topology compile fail. Neither helps here: say which slice we
-    compile for and allow several processes. Existing settings win; TPU hosts are untouched."""
+def libtpu_defaults(accelerator: str | None = None) -> dict[str, str]:
+    """The environment libtpu should load with on a host without TPU chips (none on a TPU host).
+    libtpu (when installed) still loads with jax there and prints multi-line errors about the
+    missing TPU metadata, and takes a machine-wide lock that makes a second process's topology
+    compile fail. Neither helps: say which slice we compile for and allow several processes. The
+    console entry (cli/main.py) sets these where unset, before jax loads."""
     if tpu_chips_present():
-        return
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator or "v6e-4")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        return {}
+    return {"TPU_WORKER_HOSTNAMES": "localhost", "TPU_ACCELERATOR_TYPE": accelerator or "v6e-4",
+            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def mesh_for_devices(devices: list[Any]) -> Any:
@@ -179,7 +178,6 @@ def preset_mesh(preset: TpuPreset) -> tuple[Any, str | None]:
     """The mesh a preset compiles for, and the libtpu topology it names when its devices are
     compile-only: the real devices when this host has that slice (topology None), else
     libtpu's devices for its topology."""
-    quiet_libtpu_without_tpu(preset.name)
     import jax
 
     local = jax.devices()

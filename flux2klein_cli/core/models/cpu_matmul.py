@@ -1,4 +1,4 @@
-"""bf16 work at the AMX rate on CPU: oneMKL's bf16 GEMM called from XLA as FFI custom calls.
+"""The AMX kernel plugin: bf16 work at the AMX rate on CPU, oneMKL's bf16 GEMM called from XLA as FFI custom calls.
 
 XLA's CPU backend converts every bf16 dot to float32 before its own kernels (and before oneDNN's,
 with `--xla_cpu_use_onednn`), so on an AMX CPU a bf16 linear layer runs at the float32 rate, far
@@ -8,32 +8,23 @@ below torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the A
 (`masked_attention`) and the VAE's 3x3 convolutions (`conv3x3`, `norm_silu_conv3x3`), each with the
 numerics of the XLA form it replaces.
 
-Used only when all of these hold, else every dot stays XLA's own (today's path):
-  * the CPU reports `amx_bf16`, `amx_tile` and `avx512_bf16` (/proc/cpuinfo);
-  * oneMKL's runtime library is installed (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the
-    environment's lib/);
-  * the small shim in amx_gemm.cc builds: on first use, with the C++ compiler (`$CXX`, else g++ or
-    c++) against jaxlib's FFI headers, into a private cache folder keyed by its source and jaxlib;
-  * `FLUX2KLEIN_CPU_MATMUL` is not `xla`.
-The choice is made per process and names the executable-store key (`backend()`); the trace
-options carry it to the attention and the convolutions (`TraceOptions.onemkl`). In a traced
-program each custom call sits in the CPU branch of `lax.platform_dependent`: a program lowered
-for an accelerator never contains it.
+The backend dispatch (core/models/trace.py) imports this module only where it applies
+(core/models/kernels.py: an AMX CPU with oneMKL installed, FLUX2KLEIN_CPU_MATMUL not `xla`), and
+`load` then builds the shim on first use, with the C++ compiler (`$CXX`, else g++ or c++) against
+jaxlib's FFI headers, into a private cache folder keyed by its source and jaxlib, and registers
+its targets. The trace options name the plugin (`TraceOptions.kernels`, part of every program's
+key); the model code asks them. In a traced program each custom call sits in the CPU branch of
+`lax.platform_dependent`: a program lowered for an accelerator never contains it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import hashlib
 import os
-import platform
 import shutil
-import site
 import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +33,9 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from flux2klein_cli.core import temporaries, trust
+from flux2klein_cli.core import settings, temporaries, trust
 from flux2klein_cli.core.cache_paths import native_dir
-from flux2klein_cli.core.errors import UserInputError
 
-ENV = "FLUX2KLEIN_CPU_MATMUL"
-CHOICES = ("auto", "xla")
 TARGET = "flux2klein_amx_bf16_gemm"
 ATTENTION_TARGET = "flux2klein_amx_bf16_attention"
 MASKED_ATTENTION_TARGET = "flux2klein_amx_bf16_masked_attention"
@@ -58,44 +46,6 @@ BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-
                "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
                "-mprefer-vector-width=512")
 SOURCE = Path(__file__).with_name("amx_gemm.cc")
-_MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
-
-
-@dataclass(frozen=True)
-class Status:
-    """`name` goes into executable keys (None: XLA's dots); `reason` says why, for people."""
-
-    name: str | None
-    reason: str
-
-
-def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
-    """The feature flags of the first CPU in /proc/cpuinfo (empty where there is none)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
-        except OSError:
-            return frozenset()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()
-
-
-def has_amx_bf16(flags: frozenset[str]) -> bool:
-    # Every AMX CPU has AVX-512 bf16 too; the shim's softmax rounds with it.
-    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
-
-
-def find_mkl() -> str | None:
-    """libmkl_rt from the `mkl` wheel (it installs into the environment's lib/), else the loader's."""
-    dirs = dict.fromkeys(Path(p) / "lib" for p in (sys.prefix, sys.base_prefix, site.getuserbase()))
-    for d in dirs:
-        for name in _MKL_NAMES:
-            if (d / name).is_file():
-                return str(d / name)
-    return ctypes.util.find_library("mkl_rt")
 
 
 def shim_path() -> Path:
@@ -114,7 +64,7 @@ def build_shim(out: Path) -> str | None:
             return None
     except (trust.Untrusted, OSError) as e:
         return str(e)
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    compiler = settings.cxx() or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         return "no C++ compiler to build the oneMKL shim"
     with temporaries.temporary_file(out.parent, out.name, 0o700) as (fd, tmp):
@@ -131,67 +81,29 @@ def build_shim(out: Path) -> str | None:
     return None
 
 
-def choice() -> str:
-    """FLUX2KLEIN_CPU_MATMUL: `auto` (the default, also when empty: the shim where it applies) or
-    `xla` (XLA's own forms); anything else is one line naming the variable, as the other
-    FLUX2KLEIN_* variables are checked (core/models/trace.py)."""
-    value = os.environ.get(ENV) or "auto"
-    if value not in CHOICES:
-        raise UserInputError(f"{ENV}={value!r}: use one of {', '.join(CHOICES)}")
-    return value
-
-
-def _load(flags: frozenset[str]) -> Status:
-    if choice() == "xla":
-        return Status(None, f"{ENV}=xla")
-    if platform.machine().lower() not in ("x86_64", "amd64") or not has_amx_bf16(flags):
-        return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile, avx512_bf16)")
-    mkl = find_mkl()
-    if mkl is None:
-        return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
+def load(mkl: str) -> str | None:
+    """Build the shim (once), open it against oneMKL at `mkl` and register its targets: None when
+    done, else why not (the programs then keep XLA's forms)."""
     shim = shim_path()
     why = build_shim(shim)
     if why is not None:
-        return Status(None, why)
-    # MKL's OpenMP threads spin for 200 ms after each product by default, holding the cores that
-    # XLA's threads need for the work between products: they sleep at once unless the user says.
-    os.environ.setdefault("KMP_BLOCKTIME", "0")
+        return why
     try:
         trust.check_private_file(shim, "oneMKL shim")
         lib = ctypes.CDLL(str(shim))
         opened = lib.flux2klein_amx_open(mkl.encode())
         if opened == 3:
-            return Status(None, "Linux does not let this process use the AMX tiles (it needs kernel 5.16 or later)")
+            return "Linux does not let this process use the AMX tiles (it needs kernel 5.16 or later)"
         if opened != 0:
-            return Status(None, f"{mkl} has no cblas_gemm_bf16bf16f32 or MKL_Set_Num_Threads_Local")
+            return f"{mkl} has no cblas_gemm_bf16bf16f32 or MKL_Set_Num_Threads_Local"
     except (trust.Untrusted, OSError, AttributeError) as e:  # a foreign, corrupt or old shim: XLA's path
-        return Status(None, f"the oneMKL shim does not load: {e}")
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_gemm), platform="cpu")
-    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_attention), platform="cpu")
-    jax.ffi.register_ffi_target(MASKED_ATTENTION_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_masked_attention),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(CONV_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_conv3x3), platform="cpu")
-    jax.ffi.register_ffi_target(NORM_CONV_TARGET, jax.ffi.pycapsule(lib.flux2klein_amx_norm_silu_conv3x3),
-                                platform="cpu")
-    return Status(f"onemkl-amx-bf16:{shim.stem.rpartition('-')[2]}", f"oneMKL bf16 GEMM ({mkl})")
-
-
-@functools.cache
-def status() -> Status:
-    """Detects, builds and registers once per process."""
-    return _load(cpu_flags())
-
-
-def backend() -> str | None:
-    """What a CPU program's bf16 dots run on: part of the executable key; None for XLA's own."""
-    return status().name
-
-
-def report() -> dict[str, str | None]:
-    """For a run's report: what this CPU's bf16 work runs on (`onemkl`: the shim's name, or null
-    for XLA's own forms) and why."""
-    chosen = status()
-    return {"onemkl": chosen.name, "why": chosen.reason}
+        return f"the oneMKL shim does not load: {e}"
+    for target, symbol in ((TARGET, lib.flux2klein_amx_gemm), (ATTENTION_TARGET, lib.flux2klein_amx_attention),
+                           (MASKED_ATTENTION_TARGET, lib.flux2klein_amx_masked_attention),
+                           (CONV_TARGET, lib.flux2klein_amx_conv3x3),
+                           (NORM_CONV_TARGET, lib.flux2klein_amx_norm_silu_conv3x3)):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+    return None
 
 
 def single_cpu_device() -> bool:
@@ -199,7 +111,8 @@ def single_cpu_device() -> bool:
     return len(jax.devices("cpu")) == 1
 
 
-def _eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
+def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
+    """Whether `dot_general` takes these: bf16 (..., K) x (K, N) on one CPU device."""
     (lc, rc), (lb, rb) = dimension_numbers
     return (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and rhs.ndim == 2 and lhs.ndim >= 1
             and tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
@@ -207,16 +120,9 @@ def _eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type
             and kwargs.get("out_sharding") is None and single_cpu_device())
 
 
-def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precision: Any = None,
-                preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
-    """`lax.dot_general` for Linear layers: bf16 (..., K) x (K, N) through oneMKL on AMX CPUs."""
-
-    def xla(x: jax.Array, w: jax.Array) -> jax.Array:
-        return jax.lax.dot_general(x, w, dimension_numbers, precision=precision,
-                                   preferred_element_type=preferred_element_type, **kwargs)
-
-    if backend() is None or not _eligible(lhs, rhs, dimension_numbers, preferred_element_type, kwargs):
-        return xla(lhs, rhs)
+def dot_general(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any, fallback: Any) -> jax.Array:
+    """bf16 (..., K) x (K, N) through oneMKL (float32 sums), in `preferred_element_type` (else bf16);
+    `fallback(lhs, rhs)` on other platforms."""
     out_dtype = preferred_element_type or lhs.dtype
 
     def amx(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -226,7 +132,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any, precisio
                                 vmap_method="sequential")
         return call(rows, w).reshape(*lead, n).astype(out_dtype)
 
-    return jax.lax.platform_dependent(lhs, rhs, cpu=amx, default=xla)
+    return jax.lax.platform_dependent(lhs, rhs, cpu=amx, default=fallback)
 
 
 def attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
@@ -272,6 +178,11 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
         return call(q, k, v, mask, scale=np.float32(scale))
 
     return jax.lax.platform_dependent(q, k, v, mask, cpu=amx, default=fallback)
+
+
+def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool) -> bool:
+    """Whether the VAE's convolutions of module dtype `dtype` take the shim on `x`: bf16 NHWC with a bias."""
+    return dtype == jnp.bfloat16 and has_bias and x.ndim == 4 and single_cpu_device()
 
 
 def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 import jax
@@ -11,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from flux2klein_cli.core.devices.sharding import STACKED
-from flux2klein_cli.core.models import cpu_matmul, tpu_attention, trace
+from flux2klein_cli.core.models import tpu_attention, trace
 
 B = TypeVar("B", bound=nnx.Module)
 Carry = TypeVar("Carry")
@@ -20,6 +21,24 @@ Carry = TypeVar("Carry")
 # Parameters always come from a checkpoint; the initialiser is only traced (by nnx.eval_shape)
 # to learn shapes, and zeros trace far faster than random draws.
 ZEROS = nnx.initializers.zeros_init()
+
+
+_ABSTRACT: OrderedDict[Hashable, tuple[Any, Any]] = OrderedDict()
+_ABSTRACT_KEPT = 8  # models (config, dtype, form) whose abstract build a process keeps
+
+
+def abstract_module(build: Callable[[], B], key: Hashable) -> B:
+    """`nnx.eval_shape(build)`, built once per `key` (everything the build depends on) in a
+    process: a run builds each model abstractly three times (its cost check, its loader, its
+    executables' specs), and a build checks every attribute it sets while a merge of the cached
+    graph and shapes does not. Each call returns a new module (callers may swap its children)."""
+    cached = _ABSTRACT.get(key)
+    if cached is None:
+        cached = _ABSTRACT[key] = nnx.split(nnx.eval_shape(build))
+        while len(_ABSTRACT) > _ABSTRACT_KEPT:
+            _ABSTRACT.popitem(last=False)
+    _ABSTRACT.move_to_end(key)
+    return nnx.merge(*cached)
 
 
 class ZeroInitRngs:
@@ -37,10 +56,11 @@ class ZeroInitRngs:
 
 def linear(d_in: int, d_out: int, *, dtype: Any, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
     """A torch-style Linear; the kernel is (in, out), loaded from torch's (out, in)."""
-    # cpu_matmul.dot_general: bf16 on AMX CPUs through oneMKL, XLA's dot everywhere else.
+    # The dot in the trace options' form (core/models/trace.py): on CPU float32 sums of bf16, on AMX
+    # CPUs the kernel plugin's.
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs,
-        dot_general=cpu_matmul.dot_general,
+        dot_general=trace.dot_general, promote_dtype=trace.promote_dtype,
     )
 
 
@@ -103,7 +123,7 @@ def run_blocks(
     graphdef, state = nnx.split(blocks)
     # On CPU the stacked bf16 weights are sliced as raw 16-bit words (see `as_words`); words
     # not already given that way are made here, a copy for the call but not a float32 one.
-    if trace.current().platform == "cpu":
+    if trace.current().weights_as_words:
         state = jax.tree.map(_to_words, state)
     if layers is not None:  # sliced after the words are made, for the same reason
         state, xs = jax.tree.map(lambda a: a[layers[0]:layers[1]], (state, xs))
@@ -205,13 +225,14 @@ def gpu_fused_attention(q: jax.Array) -> bool:
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh) in the form the trace
     options name: the Pallas splash kernel on TPU (core/models/tpu_attention.py), cuDNN's fused
-    kernel on NVIDIA GPUs, the query-blocked form on the host CPU (in the oneMKL shim on AMX CPUs)."""
+    kernel on NVIDIA GPUs, the query-blocked form on the host CPU (in the kernel plugin on AMX CPUs)."""
     options = trace.current()
     if options.attention.startswith("splash") and tpu_attention.supports(q, k, v):
         return tpu_attention.splash_attention(q, k, v)
-    if options.onemkl and cpu_matmul.attention_eligible(q, k, v):
-        return cpu_matmul.attention(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k, v, _blocked_scaled)
-    if options.platform == "cpu":
+    kernels = trace.plugin(options)
+    if kernels is not None and kernels.attention_eligible(q, k, v):
+        return kernels.attention(q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype), k, v, _blocked_scaled)
+    if options.attention == "blocked":
         return _blocked_attention(q, k, v)
     if gpu_fused_attention(q):
         return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")

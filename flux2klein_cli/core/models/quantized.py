@@ -41,14 +41,6 @@ QUANTIZED_STACKS = ("transformer_blocks", "single_transformer_blocks", "layers")
 SCALE_DTYPE = jnp.float32
 
 
-# The dot's result dtype per platform. TPU: the activation dtype (the MXU accumulates in float32
-# inside), then the float32 scale; asked for a float32 result, libtpu wrote the whole float32
-# product to memory before scaling it (an FSDP linear of the 9B width on v6e-4: 14% more bytes
-# than bf16 and 11x the temporaries; with bf16, 14% fewer bytes than bf16, docs/benchmarks.md).
-# Elsewhere float32: on this CPU the bf16-result dot made the medium model's denoise loop 2x slower.
-_DOT_IN_ACTIVATION_DTYPE = frozenset({"tpu"})
-
-
 def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
     """x (..., in) @ (kernel (in, out) int8 * scale (out,)) in x's dtype, accumulated in float32
     (on TPU the dot rounds to x's dtype before the scale: one more rounding in a bf16 model).
@@ -56,7 +48,7 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, scale: jax.Array) -> jax.Array:
     `block_matmul`."""
     if scale.ndim == kernel.ndim:
         return block_matmul(x, kernel, scale)
-    result = x.dtype if trace.current().platform in _DOT_IN_ACTIVATION_DTYPE else jnp.float32
+    result = trace.current().int8_dot_result(x.dtype)  # the backend dispatch's rule
     y = jax.lax.dot_general(x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())),
                             preferred_element_type=result)
     return (y.astype(jnp.float32) * scale.astype(jnp.float32)).astype(x.dtype)

@@ -14,8 +14,8 @@ padded text tokens too:
     gives it;
   * RMSNorm statistics in float32; RoPE angles in float32, cos/sin cast to the model dtype;
   * SiLU in float32; attention scores and softmax in float32, the weights rounded to the
-    model dtype before P @ V (jax.nn.dot_product_attention's form; on AMX CPUs the oneMKL
-    shim's, core/models/cpu_matmul.py).
+    model dtype before P @ V (jax.nn.dot_product_attention's form; on AMX CPUs the kernel
+    plugin's, core/models/cpu_matmul.py).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from jax.sharding import Mesh
 from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.devices.sharding import model_rule
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.models import cpu_matmul, trace
-from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, linear, run_blocks, silu, stack_blocks
+from flux2klein_cli.core.models import trace
+from flux2klein_cli.core.models.layers import ZEROS, RMSNorm, abstract_module, linear, run_blocks, silu, stack_blocks
 from flux2klein_cli.core.weights.configs import pick, read_config
 from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, load_module, plan_from_names
 
@@ -178,8 +178,9 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale:
     def xla(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
 
-    if trace.current().onemkl and cpu_matmul.masked_attention_eligible(q, k, v, mask):
-        out = cpu_matmul.masked_attention(q, k, v, mask, scale, xla)  # AMX CPUs: the oneMKL shim
+    kernels = trace.plugin()
+    if kernels is not None and kernels.masked_attention_eligible(q, k, v, mask):
+        out = kernels.masked_attention(q, k, v, mask, scale, xla)  # AMX CPUs: the kernel plugin
     else:
         out = xla(q, k, v, mask)
     return jnp.where(jnp.any(mask, axis=-1)[:, :, None, None], out, 0).astype(v.dtype)
@@ -222,14 +223,16 @@ class Qwen3TextEncoder(nnx.Module):
         if n > self.config.max_position_embeddings:
             raise ValueError(f"sequence of {n} tokens exceeds max_position_embeddings")
         count = len(self.feature_layers)
+        dt = trace.current().activation_dtype(self.dtype)
         # 1. Token embeddings.
-        h = self.embed_tokens(input_ids.astype(jnp.int32)).astype(self.dtype)
+        h = self.embed_tokens(input_ids.astype(jnp.int32)).astype(dt)
 
         # 2. The causal mask over real (not padding) keys, and the RoPE tables.
         valid = attention_mask.astype(jnp.bool_)
         causal = jnp.tril(jnp.ones((n, n), jnp.bool_))
         mask = causal[None, :, :] & valid[:, None, :]  # keys must be real tokens; queries are all kept
         cos, sin = _rope_tables(n, self.config.head_dim, self.config.rope_theta, self.dtype)
+        cos, sin = cos.astype(dt), sin.astype(dt)  # rounded as the reference rounds them, then widened
 
         # 3. A slot for each feature layer's output. The features live in the scan carry: one slot
         #    per feature layer plus a scratch slot that other layers write to, so each step is one
@@ -238,7 +241,7 @@ class Qwen3TextEncoder(nnx.Module):
         for slot, index in enumerate(self.feature_layers):
             if index > 0:
                 slots[index - 1] = slot  # hidden_states[k] is the output of decoder layer k - 1
-        feats = jnp.zeros((count + 1, b, n, self.config.hidden_size), self.dtype)
+        feats = jnp.zeros((count + 1, b, n, self.config.hidden_size), dt)
         if 0 in self.feature_layers:
             feats = feats.at[self.feature_layers.index(0)].set(h)
         slot_of = jnp.asarray(slots)
@@ -253,8 +256,10 @@ class Qwen3TextEncoder(nnx.Module):
 
         # 4. The decoder layers, in one scan.
         (_, feats, _), _ = run_blocks(self.layers, (h, feats, jnp.int32(0)), step, scan=scan)
-        # 5. The features side by side per token: (K, B, L, H) -> (B, L, K, H) -> (B, L, K*H).
-        return jnp.transpose(feats[:count], (1, 2, 0, 3)).reshape(b, n, count * self.config.hidden_size)
+        # 5. The features side by side per token: (K, B, L, H) -> (B, L, K, H) -> (B, L, K*H), in the
+        #    model dtype whatever the activations' (the program's output does not depend on the CPU).
+        out = jnp.transpose(feats[:count], (1, 2, 0, 3)).reshape(b, n, count * self.config.hidden_size)
+        return out.astype(self.dtype)
 
 
 def qwen3_key_plan(model: Qwen3TextEncoder) -> KeyPlan:
@@ -284,13 +289,22 @@ def load_qwen3(
     (text-encoder LoRA) merged on the way."""
     config = Qwen3Config.from_dict(read_config(directory), where=f"{directory}/config.json")
     return load_module(
-        lambda: Qwen3TextEncoder(config, feature_layers=feature_layers, dtype=dtype, rngs=nnx.Rngs(0)),
+        abstract_text_encoder(config, dtype=dtype, feature_layers=feature_layers),
         qwen3_key_plan,
         directory,
         mesh,
         sharding_rule=model_rule(mesh),
         deltas=deltas,
     )
+
+
+def abstract_text_encoder(config: Qwen3Config, *, dtype: Any = jnp.bfloat16,
+                          feature_layers: Sequence[int] = FEATURE_LAYERS) -> Qwen3TextEncoder:
+    """Shapes and dtypes only, built once per config, dtype and feature layers in a process
+    (layers.abstract_module)."""
+    layers = tuple(int(i) for i in feature_layers)
+    return abstract_module(lambda: Qwen3TextEncoder(config, feature_layers=layers, dtype=dtype, rngs=nnx.Rngs(0)),
+                           ("text_encoder", config, jnp.dtype(dtype).name, layers))
 
 
 def encode_prompts(

@@ -24,6 +24,7 @@ from flux2klein_cli.core.devices.sharding import BATCH_AXES, constrain, model_ru
 from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.layers import (
     RMSNorm,
+    abstract_module,
     dot_product_attention,
     layer_norm,
     linear,
@@ -272,7 +273,8 @@ class TimestepGuidanceEmbeddings(nnx.Module):
 
     def __call__(self, t: jax.Array) -> jax.Array:
         """t (B,) float32 timesteps in 0..1000 -> (B, D), before the SiLU the modulations apply."""
-        return self.timestep_embedder(timestep_embedding(t, self.channels).astype(self.dtype))
+        return self.timestep_embedder(timestep_embedding(t, self.channels).astype(
+            trace.current().activation_dtype(self.dtype)))
 
 
 class Modulation(nnx.Module):
@@ -471,7 +473,7 @@ class Flux2Transformer(nnx.Module):
         output size: this is the extract step without text or image tokens."""
         batch = refs.shape[0]
         img = jnp.zeros((batch, 0, self.config.in_channels), refs.dtype)
-        txt = jnp.zeros((batch, 0, self.config.joint_attention_dim), self.dtype)
+        txt = jnp.zeros((batch, 0, self.config.joint_attention_dim), trace.current().activation_dtype(self.dtype))
         return self.extract(refs, img, txt, jnp.zeros((batch,), jnp.float32), rope)[1]
 
     @property
@@ -491,7 +493,9 @@ class Flux2Transformer(nnx.Module):
     ) -> tuple[jax.Array, ReferenceKV | None]:
         streams, inputs = self.embed(img, txt, sigma, rope, refs=refs, cache=cache)
         (img, _), double_kv, single_kv = self.blocks(streams, inputs)
-        kv = None if refs is None else ReferenceKV(*double_kv, *single_kv)
+        # Cached K / V keep the model dtype whatever the activations' (trace.activation_dtype): the
+        # cache's size and the stored caches' layout do not depend on the CPU that made them.
+        kv = None if refs is None else ReferenceKV(*(a.astype(self.dtype) for a in (*double_kv, *single_kv)))
         return self.head(img, inputs), kv
 
     def embed(
@@ -500,7 +504,7 @@ class Flux2Transformer(nnx.Module):
     ) -> tuple[Streams, BlockInputs]:
         """The blocks' inputs: the embedded image stream (reference tokens first when
         extracting) and text stream, and what every block reads besides them."""
-        dt = self.dtype
+        dt = trace.current().activation_dtype(self.dtype)
         n_txt, n_img, n_ref = txt.shape[1], img.shape[1], 0 if refs is None else refs.shape[1]
         # 1. Timestep embedding and the modulation parameters of both streams and the single blocks.
         silu_temb = self._embed_time(sigma)
@@ -600,10 +604,17 @@ def load_transformer(
     (core/weights/prequantized.py)."""
     config = TransformerConfig.from_dict(read_config(directory))
     return load_module(
-        lambda: Flux2Transformer(config, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
+        abstract_transformer(config, dtype=dtype, scan_layers=scan_layers),
         transformer_key_plan,
         directory,
         mesh,
         sharding_rule=model_rule(mesh),
         deltas=deltas,
     )
+
+
+def abstract_transformer(config: TransformerConfig, *, dtype: Any = jnp.bfloat16,
+                         scan_layers: bool = True) -> Flux2Transformer:
+    """Shapes and dtypes only, built once per config, dtype and form in a process (layers.abstract_module)."""
+    return abstract_module(lambda: Flux2Transformer(config, dtype=dtype, scan_layers=scan_layers, rngs=nnx.Rngs(0)),
+                           ("transformer", config, jnp.dtype(dtype).name, scan_layers))

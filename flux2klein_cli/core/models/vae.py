@@ -22,8 +22,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from flux2klein_cli.core.errors import CheckpointError
-from flux2klein_cli.core.models import cpu_matmul, trace
-from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, dot_product_attention, linear
+from flux2klein_cli.core.models import trace
+from flux2klein_cli.core.models.layers import ZEROS, ZeroInitRngs, abstract_module, dot_product_attention, linear
 from flux2klein_cli.core.weights.configs import read_config
 from flux2klein_cli.core.weights.loader import KeyPlan, load_module, plan_from_names
 
@@ -137,33 +137,35 @@ class Conv(nnx.Conv):
     def _same_3x3(self) -> bool:
         return self.kernel_size == (3, 3) and self.strides in (1, (1, 1)) and self.padding == ((1, 1), (1, 1))
 
-    def _onemkl(self, x: jax.Array) -> bool:
-        """Whether this call takes the oneMKL shim (an AMX CPU, bf16)."""
-        return (trace.current().onemkl and self.dtype == jnp.bfloat16 and self.bias is not None and x.ndim == 4
-                and cpu_matmul.single_cpu_device())
+    def _plugin(self, x: jax.Array) -> Any:
+        """The kernel plugin this call takes (an AMX CPU, bf16), or None."""
+        kernels = trace.plugin()
+        eligible = kernels is not None and kernels.conv_eligible(x, self.dtype, self.bias is not None)
+        return kernels if eligible else None
 
     def after_norm_silu(self, norm: GroupNorm, x: jax.Array) -> jax.Array:
         """self(norm(x, silu=True)); on the oneMKL path as one shim call that normalises and
         activates each tile of rows just before its products (XLA's pass over the padded
         activation was the decode's largest elementwise cost)."""
-        if not (self._onemkl(x) and self._same_3x3() and not trace.current().convs_as_matmuls):
+        kernels = self._plugin(x)
+        if not (kernels and self._same_3x3() and not trace.current().convs_as_matmuls):
             return self(norm(x, silu=True))
         mean, scale = (a.reshape(x.shape[0], -1) for a in norm.statistics(x))
-        return cpu_matmul.norm_silu_conv3x3(x.astype(jnp.bfloat16), mean, scale, norm.bias[...].astype(jnp.float32),
+        return kernels.norm_silu_conv3x3(x.astype(jnp.bfloat16), mean, scale, norm.bias[...].astype(jnp.float32),
                                             self.kernel[...], self.bias[...], lambda x: self(norm(x, silu=True)))
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         same_3x3 = self._same_3x3()
         if same_3x3 and trace.current().convs_as_matmuls:
             return self.as_matmul(x)
-        onemkl = self._onemkl(x)  # oneMKL on an AMX CPU
-        if onemkl and same_3x3:
-            return cpu_matmul.conv3x3(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
+        kernels = self._plugin(x)  # the AMX plugin
+        if kernels and same_3x3:
+            return kernels.conv3x3(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
                                       lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
-        if onemkl and self.kernel_size == (1, 1) and self.strides in (1, (1, 1)) and self.padding == ((0, 0),) * 2:
+        if kernels and self.kernel_size == (1, 1) and self.strides in (1, (1, 1)) and self.padding == ((0, 0),) * 2:
             # A 1x1 convolution is a Linear over channels: bf16 sums, then the bias, as nnx.Conv.
             kernel = self.kernel[...].reshape(self.kernel.shape[-2:])
-            return cpu_matmul.dot_general(x.astype(jnp.bfloat16), kernel, (((3,), (0,)), ((), ()))) + self.bias[...]
+            return trace.dot_general(x.astype(jnp.bfloat16), kernel, (((3,), (0,)), ((), ()))) + self.bias[...]
         return super().__call__(x, out_sharding=out_sharding)
 
     def as_matmul(self, x: jax.Array) -> jax.Array:
@@ -190,7 +192,8 @@ def conv(
     pad = padding if padding is not None else ((kernel // 2, kernel // 2),) * 2
     return Conv(
         d_in, d_out, (kernel, kernel), stride, padding=pad, use_bias=True, dtype=dtype, param_dtype=dtype,
-        kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs,
+        kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs, conv_general_dilated=trace.conv_general_dilated,
+        promote_dtype=trace.promote_dtype,
     )
 
 
@@ -474,7 +477,7 @@ class Flux2VAE(nnx.Module):
         if h % f or w % f:
             raise ValueError(f"VAE encode needs height and width divisible by {f}, got {h}x{w}")
         # 1. The encoder, then quant_conv: the posterior's mean and log-variance.
-        moments = self.encoder(pixels.astype(self.dtype))
+        moments = self.encoder(pixels.astype(trace.current().activation_dtype(self.dtype)))
         if self.quant_conv is not None:
             moments = self.quant_conv(moments)
         # 2. The mean alone (no sampling), 2x2-patchified and normalised by the latent statistics.
@@ -489,7 +492,7 @@ class Flux2VAE(nnx.Module):
                 f"VAE decode expects {self.config.patched_channels} latent channels, got {latents.shape[-1]}"
             )
         # 1. Undo the normalisation and the 2x2 patches.
-        z = unpatchify(self.bn.denormalize(latents)).astype(self.dtype)
+        z = unpatchify(self.bn.denormalize(latents)).astype(trace.current().activation_dtype(self.dtype))
         # 2. post_quant_conv, then the decoder.
         if self.post_quant_conv is not None:
             z = self.post_quant_conv(z)
@@ -510,7 +513,7 @@ def load_vae(directory: str | Path, *, dtype: Any = jnp.bfloat16, mesh: Mesh | N
     """Build the VAE of a `vae/` component folder abstractly and load its weights in `dtype`
     (the latent statistics stay float32)."""
     config = VAEConfig.from_dict(read_config(directory))
-    return load_module(lambda: build_vae(config, dtype=dtype), vae_key_plan, directory, mesh)
+    return load_module(abstract_vae(config, dtype=dtype), vae_key_plan, directory, mesh)
 
 
 def build_vae(config: VAEConfig, *, dtype: Any = jnp.bfloat16) -> Flux2VAE:
@@ -519,5 +522,6 @@ def build_vae(config: VAEConfig, *, dtype: Any = jnp.bfloat16) -> Flux2VAE:
 
 
 def abstract_vae(config: VAEConfig, *, dtype: Any = jnp.bfloat16) -> Flux2VAE:
-    """Shapes and dtypes only: 0.3 s instead of 1 s with a real `nnx.Rngs` (see ZeroInitRngs)."""
-    return nnx.eval_shape(lambda: build_vae(config, dtype=dtype))
+    """Shapes and dtypes only (ZeroInitRngs: a third of the time a real `nnx.Rngs` takes), built once
+    per config and dtype in a process (layers.abstract_module)."""
+    return abstract_module(lambda: build_vae(config, dtype=dtype), ("vae", config, jnp.dtype(dtype).name))

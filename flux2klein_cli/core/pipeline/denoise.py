@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flux2klein_cli.core.models import trace
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.models.transformer import BlockInputs, Flux2Transformer, ReferenceKV, Streams
 from flux2klein_cli.core.pipeline import tokens
@@ -171,7 +172,7 @@ def denoise(model: Flux2Transformer, x: DenoiseInputs, start: jax.Array | int = 
 
         rows = b * (2 if cfg else 1)
         state = _CacheState.empty(rows, packed.shape[1] + (0 if references is None else references.shape[1]),
-                                  model.config.dim, model.dtype, cache.taylorseer)
+                                  model.config.dim, trace.current().activation_dtype(model.dtype), cache.taylorseer)
         (final, _), record = jax.lax.scan(cached_step, (packed, state), (jnp.arange(steps), schedule))
         return final.reshape(b, h, w, c), record
     if count != steps:  # a chunk: its slice of the schedule (the whole loop slices nothing)
@@ -186,8 +187,8 @@ class _CacheState:
     and the remaining blocks' residual at the row's last full step, with TaylorSeer the
     remaining residual's change per step and that step's index; consecutive cached steps."""
 
-    first: jax.Array  # (rows, N, D) model dtype
-    rest: jax.Array  # (rows, N, D) model dtype
+    first: jax.Array  # (rows, N, D) the activations' dtype (trace.activation_dtype)
+    rest: jax.Array  # (rows, N, D) the activations' dtype
     slope: jax.Array | None  # (rows, N, D) float32 with TaylorSeer, else None
     last_full: jax.Array  # (rows,) int32, -1 before the first full step
     skips: jax.Array  # (rows,) int32

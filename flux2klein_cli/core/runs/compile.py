@@ -55,7 +55,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     from flux2klein_cli.core.compile.compile_all import compile_all, compiles_serially
     from flux2klein_cli.core.compile.store import ExecutableStore
     from flux2klein_cli.core.compile.target import Target
-    from flux2klein_cli.core.devices.tpu import check_topology_compiler, parse_preset, quiet_libtpu_without_tpu
+    from flux2klein_cli.core.devices.tpu import check_topology_compiler, parse_preset
     from flux2klein_cli.core.engine.plan import ModelFacts, build_shape
     from flux2klein_cli.core.pipeline.references import parse_refs
 
@@ -69,7 +69,6 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     dtype = jax_dtype(opts.dtype)
     if preset is not None:
         check_topology_compiler(preset)  # no libtpu on a host without TPUs: one line, before any work
-        quiet_libtpu_without_tpu(preset.name)  # before jax first touches its backends
     start = time.perf_counter()
     configs = P.model_configs(opts.model, opts.transformer, opts.vae)
     if opts.quantize not in (None, "none"):

@@ -2,7 +2,7 @@
 
 Versions of the pieces that decide it (flux2klein, python, jax, jaxlib, flax, libtpu or jax's CUDA
 plugin), the platform and its devices with their memory, the process count, what a CPU run's bf16
-work runs on (core/models/cpu_matmul.py), the attention kind each platform's programs take
+work runs on (core/models/kernels.py), the attention kind each platform's programs take
 (core/models/trace.py), the cache root, the executable store's size and health, jax's persistent
 XLA cache, every FLUX2KLEIN_* variable set and the limits table (core/limits.py). Each figure comes
 from the module that decides it; nothing here restates a rule. Reading the stores writes nothing
@@ -20,7 +20,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from flux2klein_cli.core import trust
+from flux2klein_cli.core import settings, trust
 from flux2klein_cli.core.errors import Flux2KleinError
 
 # Distributions whose versions decide what a run does, by the name the report gives them (flux2klein is
@@ -29,9 +29,6 @@ DISTRIBUTIONS = {"flux2klein": "flux2klein-cli", **{name: name for name in (
     "jax", "jaxlib", "flax", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin",
     "jax-cuda13-pjrt")}}
 PLATFORMS = ("cpu", "gpu", "tpu")
-ENV_PREFIX = "FLUX2KLEIN_"
-# Set outside flux2klein, read by jax or libtpu, and part of what a run compiles (compile/keys.py has the flags).
-JAX_ENV = ("JAX_PLATFORMS", "XLA_FLAGS", "LIBTPU_INIT_ARGS", "CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
 
 
 @dataclass(frozen=True)
@@ -81,13 +78,13 @@ class EnvReport:
     process_count: int
     process_index: int
     host: dict[str, int | None]  # cpus, memory_bytes, available_bytes
-    cpu_bf16: dict[str, str | None]  # cpu_matmul.report(): onemkl (the shim's name or None) and why
+    cpu_bf16: dict[str, str | None]  # kernels.report(): onemkl (the plugin or None), why, bf16_compute
     attention: dict[str, str]  # platform -> attention kind its programs take (trace.ATTENTION_KINDS)
     cache_root: str
     executable_store: StoreReport
     xla_cache: XlaCacheReport
     environment: dict[str, str]  # every FLUX2KLEIN_* set
-    jax_environment: dict[str, str]  # JAX_ENV entries set
+    jax_environment: dict[str, str]  # settings.JAX_VARIABLES set
     limits: list[dict[str, str]] | None  # core/limits.py's table; None where that module is absent
     problems: list[str] = field(default_factory=list)  # what the report found wrong (a bad variable, a refused store)
     seconds: float = 0.0
@@ -207,9 +204,9 @@ def store_report(root: Path | None = None) -> StoreReport:
 
 
 def xla_cache_report() -> XlaCacheReport:
-    from flux2klein_cli.core.devices.runtime import CACHE_ENV, xla_cache_dir
+    from flux2klein_cli.core.devices.runtime import xla_cache_dir
 
-    setting = os.environ.get(CACHE_ENV)
+    setting = settings.xla_cache()
     try:
         cache = xla_cache_dir()
     except Flux2KleinError as e:  # not a folder: a run would refuse it
@@ -252,13 +249,10 @@ def limits_table() -> list[dict[str, str]] | None:
 def build_report() -> EnvReport:
     """The whole report; imports jax and starts its backend (fast: no model, no compile)."""
     start = time.perf_counter()
-    from flux2klein_cli.core.devices.tpu import quiet_libtpu_without_tpu
-
-    quiet_libtpu_without_tpu()  # as the console script does, for callers that skip it
     import jax
 
     from flux2klein_cli.core.cache_paths import cache_root
-    from flux2klein_cli.core.models import cpu_matmul
+    from flux2klein_cli.core.models import kernels
 
     problems: list[str] = []
     total, available = host_memory()
@@ -279,13 +273,13 @@ def build_report() -> EnvReport:
         process_count=int(jax.process_count()),
         process_index=int(jax.process_index()),
         host=dict(cpus=os.cpu_count(), memory_bytes=total, available_bytes=available),
-        cpu_bf16=cpu_matmul.report(),
+        cpu_bf16=kernels.report(),
         attention=attention_kinds(problems),
         cache_root=str(cache_root()),
         executable_store=store,
         xla_cache=xla,
-        environment={k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIX)},
-        jax_environment={k: os.environ[k] for k in JAX_ENV if k in os.environ},
+        environment=settings.ours(),
+        jax_environment=settings.jax_environment(),
         limits=limits_table(),
         problems=problems,
         seconds=round(time.perf_counter() - start, 3),

@@ -146,11 +146,11 @@ def run_generate(
 
 def cpu_kernels() -> dict[str, str | None] | None:
     """On a CPU run (the programs trace for JAX's default backend), whether its bf16 work takes
-    the oneMKL kernels (core/models/cpu_matmul.py); None on an accelerator."""
+    the AMX kernel plugin and how its dots accumulate (core/models/kernels.py); None on an accelerator."""
     import jax
 
     if jax.default_backend() != "cpu":
         return None
-    from flux2klein_cli.core.models import cpu_matmul
+    from flux2klein_cli.core.models import kernels
 
-    return cpu_matmul.report()
+    return kernels.report()

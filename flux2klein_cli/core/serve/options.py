@@ -7,12 +7,12 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from flux2klein_cli.core import limits
+from flux2klein_cli.core import limits, settings
 from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.engine.engine import EngineOptions
 from flux2klein_cli.core.errors import FieldError
 
-API_KEY_VARIABLE = "FLUX2KLEIN_API_KEY"
+API_KEY_VARIABLE = settings.API_KEY
 MIB = 1024 * 1024
 _SIZE = re.compile(r"\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*")
 
@@ -64,7 +64,7 @@ def is_loopback(host: str) -> bool:
 
 def api_key(given: str | None) -> str | None:
     """The key given, else FLUX2KLEIN_API_KEY, else None (an empty value counts as none)."""
-    key = given if given is not None else os.environ.get(API_KEY_VARIABLE)
+    key = given if given is not None else settings.api_key()
     return key or None
 
 

@@ -66,32 +66,32 @@ COPIED_COMPONENTS = ("tokenizer", "scheduler")
 
 @dataclass(frozen=True)
 class Component:
-    """How to build one model abstractly from its config, and where its weights come from."""
+    """How to build one model abstractly (shapes only) from its config, and where its weights come from."""
 
     build: Callable[[dict[str, Any], Any], nnx.Module]
     plan_for: Callable[[Any], KeyPlan]
 
 
 def components() -> dict[str, Component]:
-    from flux2klein_cli.core.models.qwen3 import Qwen3Config, Qwen3TextEncoder, qwen3_key_plan
-    from flux2klein_cli.core.models.transformer import Flux2Transformer, TransformerConfig, transformer_key_plan
-    from flux2klein_cli.core.models.vae import VAEConfig, build_vae, vae_key_plan
+    from flux2klein_cli.core.models.qwen3 import Qwen3Config, abstract_text_encoder, qwen3_key_plan
+    from flux2klein_cli.core.models.transformer import TransformerConfig, abstract_transformer, transformer_key_plan
+    from flux2klein_cli.core.models.vae import VAEConfig, abstract_vae, vae_key_plan
 
     return {
         "transformer": Component(
-            lambda c, d: Flux2Transformer(TransformerConfig.from_dict(c), dtype=d, rngs=nnx.Rngs(0)),
+            lambda c, d: abstract_transformer(TransformerConfig.from_dict(c), dtype=d),
             transformer_key_plan,
         ),
         "text_encoder": Component(
-            lambda c, d: Qwen3TextEncoder(Qwen3Config.from_dict(c), dtype=d, rngs=nnx.Rngs(0)), qwen3_key_plan
+            lambda c, d: abstract_text_encoder(Qwen3Config.from_dict(c), dtype=d), qwen3_key_plan
         ),
-        "vae": Component(lambda c, d: build_vae(VAEConfig.from_dict(c), dtype=d), vae_key_plan),
+        "vae": Component(lambda c, d: abstract_vae(VAEConfig.from_dict(c), dtype=d), vae_key_plan),
     }
 
 
 def abstract_component(name: str, config: dict[str, Any], dtype: Any) -> nnx.Module:
     component = components()[name]
-    return nnx.eval_shape(lambda: component.build(config, dtype))
+    return component.build(config, dtype)
 
 
 def param_key(path: tuple[Any, ...]) -> str:

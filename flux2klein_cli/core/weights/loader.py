@@ -441,16 +441,16 @@ def load_state(
 
 
 def load_module(
-    build: Callable[[], M],
+    build: Callable[[], M] | M,
     plan_for: Callable[[M], KeyPlan],
     directory: str | Path,
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = replicated_rule,
     deltas: Deltas | None = None,
 ) -> M:
-    """Build a module abstractly, then load its weights from a component directory (with `deltas`
-    merged into them)."""
-    abstract_model = nnx.eval_shape(build)
+    """Build a module abstractly (or take `build`, an abstract module already), then load its weights
+    from a component directory (with `deltas` merged into them)."""
+    abstract_model = build if isinstance(build, nnx.Module) else nnx.eval_shape(build)
     graphdef, abstract_state = nnx.split(abstract_model)
     checkpoint = SafetensorsCheckpoint.open(directory)
     state = load_state(checkpoint, plan_for(abstract_model), abstract_state, mesh, sharding_rule, deltas)

@@ -72,19 +72,20 @@ def prepare(model: nnx.Module, plan: KeyPlan, checkpoint: Checkpoint) -> tuple[n
 
 
 def load_module(
-    build: Callable[[], M],
+    build: Callable[[], M] | M,
     plan_for: Callable[[M], KeyPlan],
     directory: str | Path,
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = replicated_rule,
     deltas: Deltas | None = None,
 ) -> M:
-    """loader.load_module for any weights open_weights reads: built abstractly, then loaded (with
-    `deltas` merged), the linears a quantized file keeps held in their stored form."""
+    """loader.load_module for any weights open_weights reads: built abstractly (or `build`, an abstract
+    module already), then loaded (with `deltas` merged), the linears a quantized file keeps held in
+    their stored form."""
     checkpoint = open_weights(directory)
     if deltas is not None and isinstance(checkpoint, QuantizedCheckpoint):
         checkpoint.deltas = deltas
-    abstract = nnx.eval_shape(build)
+    abstract = build if isinstance(build, nnx.Module) else nnx.eval_shape(build)
     model, plan, _ = prepare(abstract, plan_for(abstract), checkpoint)
     graphdef, state = nnx.split(model)
     return nnx.merge(graphdef, load_state(checkpoint, plan, state, mesh, sharding_rule, deltas))

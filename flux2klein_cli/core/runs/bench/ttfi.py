@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flux2klein_cli.core import settings
 from flux2klein_cli.core.choices import DTYPES
 from flux2klein_cli.core.runs.bench.stats import summarize
 
@@ -51,7 +52,6 @@ def bench_ttfi(
     Ours cold (no stored XLA programs: an empty persistent cache and executable store each
     run) and warm (both filled by a first run); with `diffusers`, the same image through
     diffusers' pipeline, torch threads = 2."""
-    import os
     import tempfile
 
     from flux2klein_cli.core.hub.checkpoint import Snapshot
@@ -63,7 +63,7 @@ def bench_ttfi(
     ours = [sys.executable, "-m", "flux2klein_cli", "generate", prompt, "--model", str(model_dir), "-o", str(out),
             "--height", str(height), "--width", str(width), "--steps", str(steps), "--guidance", str(guidance),
             "--dtype", dtype, "--force", "--json"]
-    env = dict(os.environ)
+    env = settings.child_environment()
     cold = [_timed_process(ours, dict(env, FLUX2KLEIN_XLA_CACHE=str(work / f"cold-{i}"),
                                       FLUX2KLEIN_COMPILE_CACHE=str(work / f"cold-{i}-executables")), out)
             for i in range(reps)]

@@ -1,0 +1,92 @@
+"""Which kernel plugin this host's CPU programs may use, and why (the backend dispatch,
+core/models/trace.py, asks here).
+
+One plugin exists: `amx` (core/models/cpu_matmul.py with its shim amx_gemm.cc), oneMKL's bf16 GEMM
+and the AMX tiles' intrinsics, for Intel CPUs with AMX. It is imported only when it can apply:
+  * FLUX2KLEIN_CPU_MATMUL is not `xla` (core/settings.py);
+  * the CPU reports `amx_bf16`, `amx_tile` and `avx512_bf16` (core/devices/cpu.py);
+  * oneMKL's runtime library is installed (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the
+    environment's lib/);
+and it is used when its shim then builds and loads (the plugin's `load`). Everywhere else the
+programs keep XLA's own forms, with bf16 dots accumulated in float32 (`cpu_bf16_compute`).
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import functools
+import site
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from flux2klein_cli.core import settings
+from flux2klein_cli.core.devices import cpu
+
+PLUGINS = ("amx",)
+_MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
+
+
+@dataclass(frozen=True)
+class Status:
+    """`name` is the plugin the CPU programs use (None: XLA's own forms); `reason` says why, for people."""
+
+    name: str | None
+    reason: str
+
+
+def find_mkl() -> str | None:
+    """libmkl_rt from the `mkl` wheel (it installs into the environment's lib/), else the loader's."""
+    dirs = dict.fromkeys(Path(p) / "lib" for p in (sys.prefix, sys.base_prefix, site.getuserbase()))
+    for d in dirs:
+        for name in _MKL_NAMES:
+            if (d / name).is_file():
+                return str(d / name)
+    return ctypes.util.find_library("mkl_rt")
+
+
+def detect(flags: frozenset[str]) -> Status:
+    """The plugin for a CPU with these feature flags; loads it (and builds its shim) when it applies."""
+    if settings.cpu_matmul() == "xla":
+        return Status(None, f"{settings.CPU_MATMUL}=xla")
+    if not cpu.is_x86() or not cpu.has_amx_bf16(flags):
+        return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile, avx512_bf16)")
+    mkl = find_mkl()
+    if mkl is None:
+        return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
+    from flux2klein_cli.core.models import cpu_matmul
+
+    why = cpu_matmul.load(mkl)
+    return Status(None, why) if why is not None else Status("amx", f"oneMKL bf16 GEMM ({mkl})")
+
+
+@functools.cache
+def plugin_status() -> Status:
+    """Detects, builds and registers once per process."""
+    return detect(cpu.cpu_flags())
+
+
+def plugin_module(name: str) -> ModuleType:
+    """The module of a plugin named in trace options (see PLUGINS)."""
+    if name != "amx":
+        raise ValueError(f"kernel plugin {name!r} is not one of {PLUGINS}")
+    from flux2klein_cli.core.models import cpu_matmul
+
+    return cpu_matmul
+
+
+def cpu_bf16_compute() -> str:
+    """How this CPU's programs compute a bf16 model (trace.BF16_COMPUTE_FORMS): every dot
+    accumulated in float32, with bf16 operands on a CPU with a bf16 dot instruction, and with
+    float32 activations elsewhere; `bf16` (as the models write it) under FLUX2KLEIN_CPU_MATMUL=xla."""
+    if settings.cpu_matmul() == "xla":
+        return "bf16"
+    return "f32-accumulate" if cpu.has_bf16_dot(cpu.cpu_flags()) else "f32"
+
+
+def report() -> dict[str, str | None]:
+    """For a run's report: what this CPU's bf16 work runs on (`onemkl`: the plugin's name, or null
+    for XLA's own forms), why, and how a bf16 model computes."""
+    chosen = plugin_status()
+    return {"onemkl": chosen.name, "why": chosen.reason, "bf16_compute": cpu_bf16_compute()}
