@@ -16,7 +16,7 @@ from flux2klein_cli.core.runs.bench.run import PHASE_FIELDS, BenchOptions
 GIVEN = {"diffusers": {"diffusers": True}, "mesh": {"mesh": "fsdp=1"}, "tpu": {"tpu": "v6-4"},
          "compile_cache": {"compile_cache": "x"}, "no_save": {"save": False}, "effort": {"effort": "fast"},
          "no_store": {"store": False}, "lora": {"lora": ("a.safetensors",)}, "ranks": {"ranks": "4"},
-         "refs": {"refs": "1"}}
+         "refs": {"refs": "1"}, "cache": {"cache": (("cache", "fbcache"),)}}
 
 
 def test_the_defaults_and_every_phase_alone_pass() -> None:
