@@ -63,8 +63,8 @@ def test_compile_takes_a_count_and_bench_takes_sizes(tiny_checkpoint: Path, tmp_
     assert report["references"] == ["48x32", "48x32"]  # printed WIDTHxHEIGHT; --refs reads HEIGHTxWIDTH
     assert "vae_encode_32x48" in {p["name"] for p in report["programs"]}
 
-    timed = runner.invoke(app, ["bench", "--model", str(tiny_checkpoint), "--height", "32", "--width", "32",
-                                "--refs", "48x32", "--steps", "1", "--reps", "1", "--dtype", "fp32", "--no-store",
+    timed = runner.invoke(app, ["bench", "--model", str(tiny_checkpoint), "--height", "64", "--width", "64",
+                                "--refs", "96x64", "--steps", "1", "--reps", "1", "--dtype", "fp32", "--no-store",
                                 "--json"])
     assert timed.exit_code == 0, timed.stderr[-2000:]
-    assert json.loads(timed.stdout)["references"] == ["32x48"]
+    assert json.loads(timed.stdout)["references"] == ["64x96"]

@@ -99,6 +99,7 @@ def bench_fields(batch: int, height: int, width: int, steps: int | None,
 
     from PIL import Image
 
+    from flux2klein_cli.core.defaults import DEFAULTS
     from flux2klein_cli.core.engine.plan import RunFields
 
     rng = np.random.default_rng(0)
@@ -107,9 +108,10 @@ def bench_fields(batch: int, height: int, width: int, steps: int | None,
         buffer = io.BytesIO()
         Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(buffer, format="PNG", compress_level=1)
         uploads.append((f"reference-{i}.png", buffer.getvalue()))
-    largest = max((h * w for h, w in references), default=None)
+    # References under the default area cap are kept at their size as they are; larger ones raise it.
+    largest = max((h * w for h, w in references), default=0)
     return RunFields(prompts=("a red fox in snow",) * batch, references=tuple(uploads), height=height, width=width,
-                     steps=steps, reference_max_area=largest)
+                     steps=steps, reference_max_area=largest if largest > DEFAULTS.reference_max_area else None)
 
 
 def device_memory(pipeline: Any) -> dict[str, Any]:
