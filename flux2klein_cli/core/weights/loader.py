@@ -450,11 +450,24 @@ def load_module(
 ) -> M:
     """Build a module abstractly (or take `build`, an abstract module already), then load its weights
     from a component directory (with `deltas` merged into them)."""
-    abstract_model = build if isinstance(build, nnx.Module) else nnx.eval_shape(build)
-    graphdef, abstract_state = nnx.split(abstract_model)
-    checkpoint = SafetensorsCheckpoint.open(directory)
-    state = load_state(checkpoint, plan_for(abstract_model), abstract_state, mesh, sharding_rule, deltas)
-    return nnx.merge(graphdef, state)
+    return load_from(SafetensorsCheckpoint.open(directory), build, plan_for, mesh, sharding_rule, deltas)
+
+
+def load_from(
+    checkpoint: SafetensorsCheckpoint,
+    build: Callable[[], M] | M,
+    plan_for: Callable[[M], KeyPlan],
+    mesh: Mesh | None = None,
+    sharding_rule: ShardingRule = replicated_rule,
+    deltas: Deltas | None = None,
+    prepare: Callable[[nnx.Module, KeyPlan], tuple[nnx.Module, KeyPlan]] = lambda model, plan: (model, plan),
+) -> M:
+    """load_module's work on an open checkpoint; `prepare` fits the abstract model and its plan to
+    the checkpoint first (core/weights/prequantized.py: the linears a quantized file keeps)."""
+    abstract = build if isinstance(build, nnx.Module) else nnx.eval_shape(build)
+    model, plan = prepare(abstract, plan_for(abstract))
+    graphdef, abstract_state = nnx.split(model)
+    return nnx.merge(graphdef, load_state(checkpoint, plan, abstract_state, mesh, sharding_rule, deltas))
 
 
 def plan_from_names(

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from flux2klein_cli.core.devices.sharding import replicated_rule
 from flux2klein_cli.core.models.quantized import WEIGHT_FORMS, prequantize_abstract, quantized_linear_paths
 from flux2klein_cli.core.weights.checkpoints import Checkpoint, open_weights, quantized_file
-from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, ShardingRule, TensorSource, load_state
+from flux2klein_cli.core.weights.loader import Deltas, KeyPlan, ShardingRule, TensorSource, load_from
 from flux2klein_cli.core.weights.quantized_file import SCALES, VALUES, QuantizedCheckpoint
 
 M = TypeVar("M", bound=nnx.Module)
@@ -85,10 +85,8 @@ def load_module(
     checkpoint = open_weights(directory)
     if deltas is not None and isinstance(checkpoint, QuantizedCheckpoint):
         checkpoint.deltas = deltas
-    abstract = build if isinstance(build, nnx.Module) else nnx.eval_shape(build)
-    model, plan, _ = prepare(abstract, plan_for(abstract), checkpoint)
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, load_state(checkpoint, plan, state, mesh, sharding_rule, deltas))
+    return load_from(checkpoint, build, plan_for, mesh, sharding_rule, deltas,
+                     prepare=lambda model, plan: prepare(model, plan, checkpoint)[:2])
 
 
 def component_forms(directory: str | Path, model: nnx.Module, plan_for: Callable[[Any], KeyPlan]
