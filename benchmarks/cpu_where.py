@@ -1,0 +1,216 @@
+"""Where a CPU image goes, each study in its own process (docs/benchmarks.md, "Again after the
+ml_dtypes pin"):
+
+    python benchmarks/cpu_where.py phases --model /tmp/cmp/medium      # diffusers' text / denoise / decode
+    python benchmarks/cpu_where.py gemm --lib xla                      # GFLOP/s per product; also numpy, torch
+    python benchmarks/cpu_where.py attention                           # query-blocked attention forms
+    python benchmarks/cpu_where.py upsample                            # nearest x2 + 3x3 conv, two forms
+    python benchmarks/cpu_where.py first-touch                         # fresh memory, 256 MB
+
+Our own phases come from `flux2klein bench --json` on the same checkpoint. Each study prints one
+line per figure; medians of interleaved rounds where forms are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+SHAPES = ((1536, 512, 1536), (1536, 512, 3072), (1536, 3072, 3072), (16384, 1152, 128))
+
+
+def median_s(fn: Callable[[], Any], calls: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def phases(model: str, size: int, steps: int, calls: int) -> None:
+    """diffusers' Flux2KleinPipeline fp32, with its three phases wrapped in timers."""
+    import diffusers
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    spent: dict[str, float] = {}
+
+    def timed(owner: Any, name: str, phase: str) -> None:
+        inner = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = inner(*args, **kwargs)
+            spent[phase] = spent.get(phase, 0.0) + time.perf_counter() - start
+            return out
+
+        setattr(owner, name, wrapper)
+
+    timed(pipe, "encode_prompt", "text")
+    timed(pipe.transformer, "forward", "denoise")
+    timed(pipe.vae, "decode", "decode")
+    for _ in range(calls):
+        spent.clear()
+        with torch.inference_mode():
+            pipe(prompt="a red fox in snow", height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
+                 generator=torch.Generator().manual_seed(0))
+        print({phase: round(s, 2) for phase, s in spent.items()})
+
+
+def gemm(lib: str) -> None:
+    """fp32 (M, K) x (K, N) products in one library, GFLOP/s."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for m, k, n in SHAPES:
+        a, b = rng.standard_normal((m, k), np.float32), rng.standard_normal((k, n), np.float32)
+        if lib == "torch":
+            import torch
+
+            ta, tb = torch.from_numpy(a), torch.from_numpy(b)
+            seconds = median_s(lambda ta=ta, tb=tb: ta @ tb)
+        elif lib == "xla":
+            import jax
+
+            product = jax.jit(lambda x, y: x @ y)
+            ja, jb = jax.numpy.asarray(a), jax.numpy.asarray(b)
+            seconds = median_s(lambda ja=ja, jb=jb, f=product: f(ja, jb).block_until_ready())
+        else:
+            seconds = median_s(lambda a=a, b=b: a @ b)
+        print(f"{lib} {m}x{k}x{n} {2 * m * k * n / seconds / 1e9:.1f} GFLOP/s")
+
+
+def _attention_form(q: Any, k: Any, v: Any, block: int, transposed_pv: bool) -> Any:
+    """Query-blocked attention of scaled queries, P @ V as written or as V^T P^T."""
+    import jax
+    import jax.numpy as jnp
+
+    b, s, h, d = q.shape
+    block = min(block, s)
+    padded = -(-s // block) * block
+    qt = jnp.pad(q, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
+    qt = qt.transpose(0, 2, 1, 3).reshape(b, h, padded // block, block, d).transpose(2, 0, 1, 3, 4)
+    kt = k.transpose(0, 2, 3, 1)
+    vt = v.transpose(0, 2, 3, 1) if transposed_pv else v.transpose(0, 2, 1, 3)
+
+    def one(q_block: Any) -> Any:
+        scores = jnp.matmul(q_block, kt)
+        weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        total = jnp.sum(weights, axis=-1)
+        if transposed_pv:
+            return jnp.einsum("bhds,bhqs->bhdq", vt, weights) / total[:, :, None, :]
+        return jnp.matmul(weights, vt) / total[..., None]
+
+    out = jax.lax.map(one, qt)
+    order = (1, 0, 4, 2, 3) if transposed_pv else (1, 0, 3, 2, 4)
+    return out.transpose(*order).reshape(b, padded, h, d)[:, :s]
+
+
+def attention(rounds: int) -> None:
+    """The model's form (core/models/layers.py) against the other blockings, medium and 4B-like."""
+    import jax
+    import jax.numpy as jnp
+
+    from flux2klein_cli.core.models.layers import _blocked_scaled
+
+    forms = {"current": _blocked_scaled}
+    for block in (256, 512, 768):
+        forms[f"pvt-{block}"] = functools.partial(_attention_form, block=block, transposed_pv=True)
+    forms["pv-768"] = functools.partial(_attention_form, block=768, transposed_pv=False)
+    for shape in ((1, 1536, 4, 128), (1, 4608, 8, 128)):
+        key = jax.random.key(0)
+        q, k, v = (jax.random.normal(jax.random.fold_in(key, i), shape) for i in range(3))
+        compiled = {name: jax.jit(form) for name, form in forms.items()}
+        reference = compiled["current"](q, k, v)
+        times: dict[str, list[float]] = {name: [] for name in compiled}
+        for name, fn in compiled.items():
+            assert float(jnp.abs(fn(q, k, v) - reference).max()) < 1e-4, name
+        for _ in range(rounds):
+            for name, fn in compiled.items():
+                start = time.perf_counter()
+                fn(q, k, v).block_until_ready()
+                times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["current"])
+        for name, ts in times.items():
+            print(f"{shape} {name} {statistics.median(ts) * 1e3:.1f} ms {statistics.median(ts) / base:.3f}x")
+
+
+def upsample() -> None:
+    """Nearest x2 then a 3x3 conv, against four 2x2 convs on the small input and an interleave."""
+    import jax
+    import jax.numpy as jnp
+
+    numbers = ("NHWC", "HWIO", "NHWC")
+
+    def conv(x: Any, w: Any, padding: str = "SAME") -> Any:
+        return jax.lax.conv_general_dilated(x, w, (1, 1), padding, dimension_numbers=numbers)
+
+    def plain(x: Any, w: Any) -> Any:
+        return conv(jnp.repeat(jnp.repeat(x, 2, axis=1), 2, axis=2), w)
+
+    def merged(w: Any, phase: int, axis: int) -> Any:
+        taps = [jnp.take(w, i, axis=axis) for i in range(3)]
+        pair = [taps[0], taps[1] + taps[2]] if phase == 0 else [taps[0] + taps[1], taps[2]]
+        return jnp.stack(pair, axis=axis)
+
+    def subpixel(x: Any, w: Any) -> Any:
+        n, h, width, _ = x.shape
+        padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+        rows = [jnp.stack([conv(padded[:, a:a + h + 1, b:b + width + 1], merged(merged(w, a, 0), b, 1), "VALID")
+                           for b in (0, 1)], axis=3) for a in (0, 1)]
+        return jnp.stack(rows, axis=2).reshape(n, 2 * h, 2 * width, -1)
+
+    key = jax.random.key(0)
+    for side, channels in ((64, 128), (128, 128), (256, 64)):
+        x = jax.random.normal(key, (1, side, side, channels))
+        w = jax.random.normal(key, (3, 3, channels, channels)) / (9 * channels) ** 0.5
+        for name, form in (("plain", plain), ("subpixel", subpixel)):
+            fn = jax.jit(form)
+            seconds = median_s(lambda fn=fn, x=x, w=w: fn(x, w).block_until_ready())
+            print(f"{side}x{side}x{channels} {name} {seconds * 1e3:.1f} ms")
+
+
+def first_touch() -> None:
+    import numpy as np
+
+    for _ in range(3):
+        fresh = np.empty(64 << 20, np.float32)
+        start = time.perf_counter()
+        fresh.fill(1)
+        print(f"first touch of 256 MB: {time.perf_counter() - start:.3f} s")
+        del fresh
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "first-touch"))
+    parser.add_argument("--model", default="/tmp/cmp/medium", help="phases: a diffusers checkpoint folder")
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--lib", choices=("xla", "numpy", "torch"), default="xla")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    if args.study == "phases":
+        phases(args.model, args.size, args.steps, args.calls)
+    elif args.study == "gemm":
+        gemm(args.lib)
+    elif args.study == "attention":
+        attention(args.rounds)
+    elif args.study == "upsample":
+        upsample()
+    else:
+        first_touch()
+
+
+if __name__ == "__main__":
+    main()
