@@ -34,13 +34,14 @@ def median_s(fn: Callable[[], Any], calls: int = 7) -> float:
     return statistics.median(times)
 
 
-def phases(model: str, size: int, steps: int, calls: int) -> None:
-    """diffusers' Flux2KleinPipeline fp32, with its three phases wrapped in timers."""
+def phases(model: str, size: int, steps: int, calls: int, dtype: str) -> None:
+    """diffusers' Flux2KleinPipeline in `dtype`, with its three phases wrapped in timers."""
     import diffusers
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
-    pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch.float32)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch_dtype)
     pipe.set_progress_bar_config(disable=True)
     spent: dict[str, float] = {}
 
@@ -197,11 +198,12 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="phases: the pipeline's dtype")
     parser.add_argument("--lib", choices=("xla", "numpy", "torch"), default="xla")
     parser.add_argument("--rounds", type=int, default=9)
     args = parser.parse_args()
     if args.study == "phases":
-        phases(args.model, args.size, args.steps, args.calls)
+        phases(args.model, args.size, args.steps, args.calls, args.dtype)
     elif args.study == "gemm":
         gemm(args.lib)
     elif args.study == "attention":

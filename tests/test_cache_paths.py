@@ -25,13 +25,13 @@ def test_every_sub_root_moves_with_flux2klein_cache(monkeypatch: pytest.MonkeyPa
     assert len(SUB_ROOTS) >= 6
     for sub_root in [*SUB_ROOTS, lambda: cache_paths.generated_dir("tiny-v1")]:
         assert sub_root().is_relative_to(tmp_path / "mine"), sub_root
-    # The callers: the executable store, jax's XLA cache when on, the oneMKL shim.
+    # The callers: the executable store, jax's XLA cache when on, the CPU kernel shim.
     assert ExecutableStore().root == tmp_path / "mine" / "executables"
     monkeypatch.setenv("FLUX2KLEIN_XLA_CACHE", "on")
     assert runtime.xla_cache_dir() == tmp_path / "mine" / "xla"
-    from flux2klein_cli.core.models import cpu_matmul
+    from flux2klein_cli.core.models import cpu_shim
 
-    assert cpu_matmul.shim_path().is_relative_to(tmp_path / "mine")
+    assert cpu_shim.shim_path().is_relative_to(tmp_path / "mine")
 
 
 def test_without_flux2klein_cache_the_root_is_under_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -1,9 +1,12 @@
-"""The AMX kernel plugin (core/models/cpu_matmul.py): bf16 Linear dots, attention and the VAE's
-convolutions through oneMKL on AMX CPUs, chosen by the backend dispatch (core/models/trace.py,
-kernels.py); XLA's forms elsewhere."""
+"""The CPU kernel plugins: the AMX one (core/models/cpu_matmul.py: bf16 Linear dots, attention and the
+VAE's convolutions through oneMKL on AMX CPUs) and the AVX-512 bf16 one (core/models/avx512_bf16.py:
+attention and the VAE's convolutions in VDPBF16PS), chosen by the backend dispatch
+(core/models/trace.py, kernels.py); XLA's forms elsewhere. Each numerics test runs for every plugin
+this host can load."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +19,7 @@ from flax import nnx
 from flux2klein_cli.core.compile import keys as store_keys
 from flux2klein_cli.core.compile import store, target
 from flux2klein_cli.core.devices import cpu
-from flux2klein_cli.core.models import cpu_matmul, kernels, layers, trace
+from flux2klein_cli.core.models import avx512_bf16, cpu_matmul, cpu_shim, kernels, layers, trace
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 
@@ -50,7 +53,29 @@ def hlo(fn, *args, platform: str = "cpu") -> str:
 
 def amx_options(on: bool = True) -> TraceOptions:
     """A CPU program's options with the AMX plugin on or off."""
-    return TraceOptions("cpu", "blocked", kernels="amx" if on else None)
+    return plugin_options("amx" if on else None)
+
+
+def plugin_options(plugin: str | None) -> TraceOptions:
+    """A CPU program's options with the kernel plugin `plugin` (None: XLA's forms)."""
+    return TraceOptions("cpu", "blocked", kernels=plugin)
+
+
+@functools.cache
+def plugin_missing(plugin: str) -> str | None:
+    """Why this host cannot run `plugin`'s kernels (None: it can; loading it registers its targets)."""
+    if plugin == "amx":
+        status = kernels.plugin_status()
+        return None if status.name == "amx" else f"no oneMKL AMX path: {status.reason}"
+    if not (cpu.is_x86() and "avx512_bf16" in cpu.cpu_flags()):
+        return "the CPU has no AVX-512 bf16"
+    return avx512_bf16.load()
+
+
+# Every plugin, each test skipped where this host cannot load it.
+PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) is not None,
+                                                      reason=str(plugin_missing(name))))
+           for name in kernels.PLUGINS]
 
 
 def test_cpu_flags_read_the_first_processor() -> None:
@@ -61,14 +86,17 @@ def test_cpu_flags_read_the_first_processor() -> None:
 
 
 def test_a_cpu_without_amx_keeps_xlas_dot(monkeypatch: pytest.MonkeyPatch, fresh_status: None) -> None:
+    """AVX-512 bf16 without AMX: the AVX-512 plugin on x86 (its shim builds here), which leaves the
+    Linear dots to XLA."""
     flags = cpu.cpu_flags(CPUINFO_AVX512)
     monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: flags)
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
-    assert kernels.plugin_status().name is None and TraceOptions.for_platform("cpu").kernels is None
+    expected = "avx512-bf16" if cpu.is_x86() else None
+    assert kernels.plugin_status().name == expected and TraceOptions.for_platform("cpu").kernels == expected
     assert "AMX" in kernels.plugin_status().reason
     layer = bf16_linear()
     x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 64)), jnp.bfloat16)
-    assert cpu_matmul.TARGET not in hlo(lambda x: layer(x), x)
+    assert "custom_call" not in hlo(lambda x: layer(x), x)
     plain = jax.lax.dot_general(x, layer.kernel[...], (((2,), (0,)), ((), ()))) + layer.bias[...]
     np.testing.assert_array_equal(np.asarray(layer(x), np.float32), np.asarray(plain, np.float32))
 
@@ -85,7 +113,7 @@ def test_opt_out_and_missing_pieces_fall_back(monkeypatch: pytest.MonkeyPatch, f
     monkeypatch.setattr(kernels, "find_mkl", lambda: "/nowhere/libmkl_rt.so.3")
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
-    monkeypatch.setattr(cpu_matmul.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
     status = kernels.detect(flags)
     assert status.name is None and "no C++ compiler" in status.reason
     assert not list((tmp_path / "native").iterdir())  # nothing half-built left
@@ -143,12 +171,13 @@ def text_attention_inputs(batch: int, length: int, heads: int, kv_heads: int, di
     return q, k, v, jnp.asarray(mask)
 
 
-def text_attention_under(onemkl: bool) -> object:
-    """The text encoder's attention as a CPU program traced with the oneMKL kernels on or off."""
+def text_attention_under(onemkl: bool | str) -> object:
+    """The text encoder's attention as a CPU program traced with the oneMKL kernels on or off, or
+    with the plugin named."""
     from flux2klein_cli.core.models.qwen3 import _attention
 
-    return jax.jit(traced_under(lambda q, k, v, mask: _attention(q, k, v, mask, q.shape[-1] ** -0.5),
-                                amx_options(onemkl)))
+    options = plugin_options(onemkl) if isinstance(onemkl, str) else amx_options(onemkl)
+    return jax.jit(traced_under(lambda q, k, v, mask: _attention(q, k, v, mask, q.shape[-1] ** -0.5), options))
 
 
 def test_the_text_encoders_attention_takes_the_shim_only_on_the_onemkl_path() -> None:
@@ -169,9 +198,9 @@ def bf16_conv(c_in: int, c_out: int, seed: int = 0, size: int = 3) -> nnx.Module
     return module
 
 
-def conv_under(onemkl: bool) -> object:
-    """The VAE's conv as a CPU program traced with the oneMKL kernels on or off."""
-    return nnx.jit(traced_under(lambda m, x: m(x), amx_options(onemkl)))
+def conv_under(plugin: str | None) -> object:
+    """The VAE's conv (or any module) as a CPU program traced with the plugin named (None: XLA's forms)."""
+    return nnx.jit(traced_under(lambda m, x: m(x), plugin_options(plugin)))
 
 
 def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path() -> None:
@@ -217,12 +246,59 @@ def test_the_vaes_norm_silu_conv_takes_one_shim_call_only_on_the_onemkl_path() -
     assert cpu_matmul.NORM_CONV_TARGET not in traced(True, platform="tpu")
 
 
+def test_the_avx512_plugin_takes_attention_and_the_vaes_convolutions_but_not_the_dots() -> None:
+    """Lowering only (no CPU needed): which calls the AVX-512 bf16 plugin's programs hold."""
+    options = plugin_options("avx512-bf16")
+
+    def traced(module: nnx.Module, x: jax.Array, platform: str = "cpu") -> str:
+        graphdef, state = nnx.split(module)
+        return hlo(traced_under(lambda s, x: nnx.merge(graphdef, s)(x), options), state, x, platform=platform)
+
+    x = jnp.ones((1, 8, 8, 4), jnp.bfloat16)
+    assert f"@{avx512_bf16.CONV_TARGET}(" in traced(bf16_conv(4, 6), x)
+    assert avx512_bf16.CONV_TARGET not in traced(bf16_conv(4, 6), x, platform="tpu")
+    assert avx512_bf16.CONV_TARGET not in traced(bf16_conv(3, 6), jnp.ones((1, 8, 8, 3), jnp.bfloat16))  # RGB in
+    assert "custom_call" not in traced(bf16_conv(4, 6, size=1), x)  # a 1x1: XLA's dot
+    assert traced(bf16_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)).count(
+        f"@{avx512_bf16.NORM_CONV_TARGET}(") == 2
+    assert "custom_call" not in traced(bf16_linear(), jnp.ones((3, 64), jnp.bfloat16))
+    q, k, v = qkv(1, 8, 12, 2, 16)
+    assert avx512_bf16.ATTENTION_TARGET in hlo(traced_under(layers.dot_product_attention, options), q, k, v)
+    masked = text_attention_under("avx512-bf16").trace(*text_attention_inputs(2, 9, 4, 2, 16)).lower().as_text()
+    assert avx512_bf16.MASKED_ATTENTION_TARGET in masked
+
+
+def test_an_avx512_bf16_cpu_takes_the_avx512_plugin(monkeypatch: pytest.MonkeyPatch, fresh_status: None,
+                                                     tmp_path: Path) -> None:
+    """AVX-512 bf16 without AMX (or AMX without oneMKL): the AVX-512 plugin, whose shim needs a compiler;
+    no bf16 dot instruction at all: XLA's forms."""
+    monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+    monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+    monkeypatch.setattr(kernels, "find_mkl", lambda: None)
+    avx2 = kernels.detect(frozenset({"avx2", "fma"}))
+    assert avx2.name is None and "neither AMX nor AVX-512 bf16" in avx2.reason
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
+    for flags in (CPUINFO_AVX512, CPUINFO_AMX):
+        status = kernels.detect(cpu.cpu_flags(flags))
+        assert status.name is None and "no C++ compiler" in status.reason
+    if plugin_missing("avx512-bf16") is None:  # this host builds and loads the shim
+        monkeypatch.undo()
+        monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+        monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+        monkeypatch.setattr(kernels, "find_mkl", lambda: None)
+        for flags in (CPUINFO_AVX512, CPUINFO_AMX):
+            assert kernels.detect(cpu.cpu_flags(flags)).name == "avx512-bf16"
+        assert "oneMKL is not installed" in kernels.detect(cpu.cpu_flags(CPUINFO_AMX)).reason
+
+
 def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plugin and the dot form are in the trace options each program's key holds; the setting
     that chooses them is in every key too."""
     forms = {TraceOptions("cpu", "blocked", kernels=k, bf16_compute=d).as_key()["kernels" if k else "bf16_compute"]
-             for k, d in ((None, "f32"), ("amx", "bf16"), (None, "f32-accumulate"))}
-    assert forms == {"f32", "amx", "f32-accumulate"}
+             for k, d in ((None, "f32"), ("amx", "bf16"), (None, "f32-accumulate"), ("avx512-bf16", "f32-accumulate"))}
+    assert forms == {"f32", "amx", "f32-accumulate", "avx512-bf16"}
     spec = target.ProgramSpec("axpy", jax.jit(lambda x: x * 2), (jax.ShapeDtypeStruct((4,), jnp.float32),))
     keys = set()
     for value in ("auto", "xla"):
@@ -231,8 +307,10 @@ def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyP
     assert len(keys) == 2
 
 
-amx = pytest.mark.skipif(kernels.plugin_status().name is None,
-                         reason=f"no oneMKL AMX path: {kernels.plugin_status().reason}")
+amx = pytest.mark.skipif(plugin_missing("amx") is not None, reason=str(plugin_missing("amx")))
+# This host's own plugin, as every program of this process takes it.
+host_plugin = pytest.mark.skipif(kernels.plugin_status().name is None,
+                                 reason=f"no kernel plugin here: {kernels.plugin_status().reason}")
 
 
 @amx
@@ -247,7 +325,7 @@ def test_on_amx_a_bf16_linear_runs_onemkl_and_agrees_with_xla() -> None:
     np.testing.assert_allclose(got, exact, rtol=2e-2, atol=2e-2 * np.abs(exact).max())
 
 
-@amx
+@host_plugin
 def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_checkpoint: Path) -> None:
     from flux2klein_cli.core.engine.plan import RunFields
     from flux2klein_cli.core.runs.parity import reference_pipeline, run_reference
@@ -264,13 +342,19 @@ def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_c
     assert ours_err <= 1.25 * their_err, (ours_err, their_err)
 
 
-@amx
+def attention_under(plugin: str | None) -> object:
+    """The transformer's attention as a CPU program traced with the plugin named (None: XLA's forms)."""
+    return jax.jit(traced_under(layers.dot_product_attention, plugin_options(plugin)))
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
 @pytest.mark.parametrize("shape", [(1, 300, 300, 4, 128), (2, 100, 260, 3, 64), (1, 1, 7, 1, 16)])
-def test_on_amx_attention_matches_xlas_blocked_form(shape: tuple[int, ...]) -> None:
+def test_attention_in_the_shim_matches_xlas_blocked_form(plugin: str, shape: tuple[int, ...]) -> None:
     """The shim's numerics are the XLA form's: float32 scores and sum, bf16 weights for P @ V.
     Equal but for rare one-ulp roundings of the output (the products' summation order differs)."""
     q, k, v = qkv(*shape)
-    ours = np.asarray(jax.jit(cpu_attention)(q, k, v), np.float32)
+    assert kernels.plugin_module(plugin).ATTENTION_TARGET in attention_under(plugin).trace(q, k, v).lower().as_text()
+    ours = np.asarray(attention_under(plugin)(q, k, v), np.float32)
     xla = np.asarray(jax.jit(layers._blocked_attention)(q, k, v), np.float32)
     exact = np.asarray(jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v))))
     assert np.mean(ours != xla) < 1e-3
@@ -301,15 +385,15 @@ def text_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
     return out.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-@amx
+@pytest.mark.parametrize("plugin", PLUGINS)
 @pytest.mark.parametrize("shape", [(2, 300, 8, 2, 64), (2, 37, 6, 3, 16), (2, 130, 4, 4, 128)])
-def test_on_amx_the_text_encoders_attention_matches_xlas_form(shape: tuple[int, ...]) -> None:
+def test_the_text_encoders_attention_in_the_shim_matches_xlas_form(plugin: str, shape: tuple[int, ...]) -> None:
     """The masked, grouped-query form: jax.nn.dot_product_attention's numerics (scores scaled after
     the product, weights normalised and rounded to bf16 before P @ V), masked keys left out, a query
     with no allowed key zero. Equal to that form in float64 but for rare one-ulp roundings, and close
     to XLA's output (which at some sizes keeps the weights float32)."""
     q, k, v, mask = text_attention_inputs(*shape)
-    ours, xla = (np.asarray(text_attention_under(onemkl)(q, k, v, mask), np.float32) for onemkl in (True, False))
+    ours, xla = (np.asarray(text_attention_under(form)(q, k, v, mask), np.float32) for form in (plugin, False))
     assert not np.any(ours[1, :2]) and np.all(np.isfinite(ours))
     rounded = text_attention_reference(q, k, v, mask, round_weights=True)
     assert np.mean(ours != rounded) < 1e-3
@@ -318,96 +402,99 @@ def test_on_amx_the_text_encoders_attention_matches_xlas_form(shape: tuple[int, 
     assert np.abs(ours - exact).mean() <= 1.01 * np.abs(rounded - exact).mean()
 
 
-@amx
+@pytest.mark.parametrize("plugin", PLUGINS)
 @pytest.mark.parametrize("shape, size", [((1, 64, 48, 32, 32), 3), ((2, 17, 9, 5, 7), 3), ((1, 32, 32, 64, 128), 3),
-                                         ((2, 9, 3, 32, 40), 3), ((1, 32, 16, 64, 32), 1)])
-def test_on_amx_the_vaes_conv_matches_nnx_conv(shape: tuple[int, ...], size: int) -> None:
+                                         ((2, 9, 3, 32, 40), 3), ((1, 32, 16, 64, 32), 1), ((1, 11, 6, 6, 3), 3)])
+def test_the_vaes_conv_in_the_shim_matches_nnx_conv(plugin: str, shape: tuple[int, ...], size: int) -> None:
     """nnx.Conv's numerics in bf16 (float32 sums rounded, then the bias added): equal but for
-    rare one-ulp roundings (the taps' summation order differs). Input widths of whole AMX tiles
-    (multiples of 32) take the shim's tile kernel, others MKL's products."""
+    rare one-ulp roundings (the taps' summation order differs). On AMX, input widths of whole tiles
+    (multiples of 32) take the shim's tile kernel, others MKL's products; in VDPBF16PS input
+    channels go in pairs (an odd count keeps XLA's form) and any output width takes the kernel."""
     b, h, w, c_in, c_out = shape
     module = bf16_conv(c_in, c_out, size=size)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.bfloat16)
-    ours, xla = (np.asarray(conv_under(onemkl)(module, x), np.float32) for onemkl in (True, False))
+    ours, xla = (np.asarray(conv_under(form)(module, x), np.float32) for form in (plugin, None))
     assert ours.shape == (b, h, w, c_out)
     assert np.mean(ours != xla) < 1e-3
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
 
 
-@amx
+@pytest.mark.parametrize("plugin", PLUGINS)
 @pytest.mark.parametrize("shape", [(1, 40, 24, 32, 32, 8), (2, 17, 9, 16, 48, 4)])
-def test_on_amx_the_fused_norm_silu_conv_matches_xlas_forms(shape: tuple[int, ...]) -> None:
+def test_the_fused_norm_silu_conv_in_the_shim_matches_xlas_forms(plugin: str, shape: tuple[int, ...]) -> None:
     """GroupNorm, SiLU and the 3x3 convolution in one shim call: the XLA forms' numerics (float32
     norm and SiLU rounded to bf16, then nnx.Conv's), equal but for rare one-ulp roundings."""
     b, h, w, c_in, c_out, groups = shape
     block = bf16_resnet(c_in, c_out, groups)
     x = jnp.asarray(3 * np.random.default_rng(1).standard_normal((b, h, w, c_in)) + 1, jnp.bfloat16)
 
-    def first_conv(onemkl: bool) -> np.ndarray:
-        options = amx_options(onemkl)
-        fn = traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), options)
+    def first_conv(plugin: str | None) -> np.ndarray:
+        fn = traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), plugin_options(plugin))
         return np.asarray(nnx.jit(fn)(block, x), np.float32)
 
-    ours, xla = first_conv(True), first_conv(False)
+    ours, xla = first_conv(plugin), first_conv(None)
     assert ours.shape == (b, h, w, c_out)
     assert np.mean(ours != xla) < 1e-3
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
 
 
-@amx
-def test_on_amx_non_finite_values_stay_non_finite() -> None:
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_in_the_shim_non_finite_values_stay_non_finite(plugin: str) -> None:
     """A NaN or an infinity in the input reaches the same outputs as in XLA's forms (the image
     checks then name the stage), never a finite value."""
     module = bf16_conv(8, 8)
     x = np.random.default_rng(2).standard_normal((1, 12, 10, 8)).astype(np.float32)
     x[0, 3, 4, 1], x[0, 8, 2, 5] = np.nan, np.inf
     x = jnp.asarray(x, jnp.bfloat16)
-    ours, xla = (np.asarray(conv_under(onemkl)(module, x), np.float32) for onemkl in (True, False))
+    ours, xla = (np.asarray(conv_under(form)(module, x), np.float32) for form in (plugin, None))
     np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
     np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
     block = bf16_resnet(8, 8, 4)
-    resnet = [np.asarray(nnx.jit(traced_under(lambda m, x: m(x), amx_options(onemkl)))(
-        block, x), np.float32) for onemkl in (True, False)]
+    resnet = [np.asarray(conv_under(form)(block, x), np.float32) for form in (plugin, None)]
     np.testing.assert_array_equal(np.isnan(resnet[0]), np.isnan(resnet[1]))
     assert np.isnan(resnet[0]).any()
     q, k, v = qkv(1, 20, 30, 2, 16)
     k = k.at[0, 7, 1, 3].set(jnp.nan)
-    attended = np.asarray(jax.jit(cpu_attention)(q, k, v), np.float32)
+    attended = np.asarray(attention_under(plugin)(q, k, v), np.float32)
     np.testing.assert_array_equal(np.isnan(attended),
                                   np.isnan(np.asarray(jax.jit(layers._blocked_attention)(q, k, v), np.float32)))
 
 
-def linear_spec() -> target.ProgramSpec:
-    """A bf16 Linear as a stored program (its kernel an argument, as the pipeline's are)."""
-    layer = bf16_linear()
-    graphdef, _ = nnx.split(layer)
-    fn = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
-    args = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.state(layer)),
-            jax.ShapeDtypeStruct((3, 64), jnp.bfloat16))
-    return target.ProgramSpec("amx_linear", fn, args)
+def conv_spec() -> target.ProgramSpec:
+    """A bf16 3x3 convolution as a stored program of this host (its kernel an argument, as the
+    pipeline's are): it holds this host's plugin's custom call, and a fused kernel of XLA's (a
+    program of custom calls alone has no machine code to store)."""
+    module = bf16_conv(32, 32)
+    graphdef, _ = nnx.split(module)
+    fn = jax.jit(lambda state, x: jnp.tanh(nnx.merge(graphdef, state)(x).astype(jnp.float32)))
+    args = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.state(module)),
+            jax.ShapeDtypeStruct((1, 8, 8, 32), jnp.bfloat16))
+    return target.ProgramSpec("plugin_conv", fn, args)
 
 
-@amx
+@host_plugin
 def test_a_stored_executable_with_the_custom_call_loads_in_a_new_process(tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
-    spec = linear_spec()
+    spec = conv_spec()
     compiled, info = store.ExecutableStore(tmp_path).load_or_compile(spec)
-    assert info.status == "miss" and cpu_matmul.TARGET in compiled.as_text()
+    assert info.status == "miss"
+    assert kernels.plugin_module(kernels.plugin_status().name).CONV_TARGET in compiled.as_text()
     code = (
         "import sys, numpy as np, jax.numpy as jnp; from flax import nnx;"
-        "from tests.test_cpu_matmul import linear_spec, bf16_linear;"
+        "from tests.test_cpu_matmul import conv_spec, bf16_conv;"
         "from flux2klein_cli.core.compile.store import ExecutableStore;"
-        "c, info = ExecutableStore(sys.argv[1]).load_or_compile(linear_spec());"
-        "x = jnp.ones((3, 64), jnp.bfloat16);"
-        "print(info.status, info.key, float(np.asarray(c(nnx.state(bf16_linear()), x), np.float32).sum()))"
+        "c, info = ExecutableStore(sys.argv[1]).load_or_compile(conv_spec());"
+        "x = jnp.ones((1, 8, 8, 32), jnp.bfloat16);"
+        "print(info.status, info.key, float(np.asarray(c(nnx.state(bf16_conv(32, 32)), x), np.float32).sum()))"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(root)), timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     status, key, total = done.stdout.split()
-    expected = float(np.asarray(compiled(nnx.state(bf16_linear()), jnp.ones((3, 64), jnp.bfloat16)), np.float32).sum())
+    x = jnp.ones((1, 8, 8, 32), jnp.bfloat16)
+    expected = float(np.asarray(compiled(nnx.state(bf16_conv(32, 32)), x), np.float32).sum())
     assert status == "hit" and key == info.key and float(total) == expected

@@ -72,7 +72,8 @@ def table_rows(report: Any) -> list[tuple[str, str]]:
     rows.append(("host", f"{host['cpus']} CPUs, {_gib(host['memory_bytes'])}, {_gib(host['available_bytes'])} "
                          "available"))
     bf16 = report.cpu_bf16
-    rows.append(("cpu bf16", f"{bf16['onemkl'] or 'XLA'}, bf16 computes as {bf16.get('bf16_compute')}: {bf16['why']}"))
+    rows.append(("cpu bf16",
+                 f"{bf16.get('plugin') or 'XLA'}, bf16 computes as {bf16.get('bf16_compute')}: {bf16['why']}"))
     rows.append(("attention", ", ".join(f"{p} {kind}" + (" (this host)" if p == report.platform else "")
                                         for p, kind in report.attention.items()) or "?"))
     rows.append(("cache root", report.cache_root))

@@ -52,6 +52,6 @@ def xla_dir() -> Path:
 
 
 def native_dir() -> Path:
-    """Native code built on first use (the oneMKL shim)."""
+    """Native code built on first use (the CPU kernel shim)."""
     return cache_root() / "native"
 

@@ -57,7 +57,7 @@ def compile_flags() -> dict[str, Any]:
 
 @functools.cache
 def code_fingerprint() -> str:
-    """sha256 of the package's source (every .py and the AMX shim's .cc): any edit invalidates
+    """sha256 of the package's source (every .py and the CPU kernel shim's .cc): any edit invalidates
     every executable, so none can be served stale by a module a trace uses that no list named."""
     return source_fingerprint(Path(__file__).resolve().parents[2])
 

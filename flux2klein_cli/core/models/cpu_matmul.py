@@ -3,107 +3,54 @@
 XLA's CPU backend converts every bf16 dot to float32 before its own kernels (and before oneDNN's,
 with `--xla_cpu_use_onednn`), so on an AMX CPU a bf16 linear layer runs at the float32 rate, far
 below torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the AMX tiles. The shim
-(amx_gemm.cc) builds kernels on it and on the tiles' intrinsics: the Linear layers' dots
-(`dot_general`), unmasked attention (`attention`), the text encoder's masked attention
-(`masked_attention`) and the VAE's 3x3 convolutions (`conv3x3`, `norm_silu_conv3x3`), each with the
-numerics of the XLA form it replaces.
+(cpu_kernels.cc, built and opened by cpu_shim.py) builds kernels on it and on the tiles' intrinsics:
+the Linear layers' dots (`dot_general`), unmasked attention (`attention`), the text encoder's masked
+attention (`masked_attention`) and the VAE's 3x3 convolutions (`conv3x3`, `norm_silu_conv3x3`),
+each with the numerics of the XLA form it replaces.
 
 The backend dispatch (core/models/trace.py) imports this module only where it applies
 (core/models/kernels.py: an AMX CPU with oneMKL installed, FLUX2KLEIN_CPU_MATMUL not `xla`), and
-`load` then builds the shim on first use, with the C++ compiler (`$CXX`, else g++ or c++) against
-jaxlib's FFI headers, into a private cache folder keyed by its source and jaxlib, and registers
-its targets. The trace options name the plugin (`TraceOptions.kernels`, part of every program's
-key); the model code asks them. In a traced program each custom call sits in the CPU branch of
-`lax.platform_dependent`: a program lowered for an accelerator never contains it.
+`load` then builds the shim on first use, opens oneMKL in it and registers its targets. The trace
+options name the plugin (`TraceOptions.kernels`, part of every program's key); the model code asks
+them. In a traced program each custom call sits in the CPU branch of `lax.platform_dependent`: a
+program lowered for an accelerator never contains it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import hashlib
-import os
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
-from flux2klein_cli.core import settings, temporaries, trust
-from flux2klein_cli.core.cache_paths import native_dir
+from flux2klein_cli.core.models import cpu_shim
 
 TARGET = "flux2klein_amx_bf16_gemm"
 ATTENTION_TARGET = "flux2klein_amx_bf16_attention"
 MASKED_ATTENTION_TARGET = "flux2klein_amx_bf16_masked_attention"
 CONV_TARGET = "flux2klein_amx_bf16_conv3x3"
 NORM_CONV_TARGET = "flux2klein_amx_bf16_norm_silu_conv3x3"
-# AVX-512 (with bf16), FMA and AMX on: the shim is loaded on AMX CPUs only, and every one of them has these.
-BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno", "-mavx512f",
-               "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-               "-mprefer-vector-width=512")
-SOURCE = Path(__file__).with_name("amx_gemm.cc")
-
-
-def shim_path() -> Path:
-    built_from = SOURCE.read_bytes() + jaxlib.version.__version__.encode() + " ".join(BUILD_FLAGS).encode()
-    tag = hashlib.sha256(built_from).hexdigest()[:16]
-    return native_dir() / f"amx_gemm-{tag}.so"
-
-
-def build_shim(out: Path) -> str | None:
-    """Compile amx_gemm.cc to `out` unless it is there; None when done, else why not."""
-    try:
-        trust.make_private_dir(out.parent)
-        trust.check_private_dir(out.parent, "native code folder")
-        if out.exists():
-            trust.check_private_file(out, "oneMKL shim")  # it is loaded into this process
-            return None
-    except (trust.Untrusted, OSError) as e:
-        return str(e)
-    compiler = settings.cxx() or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        return "no C++ compiler to build the oneMKL shim"
-    with temporaries.temporary_file(out.parent, out.name, 0o700) as (fd, tmp):
-        os.close(fd)
-        cmd = [compiler, *BUILD_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp), "-ldl"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return f"the oneMKL shim did not build: {e}"
-        if done.returncode != 0:
-            return f"the oneMKL shim did not build: {done.stderr.strip()[-300:]}"
-        os.chmod(tmp, 0o700)  # the linker writes with the umask; a group-writable shim is refused
-        os.replace(tmp, out)
-    return None
 
 
 def load(mkl: str) -> str | None:
     """Build the shim (once), open it against oneMKL at `mkl` and register its targets: None when
     done, else why not (the programs then keep XLA's forms)."""
-    shim = shim_path()
-    why = build_shim(shim)
-    if why is not None:
+    lib, why = cpu_shim.open_shim()
+    if lib is None:
         return why
     try:
-        trust.check_private_file(shim, "oneMKL shim")
-        lib = ctypes.CDLL(str(shim))
         opened = lib.flux2klein_amx_open(mkl.encode())
-        if opened == 3:
-            return "Linux does not let this process use the AMX tiles (it needs kernel 5.16 or later)"
-        if opened != 0:
-            return f"{mkl} has no cblas_gemm_bf16bf16f32 or MKL_Set_Num_Threads_Local"
-    except (trust.Untrusted, OSError, AttributeError) as e:  # a foreign, corrupt or old shim: XLA's path
-        return f"the oneMKL shim does not load: {e}"
-    for target, symbol in ((TARGET, lib.flux2klein_amx_gemm), (ATTENTION_TARGET, lib.flux2klein_amx_attention),
-                           (MASKED_ATTENTION_TARGET, lib.flux2klein_amx_masked_attention),
-                           (CONV_TARGET, lib.flux2klein_amx_conv3x3),
-                           (NORM_CONV_TARGET, lib.flux2klein_amx_norm_silu_conv3x3)):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
-    return None
+    except AttributeError as e:  # an old shim: XLA's path
+        return f"the CPU kernel shim does not load: {e}"
+    if opened == 3:
+        return "Linux does not let this process use the AMX tiles (it needs kernel 5.16 or later)"
+    if opened != 0:
+        return f"{mkl} has no cblas_gemm_bf16bf16f32 or MKL_Set_Num_Threads_Local"
+    return cpu_shim.register({TARGET: "flux2klein_amx_gemm", ATTENTION_TARGET: "flux2klein_amx_attention",
+                              MASKED_ATTENTION_TARGET: "flux2klein_amx_masked_attention",
+                              CONV_TARGET: "flux2klein_amx_conv3x3",
+                              NORM_CONV_TARGET: "flux2klein_amx_norm_silu_conv3x3"}, lib)
 
 
 def single_cpu_device() -> bool:
@@ -142,14 +89,14 @@ def attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
             and single_cpu_device())
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any, target: str = ATTENTION_TARGET) -> jax.Array:
     """Unmasked attention of bf16 (B, Sq, H, D) queries, already scaled, against (B, Sk, H, D) keys
     and values, in the shim: per (batch, head, block of queries) the scores, their softmax and
     P @ V, the products on oneMKL. The numerics of `fallback(q, k, v)`, the XLA form used
     everywhere else: float32 scores and softmax sum, bf16 weights for P @ V, normalised after."""
 
     def amx(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
                                 vmap_method="sequential")
         return call(q, k, v)
 
@@ -166,14 +113,14 @@ def masked_attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
-                     fallback: Any) -> jax.Array:
+                     fallback: Any, target: str = MASKED_ATTENTION_TARGET) -> jax.Array:
     """Grouped-query attention with a (B, Sq, Sk) mask of allowed keys, in the shim: the numerics of
     `jax.nn.dot_product_attention`'s XLA form (`fallback(q, k, v, mask)`): float32 scores scaled after
     the product, masked keys left out of the softmax, the weights normalised and rounded to bf16
     before P @ V. A query with no allowed key gets a zero output."""
 
     def amx(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(MASKED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
                                 vmap_method="sequential")
         return call(q, k, v, mask, scale=np.float32(scale))
 
@@ -185,14 +132,14 @@ def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool) -> bool:
     return dtype == jnp.bfloat16 and has_bias and x.ndim == 4 and single_cpu_device()
 
 
-def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any, target: str = CONV_TARGET) -> jax.Array:
     """A 3x3 'same' convolution with bias, bf16 NHWC (B, H, W, Cin) x (3, 3, Cin, Cout) -> bf16, in
     the shim, per tile of output rows: the nine taps accumulated on the AMX tiles (input widths of
     whole tiles, multiples of 32), else nine oneMKL products. The numerics of `fallback(x)`,
     nnx.Conv in bf16: float32 sums rounded to bf16, then the bias added."""
 
     def amx(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(CONV_TARGET, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
                                 vmap_method="sequential")
         return call(x, kernel, bias)
 
@@ -200,7 +147,7 @@ def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> 
 
 
 def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: jax.Array, kernel: jax.Array,
-                      bias: jax.Array, fallback: Any) -> jax.Array:
+                      bias: jax.Array, fallback: Any, target: str = NORM_CONV_TARGET) -> jax.Array:
     """`conv3x3` of SiLU(GroupNorm(x)) in one shim call: each tile of input rows is normalised
     ((x - mean) * scale + shift per batch and channel, float32), activated and rounded to bf16 just
     before its products, instead of in a pass of XLA's over the whole padded activation. mean and
@@ -209,7 +156,7 @@ def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: ja
 
     def amx(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: jax.Array, kernel: jax.Array,
             bias: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(NORM_CONV_TARGET, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
                                 vmap_method="sequential")
         return call(x, mean, scale, shift, kernel, bias)
 

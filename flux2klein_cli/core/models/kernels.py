@@ -1,13 +1,17 @@
 """Which kernel plugin this host's CPU programs may use, and why (the backend dispatch,
 core/models/trace.py, asks here).
 
-One plugin exists: `amx` (core/models/cpu_matmul.py with its shim amx_gemm.cc), oneMKL's bf16 GEMM
-and the AMX tiles' intrinsics, for Intel CPUs with AMX. It is imported only when it can apply:
-  * FLUX2KLEIN_CPU_MATMUL is not `xla` (core/settings.py);
-  * the CPU reports `amx_bf16`, `amx_tile` and `avx512_bf16` (core/devices/cpu.py);
-  * oneMKL's runtime library is installed (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the
-    environment's lib/);
-and it is used when its shim then builds and loads (the plugin's `load`). Everywhere else the
+Two plugins exist, both on the native shim cpu_kernels.cc (core/models/cpu_shim.py), which needs a C++
+compiler on first use:
+  * `amx` (core/models/cpu_matmul.py): oneMKL's bf16 GEMM and the AMX tiles' intrinsics, for Intel
+    CPUs with AMX: the Linear dots, attention and the VAE's 3x3 convolutions. It applies where the
+    CPU reports `amx_bf16`, `amx_tile` and `avx512_bf16` and oneMKL's runtime library is installed
+    (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the environment's lib/);
+  * `avx512-bf16` (core/models/avx512_bf16.py): attention and the VAE's 3x3 convolutions in
+    VDPBF16PS, for other x86 CPUs with `avx512_bf16` (AMD Zen 4 and later, or an AMX CPU without
+    oneMKL), where XLA runs bf16 Linear dots on the bf16 unit but widens convolutions to float32.
+Neither applies under FLUX2KLEIN_CPU_MATMUL=xla (core/settings.py), and a plugin is imported only where
+it applies and used when its shim then builds and loads (the plugin's `load`). Everywhere else the
 programs keep XLA's own forms, with bf16 dots accumulated in float32 (`cpu_bf16_compute`).
 """
 
@@ -24,7 +28,7 @@ from types import ModuleType
 from flux2klein_cli.core import settings
 from flux2klein_cli.core.devices import cpu
 
-PLUGINS = ("amx",)
+PLUGINS = ("amx", "avx512-bf16")
 _MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 
 
@@ -50,8 +54,23 @@ def detect(flags: frozenset[str]) -> Status:
     """The plugin for a CPU with these feature flags; loads it (and builds its shim) when it applies."""
     if settings.cpu_matmul() == "xla":
         return Status(None, f"{settings.CPU_MATMUL}=xla")
-    if not cpu.is_x86() or not cpu.has_amx_bf16(flags):
-        return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile, avx512_bf16)")
+    if not cpu.is_x86() or not cpu.has_bf16_dot(flags):
+        return Status(None, "the CPU has neither AMX nor AVX-512 bf16")
+    amx = _amx(flags)
+    if amx.name is not None:
+        return amx
+    from flux2klein_cli.core.models import avx512_bf16
+
+    why = avx512_bf16.load()
+    if why is not None:
+        return Status(None, f"{amx.reason}; {why}")
+    return Status("avx512-bf16", f"{amx.reason}: attention and the VAE's convolutions in AVX-512 bf16 (VDPBF16PS)")
+
+
+def _amx(flags: frozenset[str]) -> Status:
+    """The AMX plugin where it applies; else None and why not."""
+    if not cpu.has_amx_bf16(flags):
+        return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile)")
     mkl = find_mkl()
     if mkl is None:
         return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
@@ -69,11 +88,15 @@ def plugin_status() -> Status:
 
 def plugin_module(name: str) -> ModuleType:
     """The module of a plugin named in trace options (see PLUGINS)."""
-    if name != "amx":
-        raise ValueError(f"kernel plugin {name!r} is not one of {PLUGINS}")
-    from flux2klein_cli.core.models import cpu_matmul
+    if name == "amx":
+        from flux2klein_cli.core.models import cpu_matmul
 
-    return cpu_matmul
+        return cpu_matmul
+    if name == "avx512-bf16":
+        from flux2klein_cli.core.models import avx512_bf16
+
+        return avx512_bf16
+    raise ValueError(f"kernel plugin {name!r} is not one of {PLUGINS}")
 
 
 def cpu_bf16_compute() -> str:
@@ -86,7 +109,9 @@ def cpu_bf16_compute() -> str:
 
 
 def report() -> dict[str, str | None]:
-    """For a run's report: what this CPU's bf16 work runs on (`onemkl`: the plugin's name, or null
-    for XLA's own forms), why, and how a bf16 model computes."""
+    """For a run's report: what this CPU's bf16 work runs on (`plugin`: the plugin's name, or null
+    for XLA's own forms; `onemkl`: the same where it is the oneMKL one, as reports had it), why, and
+    how a bf16 model computes."""
     chosen = plugin_status()
-    return {"onemkl": chosen.name, "why": chosen.reason, "bf16_compute": cpu_bf16_compute()}
+    return {"plugin": chosen.name, "onemkl": chosen.name if chosen.name == "amx" else None, "why": chosen.reason,
+            "bf16_compute": cpu_bf16_compute()}

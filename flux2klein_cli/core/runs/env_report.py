@@ -78,7 +78,7 @@ class EnvReport:
     process_count: int
     process_index: int
     host: dict[str, int | None]  # cpus, memory_bytes, available_bytes
-    cpu_bf16: dict[str, str | None]  # kernels.report(): onemkl (the plugin or None), why, bf16_compute
+    cpu_bf16: dict[str, str | None]  # kernels.report(): plugin (or None), onemkl, why, bf16_compute
     attention: dict[str, str]  # platform -> attention kind its programs take (trace.ATTENTION_KINDS)
     cache_root: str
     executable_store: StoreReport
@@ -104,7 +104,7 @@ class EnvReport:
             if memory else ""
         store = self.executable_store
         store_state = "trusted" if store.trusted else ("untrusted" if store.trusted is False else "none")
-        bf16 = self.cpu_bf16.get("onemkl") or "xla"
+        bf16 = self.cpu_bf16.get("plugin") or "xla"
         return (f"flux2klein {v.get('flux2klein')} | python {self.python} | {libs} | {self.platform} "
                 f"x{len(self.devices)} ({', '.join(kinds)}{mem}) | processes {self.process_count} | "
                 f"attention {self.attention.get(self.platform, '?')} | cpu bf16 {bf16} | "

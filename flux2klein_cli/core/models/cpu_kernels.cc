@@ -1,5 +1,8 @@
-// XLA FFI handlers for bf16 work on the AMX tiles, through oneMKL's bf16 GEMM (cblas_gemm_bf16bf16f32)
-// or the tiles' intrinsics directly where MKL's products are too small to reach their rate:
+// XLA FFI handlers for bf16 work on x86 CPUs with AVX-512 bf16, for the two kernel plugins:
+//
+// The AMX plugin (core/models/cpu_matmul.py), on the AMX tiles through oneMKL's bf16 GEMM
+// (cblas_gemm_bf16bf16f32) or the tiles' intrinsics directly where MKL's products are too small to
+// reach their rate:
 //   flux2klein_amx_gemm:              bf16 (M, K) x bf16 (K, N) -> f32 (M, N), on MKL;
 //   flux2klein_amx_attention:         unmasked attention, bf16 (B, Sq, H, D) queries (already scaled)
 //                                     against (B, Sk, H, D) keys and values -> bf16 (B, Sq, H, D), a
@@ -12,8 +15,15 @@
 //                                     nine MKL products);
 //   flux2klein_amx_norm_silu_conv3x3: the same convolution of SiLU(GroupNorm(x)), normalised as each
 //                                     tile reads its rows.
-// MKL is opened at run time (dlopen), so this file builds with no MKL headers and the shim loads only
-// where the Python side found libmkl_rt. Built with AVX-512 and AMX on: it is loaded on AMX CPUs only.
+// The AVX-512 bf16 plugin (core/models/avx512_bf16.py), on CPUs with the VDPBF16PS instruction and no
+// AMX (AMD Zen 4 and later): the same attention and convolutions, their products in VDPBF16PS (pairs of
+// bf16 products summed into float32 lanes), where XLA widens a bf16 convolution to float32 and runs
+// attention's small blocked products well below the unit's rate:
+//   flux2klein_avx512_attention, flux2klein_avx512_masked_attention, flux2klein_avx512_conv3x3,
+//   flux2klein_avx512_norm_silu_conv3x3.
+// MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
+// Built with AVX-512, bf16 and AMX on: it is loaded on CPUs with AVX-512 bf16 only, and the AMX
+// instructions run only in the AMX plugin's handlers.
 #include <dlfcn.h>
 #include <immintrin.h>
 #include <sched.h>
@@ -67,9 +77,9 @@ template <typename Work>
 static void parallel_tasks(int64_t tasks, int workers, Work work) {
   std::atomic<int64_t> next{0};
   auto run = [&](int worker) {
-    set_threads_local(1);
+    if (set_threads_local != nullptr) set_threads_local(1);  // MKL is loaded by the AMX plugin only
     for (int64_t t = next++; t < tasks; t = next++) work(t, worker);
-    set_threads_local(0);
+    if (set_threads_local != nullptr) set_threads_local(0);
   };
   std::vector<std::thread> threads;
   for (int i = 1; i < workers; ++i) threads.emplace_back(run, i);
@@ -198,6 +208,7 @@ static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* all
 
 struct AttentionShape {
   int64_t batch, sq, sk, heads, kv_heads, dim;
+  bool avx512 = false;  // the AVX-512 bf16 plugin's call: the products in VDPBF16PS, not on the tiles
   int64_t group() const { return heads / kv_heads; }  // query heads per key/value head
 };
 
@@ -271,6 +282,57 @@ static void tile_product(const uint16_t* a, int64_t lda, const uint16_t* panel, 
   tiles_store(c, ldc);
 }
 
+// The same products in VDPBF16PS, for CPUs with AVX-512 bf16 and no AMX: each instruction sums a pair
+// of bf16 products into each of sixteen float32 lanes. c (Rows x 32 float32, row stride ldc) += a (Rows
+// x depth bf16, row stride lda) x one packed panel; depth even. Rows x 2 accumulators stay in registers;
+// each step loads the panel's two vectors for one pair of the depth and broadcasts each row's pair.
+constexpr int kDotRows = 12;  // 24 accumulators, 2 panel vectors and a broadcast: within 32 registers
+
+template <int Rows>
+static inline void dpbf16_accumulate(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
+                                     int64_t ldc) {
+  __m512 acc[Rows][2];
+  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < depth; k += 2, panel += 2 * kPanel) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel), w1 = (__m512bh)_mm512_loadu_si512(panel + kPanel);
+    for (int i = 0; i < Rows; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, a + i * lda + k, 4);
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);
+    }
+  }
+  for (int i = 0; i < Rows; ++i) {
+    _mm512_storeu_ps(c + i * ldc, _mm512_add_ps(_mm512_loadu_ps(c + i * ldc), acc[i][0]));
+    _mm512_storeu_ps(c + i * ldc + 16, _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + 16), acc[i][1]));
+  }
+}
+
+// c (rows x 32 float32, row stride ldc) = a (rows x depth bf16) x one packed panel, in VDPBF16PS, the
+// rows kDotRows at a time (tile_product's work, all of a block's rows in one call).
+static void dpbf16_product(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
+                           int64_t ldc, int64_t rows) {
+  for (int64_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + kPanel, 0.0f);
+  int64_t r = 0;
+  for (; r + kDotRows <= rows; r += kDotRows) dpbf16_accumulate<kDotRows>(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
+  a += r * lda, c += r * ldc;
+  switch (rows - r) {
+    case 0: break;
+    case 1: dpbf16_accumulate<1>(a, lda, panel, depth, c, ldc); break;
+    case 2: dpbf16_accumulate<2>(a, lda, panel, depth, c, ldc); break;
+    case 3: dpbf16_accumulate<3>(a, lda, panel, depth, c, ldc); break;
+    case 4: dpbf16_accumulate<4>(a, lda, panel, depth, c, ldc); break;
+    case 5: dpbf16_accumulate<5>(a, lda, panel, depth, c, ldc); break;
+    case 6: dpbf16_accumulate<6>(a, lda, panel, depth, c, ldc); break;
+    case 7: dpbf16_accumulate<7>(a, lda, panel, depth, c, ldc); break;
+    case 8: dpbf16_accumulate<8>(a, lda, panel, depth, c, ldc); break;
+    case 9: dpbf16_accumulate<9>(a, lda, panel, depth, c, ldc); break;
+    case 10: dpbf16_accumulate<10>(a, lda, panel, depth, c, ldc); break;
+    default: dpbf16_accumulate<11>(a, lda, panel, depth, c, ldc);
+  }
+}
+
 // A head's keys as the right-hand side of Q K^T: panels of 32 keys, each [dim pair][key][2], i.e. the
 // keys' 32-bit pairs of dims transposed; dims zero-padded to `depth`, keys to a whole panel.
 static void pack_keys(const uint16_t* k, int64_t stride, int64_t sk, int64_t dim, int64_t depth, uint16_t* out) {
@@ -324,11 +386,16 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
   std::fill(w.queries.begin(), w.queries.begin() + tile_rows * w.depth, 0);
   for (int64_t i = 0; i < rows; ++i)
     std::memcpy(w.queries.data() + i * w.depth, q + (b * s.sq + row0 + i) * q_stride + h * s.dim, s.dim * 2);
-  configure_tiles();
+  // c (tile_rows x 32) = a (tile_rows x depth) x a packed panel: on the tiles 32 rows at a time, or in
+  // VDPBF16PS.
+  const auto product = [&](const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
+                           int64_t ldc) {
+    if (s.avx512) return dpbf16_product(a, lda, panel, depth, c, ldc, tile_rows);
+    for (int64_t r = 0; r < tile_rows; r += 32) tile_product(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
+  };
+  if (!s.avx512) configure_tiles();
   for (int64_t p = 0; p < w.keys; p += kPanel)
-    for (int64_t r = 0; r < tile_rows; r += 32)
-      tile_product(w.queries.data() + r * w.depth, w.depth, w.packed_keys.data() + p * w.depth, w.depth,
-                   w.scores.data() + r * w.keys + p, w.keys);
+    product(w.queries.data(), w.depth, w.packed_keys.data() + p * w.depth, w.depth, w.scores.data() + p, w.keys);
   // Per row: the divisor of its P @ V (1 where the weights are normalised already, 0 for no key).
   std::vector<float> divisors(tile_rows, 1.0f);
   for (int64_t i = 0; i < tile_rows; ++i) {
@@ -344,10 +411,8 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
     std::fill(weights + (filled ? s.sk : 0), weights + w.keys, 0);
   }
   for (int64_t p = 0; p < w.dims; p += kPanel)
-    for (int64_t r = 0; r < tile_rows; r += 32)
-      tile_product(w.weights.data() + r * w.keys, w.keys, w.packed_values.data() + p * w.keys, w.keys,
-                   w.acc.data() + r * w.dims + p, w.dims);
-  _tile_release();
+    product(w.weights.data(), w.keys, w.packed_values.data() + p * w.keys, w.keys, w.acc.data() + p, w.dims);
+  if (!s.avx512) _tile_release();
   for (int64_t i = 0; i < rows; ++i) {
     uint16_t* o = out + (b * s.sq + row0 + i) * q_stride + h * s.dim;
     const __m512 divisor = _mm512_set1_ps(divisors[i]);
@@ -393,18 +458,23 @@ static bool attention_shapes(ffi::Buffer<ffi::BF16>& q, ffi::Buffer<ffi::BF16>& 
   return true;
 }
 
+template <bool Avx512>
 static ffi::Error Attention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
                             ffi::ResultBuffer<ffi::BF16> out) {
   AttentionShape s;
   if (!attention_shapes(q, k, v, &s) || s.kv_heads != s.heads)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, Sq, H, D) and two (B, Sk, H, D)");
+  s.avx512 = Avx512;
   return attend(s, Masking{}, q, k, v, out);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_attention, Attention,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>());
+#define FLUX2KLEIN_ATTENTION_BINDING                                                                       \
+  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+      .Ret<ffi::Buffer<ffi::BF16>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_attention, Attention<false>, FLUX2KLEIN_ATTENTION_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_attention, Attention<true>, FLUX2KLEIN_ATTENTION_BINDING);
 
+template <bool Avx512>
 static ffi::Error MaskedAttention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
                                   ffi::Buffer<ffi::PRED> allowed, float scale, ffi::ResultBuffer<ffi::BF16> out) {
   AttentionShape s;
@@ -412,19 +482,32 @@ static ffi::Error MaskedAttention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF1
   if (!attention_shapes(q, k, v, &s) || md.size() != 3 || md[0] != s.batch || md[1] != s.sq || md[2] != s.sk)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "expected (B, Sq, H, D), two (B, Sk, Hkv, D) with H a multiple of Hkv, and a (B, Sq, Sk) mask");
+  s.avx512 = Avx512;
   return attend(s, Masking{allowed.typed_data(), scale}, q, k, v, out);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::BF16>>());
+#define FLUX2KLEIN_MASKED_ATTENTION_BINDING                                                                \
+  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+      .Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale").Ret<ffi::Buffer<ffi::BF16>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention<false>,
+                              FLUX2KLEIN_MASKED_ATTENTION_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_masked_attention, MaskedAttention<true>,
+                              FLUX2KLEIN_MASKED_ATTENTION_BINDING);
+
+// Which products a convolution's tiles run on: the AMX tiles, MKL's GEMM, or VDPBF16PS.
+enum class ConvProducts { kAmx, kMkl, kDpbf16 };
 
 struct ConvShape {
   int64_t batch, h, w, c_in, c_out;
+  bool avx512 = false;  // the AVX-512 bf16 plugin's call: VDPBF16PS, no AMX or MKL
   int64_t wp() const { return w + 2; }
   // The tiles take whole A tiles of input channels; other widths take MKL's products.
-  bool on_tiles() const { return c_in % 32 == 0; }
+  ConvProducts products() const {
+    if (avx512) return ConvProducts::kDpbf16;
+    return c_in % 32 == 0 ? ConvProducts::kAmx : ConvProducts::kMkl;
+  }
+  // The kernel packed in panels of 32 output channels (the tiles' and VDPBF16PS's layout).
+  bool packed() const { return products() != ConvProducts::kMkl; }
 };
 
 // A tile of output rows reads its input as `padded`: rows + 3 rows of (W + 2) x Cin, one row above the
@@ -506,11 +589,35 @@ static void conv_tile_mkl(const ConvShape& s, const uint16_t* padded, const uint
       store_conv_outputs(sums + (r * wp + col) * s.c_out, bias, s.c_out, out + (r * s.w + col) * s.c_out);
 }
 
-// Output rows per task. On the tiles: a tile's padded input within about 1 MB (the rows above and below
-// are made again by the next tile). On MKL: its float32 sums within about 512 KB.
+// One tile in VDPBF16PS: per panel of 32 output channels and block of kDotRows consecutive positions,
+// the nine taps and all input channels accumulate in float32 (`dpbf16_accumulate`). Positions run along
+// the padded width, as on the tiles: the two columns past W are computed and dropped.
+static void conv_tile_dpbf16(const ConvShape& s, const uint16_t* padded, const uint16_t* packed, const float* bias,
+                             int64_t rows, uint16_t* out) {
+  const int64_t wp = s.wp(), positions = rows * wp;
+  alignas(64) float block[kDotRows * kPanel];
+  for (int64_t p = 0; p < s.c_out; p += kPanel) {
+    const uint16_t* panel = packed + p * 9 * s.c_in;
+    for (int64_t p0 = 0; p0 < positions; p0 += kDotRows) {
+      std::fill(block, block + kDotRows * kPanel, 0.0f);
+      for (int64_t tap = 0; tap < 9; ++tap)
+        dpbf16_accumulate<kDotRows>(padded + (p0 + (tap / 3) * wp + tap % 3) * s.c_in, s.c_in,
+                                    panel + tap * s.c_in * kPanel, s.c_in, block, kPanel);
+      for (int64_t i = 0; i < kDotRows && p0 + i < positions; ++i) {
+        const int64_t r = (p0 + i) / wp, col = (p0 + i) % wp;
+        if (col < s.w)
+          store_conv_outputs(block + i * kPanel, bias + p, std::min(kPanel, s.c_out - p),
+                             out + (r * s.w + col) * s.c_out + p);
+      }
+    }
+  }
+}
+
+// Output rows per task. On the tiles and in VDPBF16PS: a tile's padded input within about 1 MB (the rows
+// above and below are made again by the next tile). On MKL: its float32 sums within about 512 KB.
 static int64_t conv_tile_rows(const ConvShape& s) {
-  const int64_t rows = s.on_tiles() ? (1 << 19) / (s.wp() * s.c_in) - 3 : (128 << 10) / (s.wp() * s.c_out);
-  return std::max<int64_t>(s.on_tiles() ? 4 : 1, std::min(s.h, rows));
+  const int64_t rows = s.packed() ? (1 << 19) / (s.wp() * s.c_in) - 3 : (128 << 10) / (s.wp() * s.c_out);
+  return std::max<int64_t>(s.packed() ? 4 : 1, std::min(s.h, rows));
 }
 
 // For every tile of output rows, the tiles shared between the cores: fill(b, y, dst) writes padded row y
@@ -521,7 +628,7 @@ static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_
   std::vector<float> bias32(round_up(s.c_out, kPanel), 0.0f);
   for (int64_t c = 0; c < s.c_out; ++c) bias32[c] = from_bf16(bias[c]);
   const std::vector<uint16_t> packed =
-      s.on_tiles() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<uint16_t>();
+      s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<uint16_t>();
   const int workers = workers_for(s.batch * tiles);
   struct Scratch {
     std::vector<float> sums;
@@ -530,7 +637,7 @@ static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_
   std::vector<Scratch> scratch(workers);
   for (auto& w : scratch) {
     w.padded.resize(padded_size(s, tile_rows));
-    if (!s.on_tiles()) w.sums.resize(tile_rows * s.wp() * s.c_out);
+    if (!s.packed()) w.sums.resize(tile_rows * s.wp() * s.c_out);
   }
   parallel_tasks(s.batch * tiles, workers, [&](int64_t t, int worker) {
     const int64_t b = t / tiles, y0 = (t % tiles) * tile_rows, rows = std::min(tile_rows, s.h - y0);
@@ -539,10 +646,16 @@ static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_
     // The second row below and the slack are read for dropped positions only.
     std::fill(padded + (rows + 2) * row, padded + padded_size(s, rows), 0);
     uint16_t* tile_out = out + (b * s.h + y0) * s.w * s.c_out;
-    if (s.on_tiles())
-      conv_tile_amx(s, padded, packed.data(), bias32.data(), rows, tile_out);
-    else
-      conv_tile_mkl(s, padded, kernel, bias32.data(), rows, scratch[worker].sums.data(), tile_out);
+    switch (s.products()) {
+      case ConvProducts::kAmx:
+        conv_tile_amx(s, padded, packed.data(), bias32.data(), rows, tile_out);
+        break;
+      case ConvProducts::kDpbf16:
+        conv_tile_dpbf16(s, padded, packed.data(), bias32.data(), rows, tile_out);
+        break;
+      case ConvProducts::kMkl:
+        conv_tile_mkl(s, padded, kernel, bias32.data(), rows, scratch[worker].sums.data(), tile_out);
+    }
   });
 }
 
@@ -567,12 +680,26 @@ static bool conv_shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd
   return true;
 }
 
+// The shapes of a convolution call, for the AMX plugin (MKL loaded) or the AVX-512 bf16 one (input
+// channels in pairs); an error when the call cannot run.
+template <bool Avx512>
+static ffi::Error conv_call(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> od,
+                            int64_t bias_count, ConvShape* s) {
+  if (!Avx512 && gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
+  if (!conv_shapes(xd, kd, od, bias_count, s) || (Avx512 && s->c_in % 2 != 0))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      Avx512 ? "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,), Cin even"
+                             : "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,)");
+  s->avx512 = Avx512;
+  return ffi::Error::Success();
+}
+
+template <bool Avx512>
 static ffi::Error Conv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                           ffi::ResultBuffer<ffi::BF16> out) {
-  if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
   ConvShape s;
-  if (!conv_shapes(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s))
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,)");
+  ffi::Error shapes = conv_call<Avx512>(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s);
+  if (shapes.failure()) return shapes;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   conv_tiles(s, reinterpret_cast<const uint16_t*>(kernel.untyped_data()),
              reinterpret_cast<const uint16_t*>(bias.untyped_data()), reinterpret_cast<uint16_t*>(out->untyped_data()),
@@ -580,9 +707,11 @@ static ffi::Error Conv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kerne
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_conv3x3, Conv3x3,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>());
+#define FLUX2KLEIN_CONV_BINDING                                                           \
+  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+      .Ret<ffi::Buffer<ffi::BF16>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_conv3x3, Conv3x3<false>, FLUX2KLEIN_CONV_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv3x3, Conv3x3<true>, FLUX2KLEIN_CONV_BINDING);
 
 // silu(y) = y * sigmoid(y) on sixteen lanes, with e = exp(-|y|) only: sigmoid(y) = 1 / (1 + e) for
 // y >= 0, e / (1 + e) below. A NaN stays NaN, and -inf gives NaN as XLA's form does (-inf * 0).
@@ -623,13 +752,14 @@ static void normalised_row(const ConvShape& s, const Normalisation& n, int64_t b
     }
 }
 
+template <bool Avx512>
 static ffi::Error NormSiluConv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> scale,
                                   ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::BF16> kernel,
                                   ffi::Buffer<ffi::BF16> bias, ffi::ResultBuffer<ffi::BF16> out) {
-  if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
   ConvShape s;
-  if (!conv_shapes(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s) ||
-      static_cast<int64_t>(mean.element_count()) != s.batch * s.c_in ||
+  ffi::Error shapes = conv_call<Avx512>(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s);
+  if (shapes.failure()) return shapes;
+  if (static_cast<int64_t>(mean.element_count()) != s.batch * s.c_in ||
       static_cast<int64_t>(scale.element_count()) != s.batch * s.c_in ||
       static_cast<int64_t>(shift.element_count()) != s.c_in)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
@@ -642,8 +772,10 @@ static ffi::Error NormSiluConv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>());
+#define FLUX2KLEIN_NORM_CONV_BINDING                                                                           \
+  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>() \
+      .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()           \
+      .Ret<ffi::Buffer<ffi::BF16>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3<false>, FLUX2KLEIN_NORM_CONV_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3, NormSiluConv3x3<true>,
+                              FLUX2KLEIN_NORM_CONV_BINDING);

@@ -1,0 +1,73 @@
+"""The AVX-512 bf16 kernel plugin: attention and the VAE's 3x3 convolutions in VDPBF16PS, on x86 CPUs
+that have the instruction and no AMX (AMD Zen 4 and later).
+
+On such a CPU XLA runs a bf16 dot with a float32 result on the bf16 unit, near its rate, but widens a
+bf16 convolution to float32 first, and attention's blocked products (a head's 128-wide queries and
+keys) run well below the rate: the VAE decoder and attention were most of a bf16 image
+(docs/benchmarks.md, "A CPU with AVX-512 bf16"). The shim's `flux2klein_avx512_*` handlers
+(cpu_kernels.cc) run them with the AMX plugin's kernels and numerics (core/models/cpu_matmul.py), their
+products in VDPBF16PS instead of on the AMX tiles: pairs of bf16 products summed into float32 lanes.
+
+The Linear layers keep XLA's dots. Chosen by the backend dispatch (core/models/kernels.py) and named
+`avx512-bf16` in the trace options, so it is part of every program's key.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from flux2klein_cli.core.models import cpu_matmul, cpu_shim
+
+ATTENTION_TARGET = "flux2klein_avx512_bf16_attention"
+MASKED_ATTENTION_TARGET = "flux2klein_avx512_bf16_masked_attention"
+CONV_TARGET = "flux2klein_avx512_bf16_conv3x3"
+NORM_CONV_TARGET = "flux2klein_avx512_bf16_norm_silu_conv3x3"
+
+
+def load() -> str | None:
+    """Build the shim (once), open it and register this plugin's targets: None when done, else why not."""
+    lib, why = cpu_shim.open_shim()
+    if lib is None:
+        return why
+    return cpu_shim.register({ATTENTION_TARGET: "flux2klein_avx512_attention",
+                              MASKED_ATTENTION_TARGET: "flux2klein_avx512_masked_attention",
+                              CONV_TARGET: "flux2klein_avx512_conv3x3",
+                              NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3"}, lib)
+
+
+def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
+    return False  # XLA's bf16 dot with a float32 result runs on the bf16 unit already
+
+
+attention_eligible = cpu_matmul.attention_eligible
+masked_attention_eligible = cpu_matmul.masked_attention_eligible
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any) -> jax.Array:
+    """cpu_matmul.attention, its products in VDPBF16PS."""
+    return cpu_matmul.attention(q, k, v, fallback, target=ATTENTION_TARGET)
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
+                     fallback: Any) -> jax.Array:
+    """cpu_matmul.masked_attention, its products in VDPBF16PS."""
+    return cpu_matmul.masked_attention(q, k, v, mask, scale, fallback, target=MASKED_ATTENTION_TARGET)
+
+
+def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool) -> bool:
+    """cpu_matmul.conv_eligible, with input channels in pairs (VDPBF16PS sums two at a time; the
+    encoder's RGB input is not)."""
+    return cpu_matmul.conv_eligible(x, dtype, has_bias) and x.shape[-1] % 2 == 0
+
+
+def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+    """cpu_matmul.conv3x3, its products in VDPBF16PS."""
+    return cpu_matmul.conv3x3(x, kernel, bias, fallback, target=CONV_TARGET)
+
+
+def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: jax.Array, kernel: jax.Array,
+                      bias: jax.Array, fallback: Any) -> jax.Array:
+    """cpu_matmul.norm_silu_conv3x3, its products in VDPBF16PS."""
+    return cpu_matmul.norm_silu_conv3x3(x, mean, scale, shift, kernel, bias, fallback, target=NORM_CONV_TARGET)

@@ -1,0 +1,85 @@
+"""The native shim both CPU kernel plugins load (cpu_kernels.cc): built on first use with the C++
+compiler (`$CXX`, else g++ or c++) against jaxlib's FFI headers, into a private cache folder keyed by
+its source, jaxlib and the build flags, then opened into this process.
+
+The AMX plugin (cpu_matmul.py) and the AVX-512 bf16 plugin (avx512_bf16.py) register their own
+targets from it; only the CPUs they apply on ever load it (core/models/kernels.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jaxlib
+
+from flux2klein_cli.core import settings, temporaries, trust
+from flux2klein_cli.core.cache_paths import native_dir
+
+# AVX-512 (with bf16), FMA and AMX on: the shim is loaded on CPUs with AVX-512 bf16 only, and the AMX
+# instructions run only in the AMX plugin's handlers.
+BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno", "-mavx512f",
+               "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
+               "-mprefer-vector-width=512")
+SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+
+
+def shim_path() -> Path:
+    built_from = SOURCE.read_bytes() + jaxlib.version.__version__.encode() + " ".join(BUILD_FLAGS).encode()
+    tag = hashlib.sha256(built_from).hexdigest()[:16]
+    return native_dir() / f"cpu_kernels-{tag}.so"
+
+
+def build_shim(out: Path) -> str | None:
+    """Compile cpu_kernels.cc to `out` unless it is there; None when done, else why not."""
+    try:
+        trust.make_private_dir(out.parent)
+        trust.check_private_dir(out.parent, "native code folder")
+        if out.exists():
+            trust.check_private_file(out, "CPU kernel shim")  # it is loaded into this process
+            return None
+    except (trust.Untrusted, OSError) as e:
+        return str(e)
+    compiler = settings.cxx() or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        return "no C++ compiler to build the CPU kernel shim"
+    with temporaries.temporary_file(out.parent, out.name, 0o700) as (fd, tmp):
+        os.close(fd)
+        cmd = [compiler, *BUILD_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp), "-ldl"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return f"the CPU kernel shim did not build: {e}"
+        if done.returncode != 0:
+            return f"the CPU kernel shim did not build: {done.stderr.strip()[-300:]}"
+        os.chmod(tmp, 0o700)  # the linker writes with the umask; a group-writable shim is refused
+        os.replace(tmp, out)
+    return None
+
+
+def open_shim() -> tuple[ctypes.CDLL | None, str | None]:
+    """The shim opened in this process (built first when it is not there), or None and why not."""
+    shim = shim_path()
+    why = build_shim(shim)
+    if why is not None:
+        return None, why
+    try:
+        trust.check_private_file(shim, "CPU kernel shim")
+        return ctypes.CDLL(str(shim)), None
+    except (trust.Untrusted, OSError) as e:  # a foreign or corrupt shim: XLA's path
+        return None, f"the CPU kernel shim does not load: {e}"
+
+
+def register(targets: dict[str, str], lib: ctypes.CDLL) -> str | None:
+    """Register each FFI target (name: the shim's handler symbol) for the CPU; None when done, else why not."""
+    try:
+        symbols = {target: getattr(lib, symbol) for target, symbol in targets.items()}
+    except AttributeError as e:  # an old shim without a handler
+        return f"the CPU kernel shim does not load: {e}"
+    for target, symbol in symbols.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
+    return None
