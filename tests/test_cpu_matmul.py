@@ -258,7 +258,7 @@ def test_the_avx512_plugin_takes_attention_and_the_vaes_convolutions_but_not_the
     assert f"@{avx512_bf16.CONV_TARGET}(" in traced(bf16_conv(4, 6), x)
     assert avx512_bf16.CONV_TARGET not in traced(bf16_conv(4, 6), x, platform="tpu")
     assert avx512_bf16.CONV_TARGET not in traced(bf16_conv(3, 6), jnp.ones((1, 8, 8, 3), jnp.bfloat16))  # RGB in
-    assert "custom_call" not in traced(bf16_conv(4, 6, size=1), x)  # a 1x1: XLA's dot
+    assert f"@{avx512_bf16.CONV1X1_TARGET}(" in traced(bf16_conv(4, 6, size=1), x)  # the VAE's shortcuts
     assert traced(bf16_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)).count(
         f"@{avx512_bf16.NORM_CONV_TARGET}(") == 2
     assert "custom_call" not in traced(bf16_linear(), jnp.ones((3, 64), jnp.bfloat16))
@@ -404,7 +404,8 @@ def test_the_text_encoders_attention_in_the_shim_matches_xlas_form(plugin: str, 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
 @pytest.mark.parametrize("shape, size", [((1, 64, 48, 32, 32), 3), ((2, 17, 9, 5, 7), 3), ((1, 32, 32, 64, 128), 3),
-                                         ((2, 9, 3, 32, 40), 3), ((1, 32, 16, 64, 32), 1), ((1, 11, 6, 6, 3), 3)])
+                                         ((2, 9, 3, 32, 40), 3), ((1, 32, 16, 64, 32), 1), ((1, 11, 6, 6, 3), 3),
+                                         ((2, 7, 5, 6, 20), 1)])
 def test_the_vaes_conv_in_the_shim_matches_nnx_conv(plugin: str, shape: tuple[int, ...], size: int) -> None:
     """nnx.Conv's numerics in bf16 (float32 sums rounded, then the bias added): equal but for
     rare one-ulp roundings (the taps' summation order differs). On AMX, input widths of whole tiles

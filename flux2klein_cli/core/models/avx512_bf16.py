@@ -8,8 +8,9 @@ keys) run well below the rate: the VAE decoder and attention were most of a bf16
 (cpu_kernels.cc) run them with the AMX plugin's kernels and numerics (core/models/cpu_matmul.py), their
 products in VDPBF16PS instead of on the AMX tiles: pairs of bf16 products summed into float32 lanes.
 
-The Linear layers keep XLA's dots. Chosen by the backend dispatch (core/models/kernels.py) and named
-`avx512-bf16` in the trace options, so it is part of every program's key.
+It takes the VAE's 1x1 convolutions too (`conv1x1`); the Linear layers keep XLA's dots. Chosen by
+the backend dispatch (core/models/kernels.py) and named `avx512-bf16` in the trace options, so it is
+part of every program's key.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from flux2klein_cli.core.models import cpu_matmul, cpu_shim
 
@@ -24,6 +26,7 @@ ATTENTION_TARGET = "flux2klein_avx512_bf16_attention"
 MASKED_ATTENTION_TARGET = "flux2klein_avx512_bf16_masked_attention"
 CONV_TARGET = "flux2klein_avx512_bf16_conv3x3"
 NORM_CONV_TARGET = "flux2klein_avx512_bf16_norm_silu_conv3x3"
+CONV1X1_TARGET = "flux2klein_avx512_bf16_conv1x1"
 
 
 def load() -> str | None:
@@ -34,7 +37,8 @@ def load() -> str | None:
     return cpu_shim.register({ATTENTION_TARGET: "flux2klein_avx512_attention",
                               MASKED_ATTENTION_TARGET: "flux2klein_avx512_masked_attention",
                               CONV_TARGET: "flux2klein_avx512_conv3x3",
-                              NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3"}, lib)
+                              NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3",
+                              CONV1X1_TARGET: "flux2klein_avx512_conv1x1"}, lib)
 
 
 def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
@@ -60,6 +64,19 @@ def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool) -> bool:
     """cpu_matmul.conv_eligible, with input channels in pairs (VDPBF16PS sums two at a time; the
     encoder's RGB input is not)."""
     return cpu_matmul.conv_eligible(x, dtype, has_bias) and x.shape[-1] % 2 == 0
+
+
+def conv1x1(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+    """A 1x1 convolution with bias, bf16 NHWC (B, H, W, Cin) x (1, 1, Cin, Cout) -> bf16, in the shim,
+    with nnx.Conv's numerics (XLA's dot ran the VAE's narrow shortcuts far below the unit's rate);
+    `fallback(x)` on other platforms."""
+
+    def avx512(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
+        call = jax.ffi.ffi_call(CONV1X1_TARGET, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
+                                vmap_method="sequential")
+        return call(x, kernel, bias)
+
+    return jax.lax.platform_dependent(x, kernel, bias, cpu=avx512, default=lambda x, kernel, bias: fallback(x))
 
 
 def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:

@@ -20,7 +20,7 @@
 // bf16 products summed into float32 lanes), where XLA widens a bf16 convolution to float32 and runs
 // attention's small blocked products well below the unit's rate:
 //   flux2klein_avx512_attention, flux2klein_avx512_masked_attention, flux2klein_avx512_conv3x3,
-//   flux2klein_avx512_norm_silu_conv3x3.
+//   flux2klein_avx512_norm_silu_conv3x3, and flux2klein_avx512_conv1x1 (the VAE's 1x1 shortcuts).
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
 // Built with AVX-512, bf16 and AMX on: it is loaded on CPUs with AVX-512 bf16 only, and the AMX
 // instructions run only in the AMX plugin's handlers.
@@ -531,13 +531,14 @@ static inline void store_conv_outputs(const float* sums, const float* bias, int6
   }
 }
 
-// The kernel (3, 3, Cin, Cout) for the tiles: panels of 32 output channels, each [tap][Cin pair][32][2];
+// The kernel (3, 3, Cin, Cout) (or (1, 1, Cin, Cout): one tap) for the tiles: panels of 32 output
+// channels, each [tap][Cin pair][32][2];
 // output channels zero-padded to a whole panel.
-static std::vector<uint16_t> pack_conv_kernel(const uint16_t* kernel, int64_t c_in, int64_t c_out) {
-  std::vector<uint16_t> packed(round_up(c_out, kPanel) * 9 * c_in);
+static std::vector<uint16_t> pack_conv_kernel(const uint16_t* kernel, int64_t c_in, int64_t c_out, int64_t taps = 9) {
+  std::vector<uint16_t> packed(round_up(c_out, kPanel) * taps * c_in);
   uint16_t* out = packed.data();
   for (int64_t p = 0; p < c_out; p += kPanel)
-    for (int64_t tap = 0; tap < 9; ++tap)
+    for (int64_t tap = 0; tap < taps; ++tap)
       for (int64_t c = 0; c < c_in; c += 2)
         for (int64_t col = 0; col < kPanel; ++col, out += 2) {
           const bool real = p + col < c_out;
@@ -723,6 +724,45 @@ static inline __m512 silu16(__m512 y) {
   return _mm512_mask_mov_ps(silu, _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
                             _mm512_set1_ps(NAN));
 }
+
+// A 1x1 convolution with bias, NHWC bf16 -> bf16, in VDPBF16PS (the AVX-512 bf16 plugin's): every
+// position's channels times the kernel, kDotRows positions at a time per panel of 32 output channels,
+// with nnx.Conv's numerics (store_conv_outputs). XLA's bf16 dot ran the VAE's narrow shortcuts
+// (64 -> 32 channels at 512x512) far below the unit's rate.
+constexpr int64_t kPositionsPerTask = 64 * kDotRows;
+
+static ffi::Error Conv1x1(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
+                          ffi::ResultBuffer<ffi::BF16> out) {
+  auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
+  if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 1 || kd[1] != 1 || kd[2] != xd[3] ||
+      xd[3] % 2 != 0 || !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] ||
+      static_cast<int64_t>(bias.element_count()) != kd[3])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, H, W, Cin), (1, 1, Cin, Cout), (Cout,), Cin even");
+  const int64_t positions = xd[0] * xd[1] * xd[2], c_in = xd[3], c_out = kd[3];
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* bp = reinterpret_cast<const uint16_t*>(bias.untyped_data());
+  auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
+  const std::vector<uint16_t> packed =
+      pack_conv_kernel(reinterpret_cast<const uint16_t*>(kernel.untyped_data()), c_in, c_out, 1);
+  std::vector<float> bias32(round_up(c_out, kPanel), 0.0f);
+  for (int64_t c = 0; c < c_out; ++c) bias32[c] = from_bf16(bp[c]);
+  const int64_t tasks = (positions + kPositionsPerTask - 1) / kPositionsPerTask;
+  parallel_tasks(tasks, workers_for(tasks), [&](int64_t t, int) {
+    alignas(64) float block[kDotRows * kPanel];
+    const int64_t end = std::min(positions, (t + 1) * kPositionsPerTask);
+    for (int64_t p = 0; p < c_out; p += kPanel)
+      for (int64_t p0 = t * kPositionsPerTask; p0 < end; p0 += kDotRows) {
+        const int64_t rows = std::min<int64_t>(kDotRows, end - p0);
+        dpbf16_product(xp + p0 * c_in, c_in, packed.data() + p * c_in, c_in, block, kPanel, rows);
+        for (int64_t i = 0; i < rows; ++i)
+          store_conv_outputs(block + i * kPanel, bias32.data() + p, std::min(kPanel, c_out - p),
+                             op + (p0 + i) * c_out + p);
+      }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1, Conv1x1, FLUX2KLEIN_CONV_BINDING);
 
 // The VAE's GroupNorm then SiLU, applied to the input rows as a tile reads them instead of in a pass of
 // its own: y = (x - mean) * scale + shift per (batch, channel), in float32, SiLU, rounded to bf16 (the

@@ -132,6 +132,14 @@ def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool) -> bool:
     return dtype == jnp.bfloat16 and has_bias and x.ndim == 4 and single_cpu_device()
 
 
+def conv1x1(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+    """A 1x1 convolution with bias, bf16 NHWC (B, H, W, Cin) x (1, 1, Cin, Cout) -> bf16: a Linear over
+    channels (its dot on oneMKL, through the backend dispatch), bf16 sums, then the bias, as nnx.Conv."""
+    from flux2klein_cli.core.models import trace
+
+    return trace.dot_general(x, kernel.reshape(kernel.shape[-2:]), (((3,), (0,)), ((), ()))) + bias
+
+
 def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any, target: str = CONV_TARGET) -> jax.Array:
     """A 3x3 'same' convolution with bias, bf16 NHWC (B, H, W, Cin) x (3, 3, Cin, Cout) -> bf16, in
     the shim, per tile of output rows: the nine taps accumulated on the AMX tiles (input widths of

@@ -163,9 +163,8 @@ class Conv(nnx.Conv):
             return kernels.conv3x3(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
                                       lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
         if kernels and self.kernel_size == (1, 1) and self.strides in (1, (1, 1)) and self.padding == ((0, 0),) * 2:
-            # A 1x1 convolution is a Linear over channels: bf16 sums, then the bias, as nnx.Conv.
-            kernel = self.kernel[...].reshape(self.kernel.shape[-2:])
-            return trace.dot_general(x.astype(jnp.bfloat16), kernel, (((3,), (0,)), ((), ()))) + self.bias[...]
+            return kernels.conv1x1(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
+                                   lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
         return super().__call__(x, out_sharding=out_sharding)
 
     def as_matmul(self, x: jax.Array) -> jax.Array:
