@@ -86,3 +86,30 @@ def test_bad_fields_name_the_field(engine: Engine, fields: dict[str, object], fi
     with pytest.raises(FieldError) as caught:
         engine.plan(RunFields(prompts=("x",), **fields))  # type: ignore[arg-type]
     assert caught.value.field == field and str(caught.value).startswith(field)
+
+
+def test_the_first_runs_programs_load_while_the_weights_do(engine: Engine, tiny_checkpoint: Path) -> None:
+    """`ahead`: the first run's executables come from a thread started before the weights were
+    read; the run then waits for nothing, says the phases a run says, reports what the store did,
+    and gives the images a plain engine gives."""
+    plan_fields = _fields(height=32, width=32, seed=5)
+    # The module's engine stores these programs (a run with progress: the loop in several calls).
+    plain = engine.run(engine.plan(plan_fields), on_step=lambda done, steps: None)
+    options = engine.options
+    ahead = Engine.load(options, tiny_checkpoint, warn=lambda message: None,
+                        ahead=[engine.plan(plan_fields)], progress=True)
+    plan = ahead.plan(plan_fields)
+    shape = plan.shape(ahead.pipeline.dtype, run_steps_per_call(plan))
+    assert ahead.executables.ahead(shape)  # started during the load, not taken yet
+    phases: list[str] = []
+    run = ahead.run(plan, on_step=lambda done, steps: None, on_phase=phases.append)
+    assert run.executables and {record["status"] for record in run.executables} == {"hit"}
+    assert phases[-1].startswith("generating")
+    np.testing.assert_array_equal(run.images, plain.images)
+    assert not ahead.executables.ahead(shape)
+
+
+def run_steps_per_call(plan: object) -> int | None:
+    from flux2klein_cli.core.engine.engine import batch_run
+
+    return batch_run([plan], None, True)[1]  # type: ignore[list-item]

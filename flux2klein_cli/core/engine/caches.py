@@ -5,6 +5,7 @@ runs; the engine owns these with the lock that makes its runs one at a time."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +36,38 @@ class ExecutableCache:
         self.store, self.size, self.warn = store, size, warn
         # run shape -> (its executables, their generated code bytes as XLA reports them)
         self._by_shape: OrderedDict[RunShape, tuple[Programs, int]] = OrderedDict()
+        # run shape -> the thread loading its executables ahead, and what it got
+        self._ahead: dict[RunShape, tuple[threading.Thread, list[tuple[Programs, list[dict[str, Any]]]]]] = {}
+
+    def prefetch(self, shape: RunShape) -> None:
+        """Start loading (or compiling) the shape's executables on a thread of their own, while
+        the caller goes on (an engine reads its weights meanwhile: the first image of a process
+        waits for the longer of the two, not both); `get` takes them."""
+        if self.store is None or shape in self._by_shape or shape in self._ahead:
+            return
+        got: list[tuple[Programs, list[dict[str, Any]]]] = []
+        thread = threading.Thread(target=lambda: got.append(self._fetch(shape)), name="flux2klein-programs",
+                                  daemon=True)
+        self._ahead[shape] = (thread, got)
+        thread.start()
+
+    def ahead(self, shape: RunShape) -> bool:
+        """Whether the shape's executables were started ahead (`prefetch`) and not taken yet."""
+        return shape in self._ahead
+
+    def pending(self, shape: RunShape) -> bool:
+        """Whether the shape's executables are still loading ahead (`prefetch`)."""
+        ahead = self._ahead.get(shape)
+        return ahead is not None and ahead[0].is_alive()
+
+    def _fetch(self, shape: RunShape) -> tuple[Programs, list[dict[str, Any]]]:
+        try:
+            compiled = self.store.for_run(shape)
+            return compiled, self.store.report
+        except Exception as e:  # the store is an optimisation: never the reason a run fails
+            self.warn(f"stored executables unavailable ({type(e).__name__}: {str(e).splitlines()[0]}); "
+                      "compiling as needed")
+            return {}, []
 
     def get(self, shape: RunShape) -> tuple[Programs, list[dict[str, Any]]]:
         """The shape's executables and what the store did per program (empty when they were
@@ -45,13 +78,10 @@ class ExecutableCache:
         if kept is not None:
             self._by_shape.move_to_end(shape)
             return kept[0], []
-        try:
-            compiled = self.store.for_run(shape)
-            report = self.store.report
-        except Exception as e:  # the store is an optimisation: never the reason a run fails
-            self.warn(f"stored executables unavailable ({type(e).__name__}: {str(e).splitlines()[0]}); "
-                      "compiling as needed")
-            compiled, report = {}, []
+        ahead = self._ahead.pop(shape, None)
+        if ahead is not None:
+            ahead[0].join()
+        compiled, report = ahead[1][0] if ahead is not None and ahead[1] else self._fetch(shape)
         self._by_shape[shape] = (compiled, sum(_code_bytes(info) for info in report))
         while len(self._by_shape) > self.size:
             self._by_shape.popitem(last=False)

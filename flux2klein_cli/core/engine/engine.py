@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,12 +90,14 @@ class Engine:
     def __init__(self, pipeline: Any, facts: ModelFacts, options: EngineOptions, model_dir: Path, *,
                  warn: Warn, mesh: Any = None, executables: Any = None, kv_store: Any = None):
         """`executables`: the executable store (compile/attach.StoredExecutables; None: every
-        program jitted); `kv_store`: the reference KV caches on disk (None: memory only)."""
+        program jitted), or an ExecutableCache already on it (`load`'s, with programs loading
+        ahead); `kv_store`: the reference KV caches on disk (None: memory only)."""
         from flux2klein_cli.core.engine.caches import ExecutableCache, ReferenceKVCache
 
         self.pipeline, self.facts, self.options, self.model_dir = pipeline, facts, options, model_dir
         self.mesh, self.warn = mesh, warn
-        self.executables = ExecutableCache(executables, options.executable_shapes, warn)
+        self.executables = executables if isinstance(executables, ExecutableCache) else ExecutableCache(
+            executables, options.executable_shapes, warn)
         self.reference_kv = ReferenceKVCache(pipeline, kv_store, options.kv_memory)
         self.stats = EngineStats()
         self._device = threading.Lock()  # one run on the device at a time
@@ -116,11 +118,15 @@ class Engine:
             self._lora_set_ids[name] = lora.identity()
 
     @classmethod
-    def load(cls, options: EngineOptions, model_dir: Path, *, mesh: Any = None, warn: Warn) -> Engine:
+    def load(cls, options: EngineOptions, model_dir: Path, *, mesh: Any = None, warn: Warn,
+             ahead: Sequence[RunPlan] = (), progress: bool = False) -> Engine:
         """Load the models of `model_dir` (resolved from `options.model`) once, with the
-        executable store and the KV store attached."""
+        executable store and the KV store attached. `ahead`: the plans of the first run (as one
+        batch, with `progress` as `run_batch` has it), whose executables load from the store
+        while the weights do."""
         from flux2klein_cli.core.choices import jax_dtype
         from flux2klein_cli.core.compile.specs import configs_from_snapshot
+        from flux2klein_cli.core.engine.caches import ExecutableCache
         from flux2klein_cli.core.lora.files import LoraSpec
         from flux2klein_cli.core.lora.merge import LoraDeltas
         from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
@@ -134,6 +140,10 @@ class Engine:
 
             executables = StoredExecutables(model_dir, ExecutableStore(options.compile_cache, on_warning=warn),
                                             mesh=mesh, save=options.save_executables, effort=options.effort)
+        cache = ExecutableCache(executables, options.executable_shapes, warn)
+        if ahead:  # the first run's programs load while the weights do
+            merged, per_call = batch_run(ahead, None, progress)
+            cache.prefetch(merged.shape(dtype, per_call))
         kv_store = None
         if options.kv_cache_dir is not None:
             from flux2klein_cli.core.compile.keys import code_fingerprint
@@ -148,7 +158,7 @@ class Engine:
             kv_store = ReferenceKVStore(options.kv_cache_dir, identity, dtype, warn)
         pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=lora, warn=warn)
         facts = ModelFacts.of(options.model, configs_from_snapshot(model_dir))
-        engine = cls(pipeline, facts, options, model_dir, warn=warn, mesh=mesh, executables=executables,
+        engine = cls(pipeline, facts, options, model_dir, warn=warn, mesh=mesh, executables=cache,
                      kv_store=kv_store)
         for name, specs in options.lora_sets:
             engine.add_lora_set(name, specs)
@@ -185,19 +195,20 @@ class Engine:
         decode on request; raising from a callback stops the run).
         Each result's `seconds` has every phase the run went through (`executables`, `text`,
         `references`, `reference_kv`, `denoise`, `decode`) and `total`."""
-        from flux2klein_cli.core.pipeline.denoise import steps_per_call as progress_steps
         from flux2klein_cli.core.pipeline.pipeline import timed
 
-        merged = merge_plans(plans)
-        per_call = steps_per_call
-        if merged.cache is not None:  # a step-cached loop keeps its cache inside one call
-            per_call = None
-        elif per_call is None and on_step is not None:
-            per_call = progress_steps(merged.loop_steps, DEFAULTS.progress_calls)
+        merged, per_call = batch_run(plans, steps_per_call, on_step is not None)
+        shape = merged.shape(self.pipeline.dtype, per_call)
         generating = f"generating {merged.batch} image(s), {merged.steps} steps"
         store = self.executables.store
         announce: Any = contextlib.nullcontext()
-        if on_phase is not None:
+        if on_phase is not None and self.executables.ahead(shape):  # loaded, or loading, while the weights did
+            if self.executables.pending(shape):
+                from flux2klein_cli.core.compile.attach import LOADING_PHASE
+
+                on_phase(LOADING_PHASE)
+            announce = _then(on_phase, generating)
+        elif on_phase is not None:
             if store is not None and hasattr(store, "announcing"):
                 announce = store.announcing(on_phase, generating)
             if store is None or self.executables.shapes_kept:  # no load ahead, or maybe none: say it now
@@ -210,7 +221,6 @@ class Engine:
 
                 check_divides(self.mesh, batch=merged.batch,
                               heads=self.pipeline.models.transformer.config.num_attention_heads)
-            shape = merged.shape(self.pipeline.dtype, per_call)
             compiled, report = (timed(seconds, "executables", lambda: self.executables.get(shape))
                                 if store is not None else ({}, []))
             self.pipeline.use(self.weight_sets[merged.lora_set])  # a pointer swap: nothing compiles
@@ -259,3 +269,27 @@ class Engine:
         stats.shapes_kept = self.executables.shapes_kept
         stats.executable_bytes = self.executables.executable_bytes
 
+
+
+def batch_run(plans: Sequence[RunPlan], steps_per_call: int | None, progress: bool) -> tuple[RunPlan, int | None]:
+    """`plans` as the one batch `Engine.run_batch` runs, and its steps per call: `steps_per_call`,
+    or with `progress` (an `on_step` callback) about DEFAULTS.progress_calls calls, or one call
+    for a step-cached loop (its cache stays inside one call)."""
+    from flux2klein_cli.core.pipeline.denoise import steps_per_call as progress_steps
+
+    merged = merge_plans(plans)
+    if merged.cache is not None:
+        return merged, None
+    if steps_per_call is None and progress:
+        return merged, progress_steps(merged.loop_steps, DEFAULTS.progress_calls)
+    return merged, steps_per_call
+
+
+@contextlib.contextmanager
+def _then(on_phase: Callable[[str], None], phase: str) -> Iterator[None]:
+    """Says `phase` when the block's first part (a wait for programs loading ahead) is done:
+    on leaving it, as a store's `announcing` does."""
+    try:
+        yield
+    finally:
+        on_phase(phase)

@@ -11,7 +11,7 @@ reads weights.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -119,9 +119,10 @@ class Opening(Generic[T]):
             warn(message)
         return self.planned
 
-    def load(self, warn: Warn) -> Engine:
-        """The engine, its weights read (after `resolve`'s checks, which it runs if not yet run)."""
+    def load(self, warn: Warn, ahead: Sequence[Any] = (), progress: bool = False) -> Engine:
+        """The engine, its weights read (after `resolve`'s checks, which it runs if not yet run);
+        `ahead`, `progress`: the first run's plans, whose programs load meanwhile (Engine.load)."""
         self.resolve()
         assert self.model_dir is not None
-        return Engine.load(self.options, self.model_dir, mesh=self.mesh, warn=warn)
+        return Engine.load(self.options, self.model_dir, mesh=self.mesh, warn=warn, ahead=ahead, progress=progress)
 

@@ -114,7 +114,7 @@ def run_generate(
     opening = Opening(options, resolve, plan_run, on_phase=on_phase)
     plan, outputs = opening.admitted(warn, lambda planned: planned[0])
     load_start = time.perf_counter()
-    engine = opening.load(warn)
+    engine = opening.load(warn, ahead=[plan], progress=on_step is not None)
     load_seconds = time.perf_counter() - load_start
     mesh, model_dir = opening.mesh, opening.model_dir
 
