@@ -134,10 +134,14 @@ def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool) -> bool:
 
 def conv1x1(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
     """A 1x1 convolution with bias, bf16 NHWC (B, H, W, Cin) x (1, 1, Cin, Cout) -> bf16: a Linear over
-    channels (its dot on oneMKL, through the backend dispatch), bf16 sums, then the bias, as nnx.Conv."""
-    from flux2klein_cli.core.models import trace
+    channels (its dot on oneMKL), bf16 sums, then the bias, as nnx.Conv; `fallback(x)` on other platforms."""
+    dims = (((3,), (0,)), ((), ()))
 
-    return trace.dot_general(x, kernel.reshape(kernel.shape[-2:]), (((3,), (0,)), ((), ()))) + bias
+    def amx(x: jax.Array, w: jax.Array, bias: jax.Array) -> jax.Array:
+        return dot_general(x, w, None, lambda x, w: jax.lax.dot_general(x, w, dims)) + bias
+
+    return jax.lax.platform_dependent(x, kernel.reshape(kernel.shape[-2:]), bias, cpu=amx,
+                                      default=lambda x, w, bias: fallback(x))
 
 
 def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any, target: str = CONV_TARGET) -> jax.Array:
