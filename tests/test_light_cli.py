@@ -23,7 +23,9 @@ for argv in json.loads(sys.argv[1]):
         main()
     except SystemExit as e:
         codes.append(e.code)
-print(json.dumps({"codes": codes, "heavy": [m for m in HEAVY if m in sys.modules]}), file=sys.__stderr__)
+import gc
+print(json.dumps({"codes": codes, "heavy": [m for m in HEAVY if m in sys.modules], "gc": gc.get_threshold()}),
+      file=sys.__stderr__)
 """
 
 
@@ -56,3 +58,11 @@ def test_the_probe_sees_a_heavy_import() -> None:
     """The check can fail: a command that does import jax is reported."""
     report = probe([["inspect", str(ROOT / "no-such-model")]])  # runs the body, which loads core
     assert report["codes"] == [2] and "jax" in report["heavy"]
+
+
+def test_the_console_entry_sets_the_collector_thresholds() -> None:
+    """A command's process collects garbage at runtime.COLLECTOR_THRESHOLDS, set before any heavy import."""
+    from flux2klein_cli.core.devices.runtime import COLLECTOR_THRESHOLDS
+
+    report = probe([["generate", "--help"]])
+    assert tuple(report["gc"]) == COLLECTOR_THRESHOLDS != (700, 10, 10)

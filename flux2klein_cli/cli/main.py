@@ -214,9 +214,11 @@ def _wrap_init_backend(module: ModuleType) -> None:
 
 def _set_process_environment() -> None:
     """The one place the process environment is written: defaults that libraries read when they
-    load (core/devices/runtime.py says which); a value already set wins."""
-    from flux2klein_cli.core.devices.runtime import process_defaults
+    load (core/devices/runtime.py says which); a value already set wins. The collector's
+    thresholds are set here too, before anything heavy is imported."""
+    from flux2klein_cli.core.devices.runtime import process_defaults, tune_collector
 
+    tune_collector()
     for name, value in process_defaults().items():
         os.environ.setdefault(name, value)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -60,6 +61,19 @@ def configure_jax(warn: Callable[[str], None] | None = None) -> None:
     jax.config.update("jax_compilation_cache_dir", str(cache))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# CPython's collector thresholds (700, 10, 10) are made for programs whose objects come and go. A
+# model command first creates millions that live as long as the process (jax, flax, traced
+# programs), and at those thresholds its full collections rescan them again and again while it
+# imports, loads and traces. Every collection still happens here, only after more allocations.
+COLLECTOR_THRESHOLDS = (10_000, 50, 100)
+
+
+def tune_collector() -> None:
+    """Set this process's garbage collector thresholds (COLLECTOR_THRESHOLDS); the console entry
+    calls it first, before the heavy imports (figures in docs/benchmarks.md)."""
+    gc.set_threshold(*COLLECTOR_THRESHOLDS)
 
 
 def process_defaults() -> dict[str, str]:
