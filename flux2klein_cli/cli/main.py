@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 from types import FrameType, ModuleType
+from typing import NoReturn
 
 EXIT_INTERRUPTED = 130
 GRACE_S = 4.0  # time the main thread gets to clean up before the watchdog exits for it
@@ -262,3 +263,32 @@ def main() -> None:
         _announce()
         code = EXIT_INTERRUPTED
     sys.exit(code)
+
+
+def console() -> NoReturn:
+    """The console script and `python -m flux2klein_cli`: `main`, then the end of the process as
+    Python's own exit makes it (other threads joined, exit hooks run, streams flushed), without
+    the interpreter's teardown after that: freeing jax's, flax's and XLA's objects one by one,
+    which the OS does at once (figures in docs/benchmarks.md). In-process callers keep `main`."""
+    try:
+        main()
+    except SystemExit as e:
+        _exit_now(e.code)
+    raise AssertionError("main() returns only by SystemExit")
+
+
+def _exit_now(code: object) -> NoReturn:
+    shutdown, run_hooks = getattr(threading, "_shutdown", None), getattr(atexit, "_run_exitfuncs", None)
+    if shutdown is None or run_hooks is None:  # not the CPython this was written for: its own exit
+        sys.exit(code)
+    status = 0 if code is None else code if isinstance(code, int) else 1
+    if not isinstance(code, int | None):  # what sys.exit does with a message
+        print(code, file=sys.stderr)
+    shutdown()
+    run_hooks()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            status = status or 120  # Python's own status when its final flush fails
+    os._exit(status)
