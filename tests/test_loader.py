@@ -126,3 +126,57 @@ def test_transposing_copies_are_exact(shape, types) -> None:
         out = aligned_empty(view.shape, target)
         copy_into(out, view)
         assert np.array_equal(out.view(np.uint8), np.ascontiguousarray(view.astype(target)).view(np.uint8))
+
+
+def _tracked_reads(sizes: list[int], log: dict[str, int], lock) -> list[tuple[int, object]]:
+    """Reads that note the bytes held by reads started and not yet taken, and the most at once."""
+    import time
+
+    def read(i: int, size: int) -> int:
+        with lock:
+            log["running"] += 1
+            log["bytes"] += size
+            log["most_running"] = max(log["most_running"], log["running"])
+            log["most_bytes"] = max(log["most_bytes"], log["bytes"])
+        time.sleep(0.01)
+        with lock:
+            log["running"] -= 1
+            log["bytes"] -= size
+        return i
+
+    return [(size, lambda i=i, size=size: read(i, size)) for i, size in enumerate(sizes)]
+
+
+def test_reads_ahead_come_back_in_order_within_the_budget() -> None:
+    import threading
+
+    from flux2klein_cli.core.weights import loader
+
+    lock, log = threading.Lock(), dict.fromkeys(("running", "most_running", "bytes", "most_bytes"), 0)
+    sizes = [10, 40, 10, 10, 30, 10, 10, 10]
+    got = list(loader._read_ahead(_tracked_reads(sizes, log, lock), budget=50))
+    assert got == list(range(len(sizes)))
+    assert log["most_running"] >= 2  # it did read ahead
+    assert log["most_bytes"] <= 50
+
+
+def test_no_budget_reads_one_at_a_time() -> None:
+    import threading
+
+    from flux2klein_cli.core.weights import loader
+
+    lock, log = threading.Lock(), dict.fromkeys(("running", "most_running", "bytes", "most_bytes"), 0)
+    got = list(loader._read_ahead(_tracked_reads([10] * 6, log, lock), budget=0))
+    assert got == list(range(6)) and log["most_running"] == 1
+
+
+def test_a_read_that_fails_raises_in_the_caller() -> None:
+    from flux2klein_cli.core.weights import loader
+
+    def bad() -> int:
+        raise CheckpointError("truncated")
+
+    reads = loader._read_ahead([(1, lambda: 0), (1, bad), (1, lambda: 2)], budget=10)
+    assert next(reads) == 0
+    with pytest.raises(CheckpointError, match="truncated"):
+        next(reads)

@@ -10,10 +10,12 @@ memory-mapped file and the whole model never sits twice in host memory.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
@@ -30,6 +32,7 @@ from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint, _f
 
 Path_ = tuple[str, ...]
 M = TypeVar("M", bound=nnx.Module)
+T = TypeVar("T")
 # "linear": torch (out, in) -> (in, out); "conv": torch OIHW -> HWIO; "none": as stored.
 Layout = Literal["none", "linear", "conv"]
 
@@ -406,24 +409,59 @@ def iter_arrays(
     mesh: Mesh | None = None,
     sharding_rule: ShardingRule = replicated_rule,
     deltas: Deltas | None = None,
+    ahead_bytes: int = 0,
 ) -> Iterator[tuple[Path_, jax.Array]]:
     """Each parameter in turn, read from the checkpoint into its abstract dtype and sharding.
-    One parameter at a time: a caller that writes and drops them (convert) holds one at most."""
+    With `ahead_bytes` 0, one parameter at a time: a caller that writes and drops them (convert)
+    holds one at most. Otherwise the next parameters that sit whole on one device (a CPU run) are
+    read on reader threads meanwhile, up to that many bytes: many small tensors (the text
+    encoder's) are copied on every core, not one after another."""
     mesh = mesh or default_mesh()
     flat = dict(nnx.to_flat_state(abstract_state))
     abstract = {path: var.get_value() for path, var in flat.items()}
     check_plan(checkpoint, plan, abstract)
     if deltas is not None:
         deltas.check(weight_shapes(checkpoint, plan))
+    placed = []  # (path, shape, dtype, sharding)
     for path in flat:
-        spec = abstract[path]
-        source = plan.sources[path]
-        shape = tuple(spec.shape)
-        sharding = NamedSharding(mesh, sharding_rule(path, shape))
-        dtype = np.dtype(spec.dtype)
+        shape = tuple(abstract[path].shape)
+        placed.append((path, shape, np.dtype(abstract[path].dtype), NamedSharding(mesh, sharding_rule(path, shape))))
+    whole = {path for path, _, _, sharding in placed if len(sharding.addressable_devices) == 1}
+    reads = _read_ahead(((math.prod(shape) * dtype.itemsize,
+                          lambda s=plan.sources[path], d=dtype, sh=shape: _read_slice(checkpoint, s, (), d, sh, deltas))
+                         for path, shape, dtype, _ in placed if path in whole), ahead_bytes)
+    for path, shape, dtype, sharding in placed:
+        if path in whole:
+            host = next(reads)
+            yield path, jax.make_array_from_callback(shape, sharding, lambda index, h=host: h)
+            continue
         yield path, jax.make_array_from_callback(
-            shape, sharding, lambda idx, s=source, d=dtype, sh=shape: _read_slice(checkpoint, s, idx, d, sh, deltas)
+            shape, sharding,
+            lambda index, s=plan.sources[path], d=dtype, sh=shape: _read_slice(checkpoint, s, index, d, sh, deltas)
         )
+
+
+_READ_AHEAD_BYTES = 256 << 20  # what a load reads ahead (iter_arrays): a few of the largest parameters
+_readers: ThreadPoolExecutor | None = None
+
+
+def _read_ahead(reads: Iterable[tuple[int, Callable[[], T]]], budget: int) -> Iterator[T]:
+    """Each read's result, in order; while the oldest is awaited, the next ones run on reader
+    threads as long as the bytes they hold stay within `budget` (0: one read at a time)."""
+    global _readers
+    if _readers is None:
+        _readers = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="flux2klein-read")
+    pending: deque[tuple[int, Future[T]]] = deque()
+    held = 0
+    for size, read in reads:
+        while pending and held + size > budget:
+            done, future = pending.popleft()
+            held -= done
+            yield future.result()
+        pending.append((size, _readers.submit(read)))
+        held += size
+    while pending:
+        yield pending.popleft()[1].result()
 
 
 def load_state(
@@ -436,7 +474,7 @@ def load_state(
 ) -> nnx.State:
     """Fill an abstract NNX state from the checkpoint, each leaf in its abstract dtype."""
     flat = dict(nnx.to_flat_state(abstract_state))
-    arrays = dict(iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule, deltas))
+    arrays = dict(iter_arrays(checkpoint, plan, abstract_state, mesh, sharding_rule, deltas, _READ_AHEAD_BYTES))
     return nnx.from_flat_state([(path, var.replace(arrays[path])) for path, var in flat.items()])
 
 

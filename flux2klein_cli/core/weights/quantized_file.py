@@ -152,13 +152,15 @@ class QuantizedCheckpoint:
     def _merged_parts(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """Values and scales of `key` with its LoRA delta merged: dequantized to float32, the delta
         added, rounded to the stored form again (the values are read twice, once per part: the
-        last key's result is kept)."""
-        if self._merged is None or self._merged[0] != key:
+        last key's result is kept). Each call returns the pair it found or made: parameters are read
+        on several threads (loader.iter_arrays), and another key's may replace the kept one meanwhile."""
+        merged = self._merged
+        if merged is None or merged[0] != key:
             weight = np.array(self.view(key), np.float32)
             scratch = np.empty_like(weight)
             self.deltas.add(key, weight, slice(0, weight.shape[0]), slice(0, weight.shape[1]), scratch)
-            self._merged = (key, requantize(weight, self.tensors[key].stored.form))
-        return self._merged[1]
+            merged = self._merged = (key, requantize(weight, self.tensors[key].stored.form))
+        return merged[1]
 
     def release(self, key: str) -> None:
         """Drop the file's pages of a tensor read: they stay in the page cache, but no longer count in

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,7 @@ class SafetensorsCheckpoint:
         self.directory = directory
         self.tensors = tensors
         self._maps: dict[Path, mmap.mmap] = {}
+        self._mapping = threading.Lock()  # tensors are read on several threads (loader.iter_arrays)
 
     @classmethod
     def open(cls, directory: str | Path) -> SafetensorsCheckpoint:
@@ -174,9 +176,12 @@ class SafetensorsCheckpoint:
         info = self.tensors[key]
         buf = self._maps.get(info.file)
         if buf is None:
-            with info.file.open("rb") as f:
-                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps[info.file] = buf
+            with self._mapping:
+                buf = self._maps.get(info.file)
+                if buf is None:
+                    with info.file.open("rb") as f:
+                        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    self._maps[info.file] = buf
         count = int(np.prod(info.shape, dtype=np.int64))
         array = np.frombuffer(buf, dtype=info.dtype, count=count, offset=info.start).reshape(info.shape)
         if info.swap_halves:
