@@ -180,3 +180,32 @@ def test_a_read_that_fails_raises_in_the_caller() -> None:
     assert next(reads) == 0
     with pytest.raises(CheckpointError, match="truncated"):
         next(reads)
+
+
+def test_only_an_array_whole_on_this_process_is_read_ahead() -> None:
+    """A process of a multi-host run sees one device yet holds half of an fsdp-split array."""
+    from dataclasses import dataclass
+
+    from flux2klein_cli.core.weights.loader import held_whole_here
+
+    @dataclass
+    class Placement:  # the two things the choice reads from a jax Sharding
+        addressable_devices: set[int]
+        split: int
+
+        def shard_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+            return (shape[0] // self.split, *shape[1:])
+
+    assert held_whole_here(Placement({0}, 1), (96, 64))
+    assert not held_whole_here(Placement({0}, 2), (96, 64))  # the other half is on process 1
+    assert not held_whole_here(Placement({0, 1}, 1), (96, 64))  # replicas: each device reads its own
+
+
+def test_a_one_device_mesh_holds_every_parameter_whole() -> None:
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from flux2klein_cli.core.weights.loader import held_whole_here
+
+    mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+    assert held_whole_here(NamedSharding(mesh, PartitionSpec("fsdp", None)), (96, 64))

@@ -402,6 +402,12 @@ def unique_shards(sharding: jax.sharding.Sharding, shape: tuple[int, ...]
     return list(groups.values())
 
 
+def held_whole_here(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+    """Whether this process's one device holds all of the array: a process of a multi-host run
+    also sees one device, yet holds only its slice."""
+    return len(sharding.addressable_devices) == 1 and tuple(sharding.shard_shape(shape)) == tuple(shape)
+
+
 def iter_arrays(
     checkpoint: SafetensorsCheckpoint,
     plan: KeyPlan,
@@ -426,7 +432,7 @@ def iter_arrays(
     for path in flat:
         shape = tuple(abstract[path].shape)
         placed.append((path, shape, np.dtype(abstract[path].dtype), NamedSharding(mesh, sharding_rule(path, shape))))
-    whole = {path for path, _, _, sharding in placed if len(sharding.addressable_devices) == 1}
+    whole = {path for path, shape, _, sharding in placed if held_whole_here(sharding, shape)}
     reads = _read_ahead(((math.prod(shape) * dtype.itemsize,
                           lambda s=plan.sources[path], d=dtype, sh=shape: _read_slice(checkpoint, s, (), d, sh, deltas))
                          for path, shape, dtype, _ in placed if path in whole), ahead_bytes)
