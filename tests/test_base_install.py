@@ -146,7 +146,7 @@ def test_bench_load_skips_diffusers_without_the_extra(no_parity_extra: None) -> 
 
 def test_tiny_kv_is_a_generated_kv_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from flux2klein_cli.core.errors import UserInputError
-    from flux2klein_cli.core.hub.checkpoint import Snapshot
+    from flux2klein_cli.core.hub.layout import Snapshot
     from flux2klein_cli.core.hub.snapshot import TINY_KV_DIR_NAME, resolve
 
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))

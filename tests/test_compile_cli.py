@@ -19,6 +19,7 @@ from typer.testing import CliRunner  # noqa: E402
 from flux2klein_cli.cli.app import app  # noqa: E402
 from flux2klein_cli.core.compile import specs as P  # noqa: E402
 from flux2klein_cli.core.compile.compile_all import compile_all  # noqa: E402
+from flux2klein_cli.core.compile.model_configs import model_configs  # noqa: E402
 from flux2klein_cli.core.compile.store import ExecutableStore  # noqa: E402
 from flux2klein_cli.core.devices.tpu import parse_preset  # noqa: E402
 from flux2klein_cli.core.errors import UserInputError  # noqa: E402
@@ -45,7 +46,7 @@ def test_programs_from_configs_run_the_real_pipeline(tmp_path: Path) -> None:
     checkpoint = write_random_checkpoint(tmp_path / "ckpt", "tiny", kv=True, seed=1)
     run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((64, 96),), max_sequence_length=16,
                      dtype=jnp.float32, kv=True)
-    specs = P.pipeline_programs(P.model_configs(str(checkpoint)), run)
+    specs = P.pipeline_programs(model_configs(str(checkpoint)), run)
     results = compile_all(specs, ExecutableStore(tmp_path / "store"))
     executables = {info.name: compiled for compiled, info in results}
     assert set(executables) == {"text_encoder", "noise", "denoise", "vae_decode", "vae_encode_64x96", "reference_kv"}
@@ -82,7 +83,7 @@ def test_fast_effort_traces_the_vae_convolutions_as_matmuls(tiny_checkpoint: Pat
 
     run = P.RunShape(32, 32, KLEIN, batch=2, prompts=2, steps=2, references=((32, 48),), max_sequence_length=16,
                      dtype=jnp.float32)
-    configs = P.model_configs(str(tiny_checkpoint))
+    configs = model_configs(str(tiny_checkpoint))
     def vae_programs(effort: str) -> list:
         target = dataclasses.replace(Target.local(), effort=effort)
         return [s for s in P.pipeline_programs(configs, run, target) if s.name.startswith("vae_")]
@@ -154,7 +155,7 @@ def test_fast_effort_for_tpu_skips_the_multi_output_fusion_pass(tiny_checkpoint:
     target = dataclasses.replace(Target.for_preset(parse_preset("v6e-4")), effort="fast")
     run = P.RunShape(32, 32, KLEIN, batch=4, prompts=1, steps=2, references=(), max_sequence_length=16,
                      dtype=jnp.bfloat16)
-    spec = next(s for s in P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run, target)
+    spec = next(s for s in P.pipeline_programs(model_configs(str(tiny_checkpoint)), run, target)
                 if s.name == "vae_decode")
     lowered = spec.lower()
 
@@ -212,7 +213,7 @@ def test_registry_alias_needs_no_download(monkeypatch: pytest.MonkeyPatch) -> No
         raise CheckpointError("not in the Hugging Face cache")
 
     monkeypatch.setattr(snapshot, "resolve", not_cached)
-    configs = P.model_configs("9b")
+    configs = model_configs("9b")
     assert configs.source == "registry:9b" and configs.transformer["num_layers"] == 8
     assert configs.vae["block_out_channels"] == [128, 256, 512, 512]
     from flux2klein_cli.core.engine.plan import ModelFacts, build_shape

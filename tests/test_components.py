@@ -13,8 +13,8 @@ from PIL import Image
 from safetensors.numpy import load_file, save_file
 
 from flux2klein_cli.core.errors import CheckpointError, UserInputError
-from flux2klein_cli.core.hub.checkpoint import Snapshot
 from flux2klein_cli.core.hub.components import compose, composed_sources, resolve_overrides
+from flux2klein_cli.core.hub.layout import Snapshot
 from flux2klein_cli.core.hub.random_checkpoint import preset, with_small_decoder, write_random_checkpoint
 from flux2klein_cli.core.models.transformer import load_transformer
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint

@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.errors import CheckpointError, Flux2KleinError, UserInputError
-from flux2klein_cli.core.hub.checkpoint import Snapshot, load_models
+from flux2klein_cli.core.hub.checkpoint import load_models
+from flux2klein_cli.core.hub.layout import Snapshot
 from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights import convert as convert_module

@@ -69,7 +69,7 @@ def test_the_record_round_trips_a_plan(tmp_path: Path) -> None:
     """encode -> PNG -> decode gives the fields and engine options that plan the same run again."""
     from dataclasses import replace
 
-    from flux2klein_cli.core.compile.specs import model_configs
+    from flux2klein_cli.core.compile.model_configs import model_configs
     from flux2klein_cli.core.engine.engine import EngineOptions
     from flux2klein_cli.core.engine.plan import ModelFacts, RunFields, build_plan
     from flux2klein_cli.core.runs import run_record

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.compile import specs as P
 from flux2klein_cli.core.compile.keys import key_of, key_parts
+from flux2klein_cli.core.compile.model_configs import model_configs
 from flux2klein_cli.core.engine.engine import Engine
 from flux2klein_cli.core.engine.plan import RunFields
 from flux2klein_cli.core.errors import CheckpointError
@@ -61,7 +62,7 @@ def test_edit_matches_diffusers_at_8_pixels_per_token(shallow: Engine) -> None:
 
 
 def test_store_keys_and_shapes_carry_the_geometry(tiny_shallow_checkpoint: Path, tiny_checkpoint: Path) -> None:
-    configs = P.model_configs(str(tiny_shallow_checkpoint))
+    configs = model_configs(str(tiny_shallow_checkpoint))
     assert configs.geometry == SHALLOW
     run = P.RunShape(40, 48, SHALLOW, max_sequence_length=16, dtype=jnp.float32)
     specs = {spec.name: spec for spec in P.pipeline_programs(configs, run)}
@@ -70,7 +71,7 @@ def test_store_keys_and_shapes_carry_the_geometry(tiny_shallow_checkpoint: Path,
     assert jax.eval_shape(specs["noise"].fn, *specs["noise"].args).shape == (1, 5, 6, 32)
     assert specs["denoise"].args[1].latents.shape == (1, 5, 6, 32)
     # Same grid and batch on klein's geometry (80x96 px): the noise program is another entry.
-    klein = P.model_configs(str(tiny_checkpoint))
+    klein = model_configs(str(tiny_checkpoint))
     klein_noise = P.noise_program(P.Target.local(), P.RunShape(80, 96, klein.geometry, max_sequence_length=16))
     assert klein_noise.args[0].shape == specs["noise"].args[0].shape
     assert key_of(key_parts(klein_noise)) != key_of(key_parts(specs["noise"]))

@@ -125,7 +125,7 @@ def test_reference_max_area_sizes_references_and_keys_batches(tmp_path: Path) ->
     from flux2klein_cli.core.errors import FieldError
 
     Image.fromarray(np.zeros((300, 400, 3), np.uint8)).save(tmp_path / "ref.png")
-    from flux2klein_cli.core.compile.specs import model_configs
+    from flux2klein_cli.core.compile.model_configs import model_configs
 
     facts = ModelFacts.of("tiny", model_configs("tiny"))
     fields = RunFields(prompts=("x",), references=(tmp_path / "ref.png",))

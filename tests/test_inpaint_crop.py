@@ -95,7 +95,7 @@ def test_the_paste_back_resizes_the_crop_into_its_box() -> None:
 
 
 def test_padding_mask_crop_is_checked_in_the_plan(tmp_path: Path) -> None:
-    from flux2klein_cli.core.compile.specs import model_configs
+    from flux2klein_cli.core.compile.model_configs import model_configs
 
     facts = ModelFacts.of("tiny", model_configs("tiny"))
     synthetic_image(96, 64, 25).save(tmp_path / "init.png")

@@ -66,3 +66,31 @@ def test_the_console_entry_sets_the_collector_thresholds() -> None:
 
     report = probe([["generate", "--help"]])
     assert tuple(report["gc"]) == COLLECTOR_THRESHOLDS != (700, 10, 10)
+
+
+def test_bad_fields_fail_before_jax(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """A run whose fields, model or files are wrong says so before jax and flax are imported: the
+    model's configs, the plan's checks and the output paths need neither."""
+    not_an_image = tmp_path / "notes.png"
+    not_an_image.write_text("not an image")
+    model = str(tiny_checkpoint)
+    argvs = [
+        ["generate", "x", "--model", model, "--steps", "0"],
+        ["generate", "x", "--model", model, "--height", "13"],
+        ["generate", "x", "--model", model, "--height", "100000", "--width", "100000"],
+        ["generate", "x", "--model", model, "-o", str(tmp_path / "no-such-folder" / "x.png")],
+        ["generate", "x", "--model", str(tmp_path / "no-such-model")],
+        ["generate", "x", "--model", model, "--lora", str(tmp_path / "no-such.safetensors")],
+        ["edit", "x", "--model", model, "-i", str(not_an_image)],
+    ]
+    report = probe(argvs)
+    assert report["codes"] == [2] * len(argvs)
+    assert "jax" not in report["heavy"] and "flax" not in report["heavy"], report
+
+
+def test_a_good_run_is_seen_importing_jax(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """The check above can fail: the same probe on a run that loads the model reports jax."""
+    out = tmp_path / "x.png"
+    report = probe([["generate", "x", "--model", str(tiny_checkpoint), "--height", "32", "--width", "32",
+                     "--steps", "1", "-o", str(out)]])
+    assert report["codes"] == [0] and out.is_file() and "jax" in report["heavy"]

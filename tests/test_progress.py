@@ -122,10 +122,11 @@ def test_compile_reports_each_program_once(tiny_checkpoint: Path, tmp_path: Path
     """compile_all's on_done counts every program, loaded or compiled, up to their number."""
     from flux2klein_cli.core.compile import specs as P
     from flux2klein_cli.core.compile.compile_all import compile_all
+    from flux2klein_cli.core.compile.model_configs import model_configs
     from flux2klein_cli.core.compile.store import ExecutableStore
 
     run = P.RunShape(32, 32, LatentGeometry(16, 128), steps=2, max_sequence_length=16, dtype=jnp.float32)
-    specs = P.pipeline_programs(P.model_configs(str(tiny_checkpoint)), run)
+    specs = P.pipeline_programs(model_configs(str(tiny_checkpoint)), run)
     seen: list[tuple[int, int]] = []
     for _ in range(2):  # compiled, then loaded
         seen.clear()

@@ -162,7 +162,8 @@ def test_orbax_and_unknown_schemes_are_refused(source: Path, tmp_path: Path) -> 
 
 
 def test_executable_key_and_shapes_carry_the_scheme(pair: tuple[Path, Path]) -> None:
-    from flux2klein_cli.core.compile.specs import AbstractModels, configs_from_snapshot
+    from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
+    from flux2klein_cli.core.compile.specs import AbstractModels
 
     plain, quant = (configs_from_snapshot(p) for p in pair)
     assert (plain.quantize, quant.quantize) == (None, "int8")

@@ -123,7 +123,8 @@ def test_bf16_and_int8_never_share_a_stored_executable(plain_int8: tuple[Path, P
     """Same geometry, same run: every program that reads the transformer or the text encoder has
     its own store key per scheme; the VAE's and the noise's (never quantized) are shared."""
     from flux2klein_cli.core.compile.keys import key_of, key_parts
-    from flux2klein_cli.core.compile.specs import configs_from_snapshot, pipeline_programs
+    from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
+    from flux2klein_cli.core.compile.specs import pipeline_programs
     from flux2klein_cli.core.pipeline.programs import RunShape
 
     keys = {}

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from flux2klein_cli.core.hub.checkpoint import Snapshot, load_models
+from flux2klein_cli.core.hub.checkpoint import load_models
+from flux2klein_cli.core.hub.layout import Snapshot
 from flux2klein_cli.core.hub.random_checkpoint import (
     PRESETS,
     SCHEDULER_CONFIG,

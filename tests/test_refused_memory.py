@@ -63,7 +63,7 @@ def test_every_door_refuses_what_memory_cannot_hold_with_one_line(tiny_checkpoin
     from typer.testing import CliRunner
 
     from flux2klein_cli.cli.app import app
-    from flux2klein_cli.core.compile.specs import configs_from_snapshot
+    from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
     from flux2klein_cli.core.engine import cost
     from flux2klein_cli.core.engine.engine import Engine, EngineOptions
     from flux2klein_cli.core.engine.plan import RunFields, build_plan, model_facts

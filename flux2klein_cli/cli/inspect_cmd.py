@@ -44,13 +44,13 @@ def inspect(
     with user_errors():
         from flux2klein_cli.core.choices import jax_dtype
         from flux2klein_cli.core.hub.checkpoint import (
-            Snapshot,
             load_models,
             non_finite_parameters,
             parameter_stats,
             stored_weights,
         )
         from flux2klein_cli.core.hub.components import composed_sources, resolve_composed
+        from flux2klein_cli.core.hub.layout import Snapshot
         from flux2klein_cli.core.models.quantized import held_forms
 
         target = jax_dtype(dtype)

@@ -17,7 +17,8 @@ import jax
 from jax.sharding import Mesh
 
 from flux2klein_cli.core.compile.compile_all import compile_all
-from flux2klein_cli.core.compile.specs import ModelConfigs, configs_from_snapshot, pipeline_programs
+from flux2klein_cli.core.compile.model_configs import ModelConfigs, configs_from_snapshot
+from flux2klein_cli.core.compile.specs import pipeline_programs
 from flux2klein_cli.core.compile.store import ExecutableStore
 from flux2klein_cli.core.compile.target import Target
 from flux2klein_cli.core.pipeline.programs import RunShape

@@ -15,12 +15,15 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-from jax.sharding import Mesh
+from typing import TYPE_CHECKING
 
 from flux2klein_cli.core import settings
-from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 from flux2klein_cli.core.errors import FieldError, UserInputError
+
+if TYPE_CHECKING:  # jax only once devices are wanted: checking the options needs none
+    from jax.sharding import Mesh
+
+    from flux2klein_cli.core.devices.mesh import MeshSpec
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,11 @@ class DeviceOptions:
             from flux2klein_cli.core.devices.tpu import parse_preset
 
             parse_preset(self.tpu)
-        return MeshSpec.parse(self.mesh) if self.mesh else None
+        if not self.mesh:
+            return None
+        from flux2klein_cli.core.devices.mesh import MeshSpec
+
+        return MeshSpec.parse(self.mesh)
 
 
 _initialized = False
@@ -75,6 +82,8 @@ def start_runtime(options: DeviceOptions) -> None:
 def run_mesh(options: DeviceOptions) -> Mesh | None:
     """The run's mesh (None: one device, no sharding)."""
     import jax
+
+    from flux2klein_cli.core.devices.mesh import MeshSpec, make_mesh
 
     spec = options.check()
     start_runtime(options)

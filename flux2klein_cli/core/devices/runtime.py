@@ -41,14 +41,15 @@ def xla_cache_dir() -> Path | None:
 def configure_jax(warn: Callable[[str], None] | None = None) -> None:
     """Turn on JAX's persistent compilation cache, so the second run of a shape skips XLA.
     Its entries are executables jax runs unchecked, so it is used only when no other user
-    can write it (core/trust.py); otherwise it stays off, with one warning to `warn`."""
+    can write it (core/trust.py); otherwise it stays off, with one warning to `warn`. Off (the
+    default), jax is not imported here: a run with bad input fails before that import."""
+    cache = xla_cache_dir()
+    if cache is None:
+        return
     import jax
 
     from flux2klein_cli.core import trust
 
-    cache = xla_cache_dir()
-    if cache is None:
-        return
     try:
         trust.make_private_dir(cache)
         trust.check_private_dir(cache, "XLA cache")

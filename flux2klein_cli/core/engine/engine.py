@@ -125,7 +125,7 @@ class Engine:
         batch, with `progress` as `run_batch` has it), whose executables load from the store
         while the weights do."""
         from flux2klein_cli.core.choices import jax_dtype
-        from flux2klein_cli.core.compile.specs import configs_from_snapshot
+        from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
         from flux2klein_cli.core.engine.caches import ExecutableCache
         from flux2klein_cli.core.lora.files import LoraSpec
         from flux2klein_cli.core.lora.merge import LoraDeltas
@@ -147,7 +147,7 @@ class Engine:
         kv_store = None
         if options.kv_cache_dir is not None:
             from flux2klein_cli.core.compile.keys import code_fingerprint
-            from flux2klein_cli.core.hub.checkpoint import Snapshot
+            from flux2klein_cli.core.hub.layout import Snapshot
             from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, cache_identity
 
             snapshot = Snapshot.open(model_dir)

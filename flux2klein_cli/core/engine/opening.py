@@ -26,7 +26,7 @@ Phase = Callable[[str], None]
 
 def check_engine_options(options: EngineOptions) -> None:
     """What an engine's options must satisfy before anything loads (a missing LoRA fails here)."""
-    from flux2klein_cli.core.choices import check_effort, jax_dtype
+    from flux2klein_cli.core.choices import check_dtype, check_effort
     from flux2klein_cli.core.lora.files import LoraSpec, resolve_lora
     from flux2klein_cli.core.paths import check_name_length
 
@@ -35,7 +35,7 @@ def check_engine_options(options: EngineOptions) -> None:
         if path is not None:
             check_name_length(path, name)
     check_effort(options.effort)
-    jax_dtype(options.dtype)
+    check_dtype(options.dtype)
     options.devices.check()
     for text in options.lora:
         resolve_lora(LoraSpec.parse(text))
@@ -89,7 +89,7 @@ class Opening(Generic[T]):
     def resolve(self) -> Admission:
         """The model on disk (downloaded if need be), the plans again if its facts are not the
         ones planned against, the mesh, and what this host admits."""
-        from flux2klein_cli.core.compile.specs import configs_from_snapshot
+        from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
         from flux2klein_cli.core.devices.distributed import run_mesh
 
         if self.admission is not None:

@@ -78,7 +78,7 @@ class ModelFacts:
 
     @classmethod
     def of(cls, name: str, configs: Any) -> ModelFacts:
-        """From a `compile.specs.ModelConfigs` (a snapshot's or the registry's)."""
+        """From a `compile.model_configs.ModelConfigs` (a snapshot's or the registry's)."""
         from flux2klein_cli.core.hub.registry import default_size
 
         return cls(name=name, geometry=configs.geometry, distilled=configs.distilled, kv=configs.kv,
@@ -406,7 +406,7 @@ def model_facts(model: str, *, transformer: str | None = None, vae: str | None =
     """The facts of `--model` from its configs when they are here (a local or cached snapshot,
     `tiny`, a published alias), or from `model_dir` once resolved; None when only a download
     would tell."""
-    from flux2klein_cli.core.compile.specs import configs_from_snapshot, model_configs
+    from flux2klein_cli.core.compile.model_configs import configs_from_snapshot, model_configs
     from flux2klein_cli.core.errors import Flux2KleinError
 
     if model_dir is not None:

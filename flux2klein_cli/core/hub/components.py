@@ -176,7 +176,7 @@ def compose(model_dir: Path, sources: dict[str, ComponentSource]) -> Path:
 
 
 def _write_composed(model_dir: Path, sources: dict[str, ComponentSource], parent: Path, final: Path) -> Path:
-    from flux2klein_cli.core.hub.checkpoint import COMPONENTS
+    from flux2klein_cli.core.hub.layout import COMPONENTS
     from flux2klein_cli.core.temporaries import temporary_dir
 
     parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from flux2klein_cli.core.errors import CheckpointError
 
 if TYPE_CHECKING:
-    from flux2klein_cli.core.models.vae import VAEConfig
+    from flux2klein_cli.core.models.vae_config import VAEConfig
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class LatentGeometry:
     def from_configs(cls, vae: Mapping[str, Any], transformer: Mapping[str, Any]) -> LatentGeometry:
         """From the VAE's and the transformer's config.json; a pair the pipeline cannot run
         together is a CheckpointError naming the field."""
-        from flux2klein_cli.core.models.vae import VAEConfig
+        from flux2klein_cli.core.models.vae_config import VAEConfig
 
         in_channels = int(transformer.get("in_channels", 128))  # diffusers' default, as TransformerConfig
         out_channels = int(transformer.get("out_channels") or in_channels)
@@ -55,7 +55,7 @@ class LatentGeometry:
     @classmethod
     def of_snapshot(cls, root: str | Path) -> LatentGeometry:
         """From a snapshot or converted directory's configs (no weights read)."""
-        from flux2klein_cli.core.hub.checkpoint import Snapshot
+        from flux2klein_cli.core.hub.layout import Snapshot
         from flux2klein_cli.core.weights.configs import read_config
 
         snapshot = Snapshot.open(root)

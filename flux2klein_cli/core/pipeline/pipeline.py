@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from flux2klein_cli.core.devices.sharding import batch_spec
 from flux2klein_cli.core.errors import NonFiniteError
-from flux2klein_cli.core.hub.checkpoint import LoadedModels, Snapshot, load_models
+from flux2klein_cli.core.hub.checkpoint import LoadedModels, load_models
+from flux2klein_cli.core.hub.layout import Snapshot
 from flux2klein_cli.core.models.layers import as_words
 from flux2klein_cli.core.models.transformer import ReferenceKV
 from flux2klein_cli.core.pipeline import programs, tokens

@@ -53,6 +53,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     from flux2klein_cli.core.choices import check_effort, jax_dtype
     from flux2klein_cli.core.compile import specs as P
     from flux2klein_cli.core.compile.compile_all import compile_all, compiles_serially
+    from flux2klein_cli.core.compile.model_configs import model_configs
     from flux2klein_cli.core.compile.store import ExecutableStore
     from flux2klein_cli.core.compile.target import Target
     from flux2klein_cli.core.devices.tpu import check_topology_compiler, parse_preset
@@ -70,7 +71,7 @@ def run_compile(opts: CompileOptions, progress: Callable[[str], None] = lambda m
     if preset is not None:
         check_topology_compiler(preset)  # no libtpu on a host without TPUs: one line, before any work
     start = time.perf_counter()
-    configs = P.model_configs(opts.model, opts.transformer, opts.vae)
+    configs = model_configs(opts.model, opts.transformer, opts.vae)
     if opts.quantize not in (None, "none"):
         from flux2klein_cli.core.choices import check_quantize
 

@@ -19,7 +19,7 @@ from flux2klein_cli.core.runs.bench.stats import summarize
 def bench_transformer_compile(model: str, *, height: int, width: int, batch: int, reps: int, unrolled: bool,
                               log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Lower and compile seconds (min, median) of `reps` cold compiles of `model`'s transformer."""
-    from flux2klein_cli.core.compile.specs import configs_from_registry
+    from flux2klein_cli.core.compile.model_configs import configs_from_registry
     from flux2klein_cli.core.hub.registry import spec_for
 
     spec = spec_for(model)

@@ -54,7 +54,7 @@ def bench_ttfi(
     diffusers' pipeline, torch threads = 2."""
     import tempfile
 
-    from flux2klein_cli.core.hub.checkpoint import Snapshot
+    from flux2klein_cli.core.hub.layout import Snapshot
 
     snapshot = Snapshot.open(model_dir)
     prompt = "a red fox in snow"
