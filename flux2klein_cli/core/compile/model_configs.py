@@ -1,7 +1,7 @@
 """A `--model`'s three component configs and pipeline flags, read from its folder or the
 registry without building or loading anything: what planning a run and checking its fields
-need. Nothing heavy is imported here (jax and flax only for a quantized file's forms), so a
-bad field or model fails before the heavy imports."""
+need. Nothing heavy is imported here for a plain snapshot or an alias (jax and flax only for a
+converted directory or a quantized file), so a bad field or model fails before the heavy imports."""
 
 from __future__ import annotations
 
