@@ -31,9 +31,10 @@ from flux2klein_cli.core.hub.layout import Snapshot
 from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights import convert as convert_module
-from flux2klein_cli.core.weights import flat_store
+from flux2klein_cli.core.weights import flat_index, flat_store
 from flux2klein_cli.core.weights.convert import convert
-from flux2klein_cli.core.weights.converted import check_converted, load_component
+from flux2klein_cli.core.weights.converted import load_component
+from flux2klein_cli.core.weights.converted_manifest import check_converted
 
 # Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
 pytestmark = pytest.mark.slow
@@ -308,7 +309,7 @@ def test_flat_parameters_are_views_of_the_mapped_file(converted: Path) -> None:
     """On CPU every parameter's device buffer is the mapped file itself, at its offset, and the
     mapping lives exactly as long as the arrays that use it."""
     data = converted / "transformer" / "flat" / "params.bin"
-    index = flat_store.read_index(data.parent)
+    index = flat_index.read_index(data.parent)
     model = load_component("transformer", converted, dtype=jnp.bfloat16)
     ranges = mapped_ranges(data)
     assert ranges, "params.bin is not mapped"
@@ -449,7 +450,7 @@ def test_verify_finds_damaged_parameter_bytes(converted: Path, tmp_path: Path) -
     shutil.copytree(converted, damaged)
     flat = damaged / "vae" / "flat"
     flat_store.verify(flat)
-    key, entry = max(flat_store.read_index(flat).tensors.items(), key=lambda item: item[1].nbytes)
+    key, entry = max(flat_index.read_index(flat).tensors.items(), key=lambda item: item[1].nbytes)
     with (flat / "params.bin").open("r+b") as f:
         f.seek(entry.offset + entry.nbytes // 2)
         byte = f.read(1)
@@ -483,7 +484,7 @@ def test_flat_files_written_in_small_pieces_are_the_same(source: Path, converted
     small = tmp_path / "small"
     convert(source, small)
     for name in ("transformer", "text_encoder", "vae"):
-        a, b = (flat_store.read_index(d / name / "flat") for d in (small, converted))
+        a, b = (flat_index.read_index(d / name / "flat") for d in (small, converted))
         assert {k: (t.shape, t.offset, t.crc32) for k, t in a.tensors.items()} == \
             {k: (t.shape, t.offset, t.crc32) for k, t in b.tensors.items()}
         # Byte for byte after the header (which holds each conversion's id).

@@ -22,7 +22,7 @@ from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
 from flux2klein_cli.core.weights import convert as convert_module
 from flux2klein_cli.core.weights import convert_target, flat_store
 from flux2klein_cli.core.weights.convert import convert
-from flux2klein_cli.core.weights.converted import check_converted
+from flux2klein_cli.core.weights.converted_manifest import check_converted
 
 runner = CliRunner()
 

@@ -94,3 +94,31 @@ def test_a_good_run_is_seen_importing_jax(tmp_path: Path, tiny_checkpoint: Path)
     report = probe([["generate", "x", "--model", str(tiny_checkpoint), "--height", "32", "--width", "32",
                      "--steps", "1", "-o", str(out)]])
     assert report["codes"] == [0] and out.is_file() and "jax" in report["heavy"]
+
+
+def test_bad_fields_on_a_converted_directory_fail_before_jax(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    """A converted directory's manifest and flat indexes are read and checked without jax: a bad
+    field, a stale manifest or a truncated parameter file is refused before the heavy imports."""
+    import shutil
+
+    from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
+    from flux2klein_cli.core.weights.convert import convert
+
+    converted = tmp_path / "converted"
+    convert(tiny_checkpoint, converted)
+    stale, truncated = tmp_path / "stale", tmp_path / "truncated"
+    shutil.copytree(converted, stale)
+    manifest = json.loads((stale / CONVERTED_MANIFEST).read_text())
+    (stale / CONVERTED_MANIFEST).write_text(json.dumps({**manifest, "format_version": 2}))
+    shutil.copytree(converted, truncated)
+    data = truncated / "vae" / "flat" / "params.bin"
+    os.truncate(data, data.stat().st_size - 4096)
+    argvs = [
+        ["generate", "x", "--model", str(converted), "--steps", "0"],
+        ["generate", "x", "--model", str(converted), "-o", str(tmp_path / "no-such-folder" / "x.png")],
+        ["generate", "x", "--model", str(stale)],
+        ["generate", "x", "--model", str(truncated)],
+    ]
+    report = probe(argvs)
+    assert report["codes"] == [2] * len(argvs)
+    assert "jax" not in report["heavy"] and "flax" not in report["heavy"], report

@@ -15,9 +15,10 @@ from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.hub import random_checkpoint as rc
 from flux2klein_cli.core.hub.random_checkpoint import write_random_checkpoint
 from flux2klein_cli.core.models.quantized import QuantizedLinear, int8_dynamic_matmul, int8_matmul, quantize_weights
-from flux2klein_cli.core.weights import flat_store
+from flux2klein_cli.core.weights import flat_index
 from flux2klein_cli.core.weights.convert import _stored_bytes, convert
-from flux2klein_cli.core.weights.converted import abstract_component, load_component, read_manifest
+from flux2klein_cli.core.weights.converted import abstract_component, load_component
+from flux2klein_cli.core.weights.converted_manifest import read_manifest
 from tests.test_convert import mapped_ranges
 
 # Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
@@ -127,7 +128,7 @@ def test_manifest_stored_dtypes_and_kept_layers(pair: tuple[Path, Path]) -> None
 
 def test_int8_kernels_are_views_of_the_mapped_file(pair: tuple[Path, Path]) -> None:
     data = pair[1] / "transformer" / "flat" / "params.bin"
-    index = flat_store.read_index(data.parent)
+    index = flat_index.read_index(data.parent)
     model = load_component("transformer", pair[1])
     ranges = mapped_ranges(data)
     quantized = {k: v for k, v in leaves_arrays(model).items() if v.dtype == jnp.int8}

@@ -82,7 +82,8 @@ def test_convert_merges_the_lora_before_rounding(plain_int8: tuple[Path, Path], 
     float32 weights (the same as `convert --lora X` then quantized), not of the base ones."""
     from flux2klein_cli.core.lora.random_lora import write_random_lora
     from flux2klein_cli.core.models.quantized import quantize_weights
-    from flux2klein_cli.core.weights.converted import load_component, read_manifest
+    from flux2klein_cli.core.weights.converted import load_component
+    from flux2klein_cli.core.weights.converted_manifest import read_manifest
     from tests.test_quantize import leaves
 
     source, base = plain_int8

@@ -65,7 +65,7 @@ def fetch(
             if problems:
                 raise CheckpointError(f"{resolved.path}: incomplete snapshot: {'; '.join(problems)}")
         elif resolved.kind == "converted":
-            from flux2klein_cli.core.weights.converted import check_converted
+            from flux2klein_cli.core.weights.converted_manifest import check_converted
 
             check_converted(resolved.path)
     if as_json:

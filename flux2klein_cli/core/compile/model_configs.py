@@ -1,7 +1,7 @@
 """A `--model`'s three component configs and pipeline flags, read from its folder or the
 registry without building or loading anything: what planning a run and checking its fields
-need. Nothing heavy is imported here for a plain snapshot or an alias (jax and flax only for a
-converted directory or a quantized file), so a bad field or model fails before the heavy imports."""
+need. Nothing heavy is imported here for a snapshot, a converted directory or an alias (jax and flax
+only for a quantized file), so a bad field or model fails before the heavy imports."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def configs_from_snapshot(root: str | Path) -> ModelConfigs:
     configs = {name: read_config(snapshot.component(name)) for name in ("transformer", "text_encoder", "vae")}
     quantize = None
     if snapshot.converted:
-        from flux2klein_cli.core.weights.converted import quantize_scheme, read_manifest
+        from flux2klein_cli.core.weights.converted_manifest import quantize_scheme, read_manifest
 
         quantize = quantize_scheme(read_manifest(snapshot.root), "transformer")
     return ModelConfigs(**configs, distilled=snapshot.is_distilled, kv=snapshot.kv, source=str(snapshot.root),
@@ -75,14 +75,15 @@ def _prequantized(root: Path, converted: bool) -> tuple[tuple[str, str], ...]:
     from the file's header, or from the manifest of a directory `convert` wrote from one."""
     from flux2klein_cli.core.weights.checkpoints import quantized_file
 
-    if not converted and quantized_file(root / "transformer") is None:
-        return ()  # a plain snapshot: nothing heavy imported
-    from flux2klein_cli.core.weights import converted as conv
-
     if converted:
-        return conv.prequantized_forms(conv.read_manifest(root), "transformer")
+        from flux2klein_cli.core.weights.converted_manifest import prequantized_forms, read_manifest
+
+        return prequantized_forms(read_manifest(root), "transformer")
+    if quantized_file(root / "transformer") is None:
+        return ()  # a plain snapshot: nothing heavy imported
     import jax.numpy as jnp
 
+    from flux2klein_cli.core.weights import converted as conv
     from flux2klein_cli.core.weights.configs import read_config
     from flux2klein_cli.core.weights.prequantized import component_forms
 

@@ -37,7 +37,7 @@ class Snapshot:
             raise UserInputError(f"{root}: no such model directory")
         converted = (root / CONVERTED_MANIFEST).is_file()
         if converted:
-            from flux2klein_cli.core.weights.converted import check_converted
+            from flux2klein_cli.core.weights.converted_manifest import check_converted
 
             check_converted(root)
         index = read_json(root / "model_index.json")

@@ -45,15 +45,8 @@ from flux2klein_cli.core.weights.convert_target import (
     target_dir,
     write_errors,
 )
-from flux2klein_cli.core.weights.converted import (
-    COPIED_COMPONENTS,
-    FORMAT,
-    FORMAT_VERSION,
-    MODEL_COMPONENTS,
-    abstract_component,
-    components,
-    param_key,
-)
+from flux2klein_cli.core.weights.converted import abstract_component, components, param_key
+from flux2klein_cli.core.weights.converted_manifest import COPIED_COMPONENTS, FORMAT, FORMAT_VERSION, MODEL_COMPONENTS
 from flux2klein_cli.core.weights.loader import Deltas, ShardingRule, check_plan, iter_arrays, read_into, weight_shapes
 from flux2klein_cli.core.weights.prequantized import prepare
 from flux2klein_cli.core.weights.quantize import quantized_writers
@@ -192,7 +185,8 @@ def convert_component(
     total = _stored_bytes(model, quantize)
     report = (lambda done: progress(name, done, total)) if progress else None
     if layout == "flat":
-        from flux2klein_cli.core.weights.flat_store import FLAT_DIR, write_flat
+        from flux2klein_cli.core.weights.flat_index import FLAT_DIR
+        from flux2klein_cli.core.weights.flat_store import write_flat
 
         check_plan(checkpoint, plan, dict(flat))
         if deltas is not None:

@@ -19,7 +19,7 @@ from typing import Any
 from flux2klein_cli.core.errors import FieldError, Flux2KleinError, UserInputError
 from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST, snapshot_files
 from flux2klein_cli.core.paths import check_name_length
-from flux2klein_cli.core.weights.converted import COPIED_COMPONENTS, FORMAT, MODEL_COMPONENTS
+from flux2klein_cli.core.weights.converted_manifest import COPIED_COMPONENTS, FORMAT, MODEL_COMPONENTS
 
 _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
 _FULL = (errno.ENOSPC, errno.EDQUOT)

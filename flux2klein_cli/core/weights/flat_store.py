@@ -1,94 +1,56 @@
 """The flat layout of a converted component: parameters stored as the model holds them, mapped, not read.
 
-    <component>/flat/index.json   {format, version, id, bytes, alignment,
-                                   tensors: {name: {dtype, shape, offset, crc32}}}
-    <component>/flat/params.bin   a 4 KiB header, then every parameter at a page-aligned offset
+Its index and data file header, and the checks made on them before anything is mapped, are in
+flat_index.py. Every parameter is stored exactly as it lives in host memory: in its target
+dtype, in JAX layout (linear kernels (in, out), convolutions HWIO), scanned layers already
+stacked, C order. Loading maps the file read-only and hands each parameter to JAX as a view of
+the mapping (mapped.py): on a CPU host no byte is copied and no new memory is used. Nothing
+writes through the mapping: it is read-only, and donating a mapped parameter to a jitted
+function gives the array up without writing into it (the output gets a buffer of its own;
+tested). A CPU device adopts a sharded slice as it is when it is contiguous and aligned (a
+row-sharded slice) and gets one aligned copy of anything else (or a dtype cast).
 
-Every parameter is stored exactly as it lives in host memory: in its target dtype, in JAX
-layout (linear kernels (in, out), convolutions HWIO), scanned layers already stacked, C order.
-Loading maps the file read-only and hands each parameter to JAX as a view of the mapping
-(mapped.py): on a CPU host no byte is copied and no new memory is used. Nothing writes through
-the mapping: it is read-only, and donating a mapped parameter to a jitted function gives the
-array up without writing into it (the output gets a buffer of its own; tested). A CPU device
-adopts a sharded slice as it is when it is contiguous and aligned (a row-sharded slice) and
-gets one aligned copy of anything else (or a dtype cast).
-
-Integrity: the header holds a magic string, the conversion's id (also in the index) and the
-SHA-256 of index.json, and the file's size is in the index; every offset is checked to lie
-inside the file, aligned and not overlapping another. So a truncated file, an edited index or a
-data file from another conversion is a CheckpointError before anything is mapped. The bytes of
-the parameters themselves are not hashed at load (that would mean reading all of them, which is
-exactly what this layout avoids); each one's CRC-32 is in the index, and `verify` checks them all.
+The bytes of the parameters themselves are not hashed at load (that would mean reading all of
+them, which is exactly what this layout avoids); each one's CRC-32 is in the index, and
+`verify` checks them all.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 import os
-import struct
 import uuid
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.weights.flat_index import (
+    ALIGNMENT,
+    DATA_FILE,
+    DTYPES,
+    HEADER,
+    HEADER_BYTES,
+    INDEX_FILE,
+    MAGIC,
+    VERSION,
+    FlatIndex,
+    FlatTensor,
+    index_json,
+    read_index,
+)
 from flux2klein_cli.core.weights.loader import aligned_empty, raise_on_mismatch
 from flux2klein_cli.core.weights.mapped import map_readonly, place_views, view, whole
-
-FLAT_DIR = "flat"
-INDEX_FILE = "index.json"
-DATA_FILE = "params.bin"
-FORMAT = "flux2klein-flat"
-VERSION = 1
-ALIGNMENT = 4096  # page-aligned: zero-copy needs 64 bytes, and whole pages can be released or read directly
-_MAGIC = b"flux2klein-flat\n"
-_HEADER = struct.Struct("<16sI16s32s")  # magic, version, conversion id, SHA-256 of index.json
-_HEADER_BYTES = ALIGNMENT
-DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(t) for name, t in (("bfloat16", ml_dtypes.bfloat16), ("float16", np.float16),
-                                      ("float32", np.float32), ("float64", np.float64), ("int8", np.int8),
-                                      ("float8_e4m3fn", ml_dtypes.float8_e4m3fn),
-                                      ("int32", np.int32), ("int64", np.int64), ("uint8", np.uint8), ("bool", np.bool_))
-}
 
 _CHUNK_BYTES = 64 << 20  # written per system call, from one reused buffer
 # One parameter to write: its name, shape, dtype, and `fill(out, index)`, which writes the
 # parameter's slice `index` (() for all of it, or slices of its leading axes) into `out`.
 TensorWriter = tuple[str, tuple[int, ...], np.dtype, Callable[[np.ndarray, tuple[slice, ...]], None]]
-
-
-@dataclass(frozen=True)
-class FlatTensor:
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    offset: int
-    crc32: int | None = None
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class FlatIndex:
-    """A checked index: every tensor lies inside the data file, aligned, with no overlaps."""
-
-    directory: Path
-    id: str
-    bytes: int
-    tensors: dict[str, FlatTensor]
-
-    @property
-    def data_file(self) -> Path:
-        return self.directory / DATA_FILE
 
 
 def _round_up(n: int, to: int) -> int:
@@ -135,7 +97,7 @@ def write_flat(directory: str | Path, tensors: Sequence[TensorWriter],
     directory = Path(directory)
     directory.mkdir(parents=True)
     entries: dict[str, FlatTensor] = {}
-    offset = _HEADER_BYTES
+    offset = HEADER_BYTES
     for key, shape, dtype, _ in tensors:
         if key in entries:
             raise ValueError(f"duplicate tensor name {key!r}")
@@ -171,8 +133,8 @@ def write_flat(directory: str | Path, tensors: Sequence[TensorWriter],
             done += entry.nbytes
             if progress:
                 progress(done)
-        index_bytes = _index_json(conversion_id.hex, total, entries)
-        os.pwrite(fd, _HEADER.pack(_MAGIC, VERSION, conversion_id.bytes, hashlib.sha256(index_bytes).digest()), 0)
+        index_bytes = index_json(conversion_id.hex, total, entries)
+        os.pwrite(fd, HEADER.pack(MAGIC, VERSION, conversion_id.bytes, hashlib.sha256(index_bytes).digest()), 0)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -183,68 +145,7 @@ def write_flat(directory: str | Path, tensors: Sequence[TensorWriter],
     return {"id": conversion_id.hex, "bytes": total}
 
 
-def _index_json(conversion_id: str, total: int, entries: dict[str, FlatTensor]) -> bytes:
-    return (json.dumps({
-        "format": FORMAT,
-        "version": VERSION,
-        "id": conversion_id,
-        "bytes": total,
-        "alignment": ALIGNMENT,
-        "tensors": {key: {"dtype": e.dtype.name, "shape": list(e.shape), "offset": e.offset, "crc32": e.crc32}
-                    for key, e in entries.items()},
-    }, indent=1) + "\n").encode()
-
-
 # ----------------------------------------------------------------------------- reading
-
-
-def read_index(directory: str | Path) -> FlatIndex:
-    """The index of a flat component, checked against its data file's header, size and bounds.
-    Reads the index and 4 KiB of the data file; any inconsistency is a CheckpointError."""
-    directory = Path(directory)
-    index_path, data_path = directory / INDEX_FILE, directory / DATA_FILE
-    try:
-        raw = index_path.read_bytes()
-        with data_path.open("rb") as f:
-            header = f.read(_HEADER.size)
-            size = os.fstat(f.fileno()).st_size
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{directory}: incomplete flat checkpoint, {Path(e.filename).name} is missing") from None
-    except OSError as e:
-        raise CheckpointError(f"{directory}: cannot read flat checkpoint ({e.strerror or e})") from None
-    try:
-        index = json.loads(raw)
-        if index.get("format") != FORMAT:
-            raise ValueError("not a flat index")
-        if index.get("version") != VERSION:
-            raise CheckpointError(f"{index_path}: flat layout version {index.get('version')}, this flux2klein "
-                                  f"reads version {VERSION}; convert the source snapshot again")
-        conversion_id, total = str(index["id"]), int(index["bytes"])
-        tensors = {str(k): FlatTensor(DTYPES[v["dtype"]], tuple(int(d) for d in v["shape"]), int(v["offset"]),
-                                      None if v.get("crc32") is None else int(v["crc32"]))
-                   for k, v in index["tensors"].items()}
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError, AttributeError):
-        raise CheckpointError(f"{index_path}: corrupt flat index") from None
-
-    if len(header) < _HEADER.size or header[:16] != _MAGIC:
-        raise CheckpointError(f"{data_path}: not a flux2klein flat data file (bad header)")
-    _, version, header_id, index_hash = _HEADER.unpack(header)
-    if header_id.hex() != conversion_id:
-        raise CheckpointError(f"{data_path}: belongs to another conversion than {INDEX_FILE}")
-    if index_hash != hashlib.sha256(raw).digest():
-        raise CheckpointError(f"{index_path}: modified after conversion (its hash does not match {DATA_FILE})")
-    if size != total:
-        raise CheckpointError(f"{data_path}: {'truncated' if size < total else 'wrong size'} "
-                              f"({size} bytes on disk, the index says {total})")
-    end = _HEADER_BYTES
-    for key, entry in sorted(tensors.items(), key=lambda item: item[1].offset):
-        if entry.offset % ALIGNMENT or entry.offset < end or entry.offset + entry.nbytes > total or \
-                any(d < 0 for d in entry.shape):
-            raise CheckpointError(f"{index_path}: tensor {key!r} is misplaced (offset {entry.offset})")
-        end = entry.offset + entry.nbytes
-    return FlatIndex(directory, conversion_id, total, tensors)
 
 
 def _map(index: FlatIndex) -> mmap.mmap:

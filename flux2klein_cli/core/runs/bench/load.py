@@ -134,7 +134,7 @@ def _layout_of(directory: Path, name: str) -> str:
     component, like the one `--convert` makes) the one whose folder is there."""
     from flux2klein_cli.core.errors import UserInputError
     from flux2klein_cli.core.hub.snapshot import CONVERTED_MANIFEST
-    from flux2klein_cli.core.weights.converted import check_converted, component_layout
+    from flux2klein_cli.core.weights.converted_manifest import check_converted, component_layout
 
     if (directory / CONVERTED_MANIFEST).is_file():
         return component_layout(check_converted(directory), name)
