@@ -113,3 +113,37 @@ def run_steps_per_call(plan: object) -> int | None:
     from flux2klein_cli.core.engine.engine import batch_run
 
     return batch_run([plan], None, True)[1]  # type: ignore[list-item]
+
+
+def test_a_failed_load_says_nothing_after_it(tiny_checkpoint: Path, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first run's programs load on a thread of their own (`ahead`); when the weights fail to
+    load, that thread goes on to its end, and what it warns then reaches no caller (it came out
+    under the next command of a process running several, as the tests do)."""
+    import shutil
+
+    from flux2klein_cli.core.compile.attach import StoredExecutables
+    from flux2klein_cli.core.errors import CheckpointError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_checkpoint, broken)
+    weights = next((broken / "vae").glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:100])
+    failed = threading.Event()
+
+    def slow_store(self: object, shape: object) -> object:
+        failed.wait(timeout=60)  # the store answers only after the load has failed
+        raise OSError("store gone")
+
+    monkeypatch.setattr(StoredExecutables, "for_run", slow_store)
+    said: list[str] = []
+    options = EngineOptions(model=str(broken), dtype="fp32", compile_cache=tmp_path / "store")
+    plan_fields = _fields(height=32, width=32)
+    facts_engine = Engine.load(options, tiny_checkpoint, warn=said.append)  # a plan for the broken copy's shapes
+    with pytest.raises(CheckpointError):
+        Engine.load(options, broken, warn=said.append, ahead=[facts_engine.plan(plan_fields)])
+    failed.set()
+    for thread in threading.enumerate():
+        if thread.name == "flux2klein-programs":
+            thread.join(timeout=60)
+    assert said == []

@@ -125,14 +125,33 @@ class Engine:
         batch, with `progress` as `run_batch` has it), whose executables load from the store
         while the weights do."""
         from flux2klein_cli.core.choices import jax_dtype
-        from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
-        from flux2klein_cli.core.engine.caches import ExecutableCache
         from flux2klein_cli.core.lora.files import LoraSpec
         from flux2klein_cli.core.lora.merge import LoraDeltas
-        from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
         dtype = jax_dtype(options.dtype)
         lora = LoraDeltas.read([LoraSpec.parse(text) for text in options.lora])
+        # A load that fails leaves the programs' thread (`ahead`) running to its end; what it says
+        # then belongs to no run, and an in-process caller would see it under whatever comes next.
+        failed = threading.Event()
+
+        def warn_unless_failed(message: str) -> None:
+            if not failed.is_set():
+                warn(message)
+
+        try:
+            return cls._load(options, model_dir, dtype, lora, mesh=mesh, warn=warn_unless_failed, ahead=ahead,
+                             progress=progress)
+        except BaseException:
+            failed.set()
+            raise
+
+    @classmethod
+    def _load(cls, options: EngineOptions, model_dir: Path, dtype: Any, lora: Any, *, mesh: Any, warn: Warn,
+              ahead: Sequence[RunPlan], progress: bool) -> Engine:
+        from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
+        from flux2klein_cli.core.engine.caches import ExecutableCache
+        from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
+
         executables = None
         if options.store:
             from flux2klein_cli.core.compile.attach import StoredExecutables
