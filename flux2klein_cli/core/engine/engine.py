@@ -125,8 +125,11 @@ class Engine:
         batch, with `progress` as `run_batch` has it), whose executables load from the store
         while the weights do."""
         from flux2klein_cli.core.choices import jax_dtype
+        from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
+        from flux2klein_cli.core.engine.caches import ExecutableCache
         from flux2klein_cli.core.lora.files import LoraSpec
         from flux2klein_cli.core.lora.merge import LoraDeltas
+        from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
 
         dtype = jax_dtype(options.dtype)
         lora = LoraDeltas.read([LoraSpec.parse(text) for text in options.lora])
@@ -134,54 +137,45 @@ class Engine:
         # then belongs to no run, and an in-process caller would see it under whatever comes next.
         failed = threading.Event()
 
-        def warn_unless_failed(message: str) -> None:
+        def gated_warn(message: str) -> None:  # `warn`, silent once the load has failed
             if not failed.is_set():
                 warn(message)
 
         try:
-            return cls._load(options, model_dir, dtype, lora, mesh=mesh, warn=warn_unless_failed, ahead=ahead,
-                             progress=progress)
+            executables = None
+            if options.store:
+                from flux2klein_cli.core.compile.attach import StoredExecutables
+                from flux2klein_cli.core.compile.store import ExecutableStore
+
+                store = ExecutableStore(options.compile_cache, on_warning=gated_warn)
+                executables = StoredExecutables(model_dir, store, mesh=mesh, save=options.save_executables,
+                                                effort=options.effort)
+            cache = ExecutableCache(executables, options.executable_shapes, gated_warn)
+            if ahead:  # the first run's programs load while the weights do
+                merged, per_call = batch_run(ahead, None, progress)
+                cache.prefetch(merged.shape(dtype, per_call))
+            kv_store = None
+            if options.kv_cache_dir is not None:
+                from flux2klein_cli.core.compile.keys import code_fingerprint
+                from flux2klein_cli.core.hub.layout import Snapshot
+                from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, cache_identity
+
+                snapshot = Snapshot.open(model_dir)
+                identity = cache_identity(snapshot.component("transformer"), snapshot.component("vae"),
+                                          code_fingerprint())
+                if lora:  # merged LoRAs change the reference K / V
+                    identity = f"{identity}+lora:{lora.identity()}"
+                kv_store = ReferenceKVStore(options.kv_cache_dir, identity, dtype, gated_warn)
+            pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=lora, warn=gated_warn)
+            facts = ModelFacts.of(options.model, configs_from_snapshot(model_dir))
+            engine = cls(pipeline, facts, options, model_dir, warn=gated_warn, mesh=mesh, executables=cache,
+                         kv_store=kv_store)
+            for name, specs in options.lora_sets:
+                engine.add_lora_set(name, specs)
+            return engine
         except BaseException:
             failed.set()
             raise
-
-    @classmethod
-    def _load(cls, options: EngineOptions, model_dir: Path, dtype: Any, lora: Any, *, mesh: Any, warn: Warn,
-              ahead: Sequence[RunPlan], progress: bool) -> Engine:
-        from flux2klein_cli.core.compile.model_configs import configs_from_snapshot
-        from flux2klein_cli.core.engine.caches import ExecutableCache
-        from flux2klein_cli.core.pipeline.pipeline import KleinPipeline
-
-        executables = None
-        if options.store:
-            from flux2klein_cli.core.compile.attach import StoredExecutables
-            from flux2klein_cli.core.compile.store import ExecutableStore
-
-            executables = StoredExecutables(model_dir, ExecutableStore(options.compile_cache, on_warning=warn),
-                                            mesh=mesh, save=options.save_executables, effort=options.effort)
-        cache = ExecutableCache(executables, options.executable_shapes, warn)
-        if ahead:  # the first run's programs load while the weights do
-            merged, per_call = batch_run(ahead, None, progress)
-            cache.prefetch(merged.shape(dtype, per_call))
-        kv_store = None
-        if options.kv_cache_dir is not None:
-            from flux2klein_cli.core.compile.keys import code_fingerprint
-            from flux2klein_cli.core.hub.layout import Snapshot
-            from flux2klein_cli.core.pipeline.kv_store import ReferenceKVStore, cache_identity
-
-            snapshot = Snapshot.open(model_dir)
-            identity = cache_identity(snapshot.component("transformer"), snapshot.component("vae"),
-                                      code_fingerprint())
-            if lora:  # merged LoRAs change the reference K / V
-                identity = f"{identity}+lora:{lora.identity()}"
-            kv_store = ReferenceKVStore(options.kv_cache_dir, identity, dtype, warn)
-        pipeline = KleinPipeline.load(model_dir, dtype=dtype, mesh=mesh, lora=lora, warn=warn)
-        facts = ModelFacts.of(options.model, configs_from_snapshot(model_dir))
-        engine = cls(pipeline, facts, options, model_dir, warn=warn, mesh=mesh, executables=cache,
-                     kv_store=kv_store)
-        for name, specs in options.lora_sets:
-            engine.add_lora_set(name, specs)
-        return engine
 
     @property
     def lora_records(self) -> list[dict[str, Any]]:
