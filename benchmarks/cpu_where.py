@@ -126,6 +126,8 @@ def attention(rounds: int) -> None:
     forms = {"current": _blocked_scaled}
     for block in (256, 512, 768):
         forms[f"pvt-{block}"] = functools.partial(_attention_form, block=block, transposed_pv=True)
+    # pv-512: the model's form before it went one head at a time (every head's block at once)
+    forms["pv-512"] = functools.partial(_attention_form, block=512, transposed_pv=False)
     forms["pv-768"] = functools.partial(_attention_form, block=768, transposed_pv=False)
     for shape in ((1, 1536, 4, 128), (1, 4608, 8, 128)):
         key = jax.random.key(0)
