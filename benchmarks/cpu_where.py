@@ -6,6 +6,8 @@ ml_dtypes pin"):
     python benchmarks/cpu_where.py attention                           # query-blocked attention forms
     python benchmarks/cpu_where.py upsample                            # nearest x2 + 3x3 conv, two forms
     python benchmarks/cpu_where.py first-touch                         # fresh memory, 256 MB
+    python benchmarks/cpu_where.py ops --dtype bf16                    # our XLA ops' time, from a profile
+    python benchmarks/cpu_where.py single-tail                         # the single block's SwiGLU + concat
 
 Our own phases come from `flux2klein bench --json` on the same checkpoint. Each study prints one
 line per figure; medians of interleaved rounds where forms are compared.
@@ -193,9 +195,89 @@ def first_touch() -> None:
         del fresh
 
 
+def ops(model: str, size: int, steps: int, dtype: str, top: int) -> None:
+    """`flux2klein bench` (compiled in this process, so XLA traces each op) under jax's profiler:
+    each program's ops by their summed time over the bench's three calls (the first and two reps)."""
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
+    import collections
+    import glob
+    import sys
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    from flux2klein_cli.cli.main import main as cli_main
+
+    folder = tempfile.mkdtemp(prefix="flux2klein-ops-")
+    sys.argv = ["flux2klein", "bench", "--model", model, "--dtype", dtype, "--height", str(size), "--width",
+                str(size), "--steps", str(steps), "--reps", "2", "--no-store", "--json"]
+    jax.profiler.start_trace(folder)
+    try:
+        cli_main()
+    except SystemExit as done:
+        if done.code:
+            raise
+    finally:
+        jax.profiler.stop_trace()
+    total: collections.Counter[tuple[str, str]] = collections.Counter()
+    count: collections.Counter[tuple[str, str]] = collections.Counter()
+    profile = ProfileData.from_file(sorted(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True))[-1])
+    for plane in profile.planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" in stats or "program_id" in stats:
+                    key = (str(stats.get("hlo_module", stats.get("program_id", "?"))), event.name)
+                    total[key] += event.duration_ns
+                    count[key] += 1
+    print("ms over 3 calls, times run, program, op")
+    for (program, op), ns in total.most_common(top):
+        print(f"{ns / 1e6:9.1f} {count[program, op]:5d}  {program:12s} {op}")
+
+
+def single_tail(rounds: int) -> None:
+    """What follows the single block's fused projection in bf16, at the medium checkpoint's 512x512
+    shapes: the projection rounded to bf16, SwiGLU of its MLP half, and the attention output joined
+    to it for the output projection. As the model writes it (XLA joins in float32, then rounds),
+    against the MLP half rounded on its own and a join of the bf16 bits as uint16. Same bits."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from flux2klein_cli.core.models.layers import silu
+
+    rng = np.random.default_rng(0)
+    projection = jnp.asarray(rng.standard_normal((1536, 4608), np.float32))
+    attended = jnp.asarray(rng.standard_normal((1536, 512), np.float32)).astype(jnp.bfloat16)
+
+    def as_written(p: Any, a: Any) -> Any:
+        rounded = p.astype(jnp.bfloat16)
+        gate, value = jnp.split(rounded[:, 1536:], 2, -1)
+        return jnp.concatenate([a, silu(gate) * value], -1), rounded[:, :1536] * 2
+
+    def bits_joined(p: Any, a: Any) -> Any:
+        gate, value = jnp.split(p[:, 1536:].astype(jnp.bfloat16), 2, -1)
+        bits = [lax.bitcast_convert_type(x, jnp.uint16) for x in (a, silu(gate) * value)]
+        joined = lax.bitcast_convert_type(jnp.concatenate(bits, -1), jnp.bfloat16)
+        return joined, p[:, :1536].astype(jnp.bfloat16) * 2
+
+    forms = {"as written": jax.jit(as_written), "bits joined": jax.jit(bits_joined)}
+    results = {name: form(projection, attended) for name, form in forms.items()}
+    same = all(bool(jnp.array_equal(x, y)) for x, y in zip(*results.values(), strict=True))
+    times: dict[str, list[float]] = {name: [] for name in forms}
+    for _ in range(rounds):  # interleaved
+        for name, form in forms.items():
+            times[name].append(median_s(lambda f=form: jax.block_until_ready(f(projection, attended))))
+    for name in forms:
+        print(f"{name}: {statistics.median(times[name]) * 1e3:.2f} ms (same bits: {same})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "first-touch"))
+    parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "first-touch", "ops",
+                                                   "single-tail"))
     parser.add_argument("--model", default="/tmp/cmp/medium", help="phases: a diffusers checkpoint folder")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
@@ -203,6 +285,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="phases: the pipeline's dtype")
     parser.add_argument("--lib", choices=("xla", "numpy", "torch"), default="xla")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--top", type=int, default=25, help="ops: how many ops to list")
     args = parser.parse_args()
     if args.study == "phases":
         phases(args.model, args.size, args.steps, args.calls, args.dtype)
@@ -212,6 +295,10 @@ def main() -> None:
         attention(args.rounds)
     elif args.study == "upsample":
         upsample()
+    elif args.study == "ops":
+        ops(args.model, args.size, args.steps, args.dtype, args.top)
+    elif args.study == "single-tail":
+        single_tail(args.rounds)
     else:
         first_touch()
 
