@@ -197,7 +197,8 @@ def first_touch() -> None:
 
 def ops(model: str, size: int, steps: int, dtype: str, top: int) -> None:
     """`flux2klein bench` (compiled in this process, so XLA traces each op) under jax's profiler:
-    each program's ops by their summed time over the bench's three calls (the first and two reps)."""
+    each program's ops by their summed time over the bench's three calls (the first and two reps).
+    Run it where libtpu is not installed: with it, the profiler made the same image 1.7x slower."""
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_enable_xprof_traceme=true".strip()
     import collections
     import glob
@@ -209,20 +210,20 @@ def ops(model: str, size: int, steps: int, dtype: str, top: int) -> None:
 
     from flux2klein_cli.cli.main import main as cli_main
 
-    folder = tempfile.mkdtemp(prefix="flux2klein-ops-")
     sys.argv = ["flux2klein", "bench", "--model", model, "--dtype", dtype, "--height", str(size), "--width",
                 str(size), "--steps", str(steps), "--reps", "2", "--no-store", "--json"]
-    jax.profiler.start_trace(folder)
-    try:
-        cli_main()
-    except SystemExit as done:
-        if done.code:
-            raise
-    finally:
-        jax.profiler.stop_trace()
+    with tempfile.TemporaryDirectory(prefix="flux2klein-ops-") as folder:
+        jax.profiler.start_trace(folder)
+        try:
+            cli_main()
+        except SystemExit as done:
+            if done.code:
+                raise
+        finally:
+            jax.profiler.stop_trace()
+        profile = ProfileData.from_file(sorted(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True))[-1])
     total: collections.Counter[tuple[str, str]] = collections.Counter()
     count: collections.Counter[tuple[str, str]] = collections.Counter()
-    profile = ProfileData.from_file(sorted(glob.glob(f"{folder}/**/*.xplane.pb", recursive=True))[-1])
     for plane in profile.planes:
         for line in plane.lines:
             for event in line.events:
@@ -277,12 +278,12 @@ def single_tail(rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "first-touch", "ops",
-                                                   "single-tail"))
-    parser.add_argument("--model", default="/tmp/cmp/medium", help="phases: a diffusers checkpoint folder")
+                                          "single-tail"))
+    parser.add_argument("--model", default="/tmp/cmp/medium", help="phases, ops: a diffusers checkpoint folder")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--calls", type=int, default=3)
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="phases: the pipeline's dtype")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="phases, ops: the pipeline's dtype")
     parser.add_argument("--lib", choices=("xla", "numpy", "torch"), default="xla")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--top", type=int, default=25, help="ops: how many ops to list")
