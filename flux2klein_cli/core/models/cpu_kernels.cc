@@ -72,13 +72,21 @@ static int workers_for(int64_t tasks) { return static_cast<int>(std::min<int64_t
 
 // Runs work(task, worker) for every task in [0, tasks) on `workers` threads, MKL single-threaded
 // inside each: the cores take separate tasks (and keep their data in their own caches) instead of
-// MKL's threads splitting every small product.
+// MKL's threads splitting every small product. Each worker first takes its own contiguous share of the
+// tasks in order, then helps with the others' shares from their fronts: neighbouring tasks share data
+// (attention's blocks of one head share its packed keys and values), and a core slowed by other work
+// is still helped.
 template <typename Work>
 static void parallel_tasks(int64_t tasks, int workers, Work work) {
-  std::atomic<int64_t> next{0};
+  std::vector<std::atomic<int64_t>> next(workers);
+  std::vector<int64_t> end(workers);
+  for (int i = 0; i < workers; ++i) next[i] = tasks * i / workers, end[i] = tasks * (i + 1) / workers;
   auto run = [&](int worker) {
     if (set_threads_local != nullptr) set_threads_local(1);  // MKL is loaded by the AMX plugin only
-    for (int64_t t = next++; t < tasks; t = next++) work(t, worker);
+    for (int i = 0; i < workers; ++i) {
+      const int share = (worker + i) % workers;
+      for (int64_t t = next[share]++; t < end[share]; t = next[share]++) work(t, worker);
+    }
     if (set_threads_local != nullptr) set_threads_local(0);
   };
   std::vector<std::thread> threads;
@@ -286,9 +294,10 @@ static void tile_product(const uint16_t* a, int64_t lda, const uint16_t* panel, 
 // of bf16 products into each of sixteen float32 lanes. c (Rows x 32 float32, row stride ldc) += a (Rows
 // x depth bf16, row stride lda) x one packed panel; depth even. Rows x 2 accumulators stay in registers;
 // each step loads the panel's two vectors for one pair of the depth and broadcasts each row's pair.
+// With Add false, c = the product instead (the same bits: the sums start at +0).
 constexpr int kDotRows = 12;  // 24 accumulators, 2 panel vectors and a broadcast: within 32 registers
 
-template <int Rows>
+template <int Rows, bool Add = true>
 static inline void dpbf16_accumulate(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
                                      int64_t ldc) {
   __m512 acc[Rows][2];
@@ -304,8 +313,12 @@ static inline void dpbf16_accumulate(const uint16_t* a, int64_t lda, const uint1
     }
   }
   for (int i = 0; i < Rows; ++i) {
-    _mm512_storeu_ps(c + i * ldc, _mm512_add_ps(_mm512_loadu_ps(c + i * ldc), acc[i][0]));
-    _mm512_storeu_ps(c + i * ldc + 16, _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + 16), acc[i][1]));
+    if (Add) {
+      acc[i][0] = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc), acc[i][0]);
+      acc[i][1] = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + 16), acc[i][1]);
+    }
+    _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+    _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
   }
 }
 
@@ -313,43 +326,74 @@ static inline void dpbf16_accumulate(const uint16_t* a, int64_t lda, const uint1
 // rows kDotRows at a time (tile_product's work, all of a block's rows in one call).
 static void dpbf16_product(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
                            int64_t ldc, int64_t rows) {
-  for (int64_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + kPanel, 0.0f);
   int64_t r = 0;
-  for (; r + kDotRows <= rows; r += kDotRows) dpbf16_accumulate<kDotRows>(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
+  for (; r + kDotRows <= rows; r += kDotRows) dpbf16_accumulate<kDotRows, false>(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
   a += r * lda, c += r * ldc;
   switch (rows - r) {
     case 0: break;
-    case 1: dpbf16_accumulate<1>(a, lda, panel, depth, c, ldc); break;
-    case 2: dpbf16_accumulate<2>(a, lda, panel, depth, c, ldc); break;
-    case 3: dpbf16_accumulate<3>(a, lda, panel, depth, c, ldc); break;
-    case 4: dpbf16_accumulate<4>(a, lda, panel, depth, c, ldc); break;
-    case 5: dpbf16_accumulate<5>(a, lda, panel, depth, c, ldc); break;
-    case 6: dpbf16_accumulate<6>(a, lda, panel, depth, c, ldc); break;
-    case 7: dpbf16_accumulate<7>(a, lda, panel, depth, c, ldc); break;
-    case 8: dpbf16_accumulate<8>(a, lda, panel, depth, c, ldc); break;
-    case 9: dpbf16_accumulate<9>(a, lda, panel, depth, c, ldc); break;
-    case 10: dpbf16_accumulate<10>(a, lda, panel, depth, c, ldc); break;
-    default: dpbf16_accumulate<11>(a, lda, panel, depth, c, ldc);
+    case 1: dpbf16_accumulate<1, false>(a, lda, panel, depth, c, ldc); break;
+    case 2: dpbf16_accumulate<2, false>(a, lda, panel, depth, c, ldc); break;
+    case 3: dpbf16_accumulate<3, false>(a, lda, panel, depth, c, ldc); break;
+    case 4: dpbf16_accumulate<4, false>(a, lda, panel, depth, c, ldc); break;
+    case 5: dpbf16_accumulate<5, false>(a, lda, panel, depth, c, ldc); break;
+    case 6: dpbf16_accumulate<6, false>(a, lda, panel, depth, c, ldc); break;
+    case 7: dpbf16_accumulate<7, false>(a, lda, panel, depth, c, ldc); break;
+    case 8: dpbf16_accumulate<8, false>(a, lda, panel, depth, c, ldc); break;
+    case 9: dpbf16_accumulate<9, false>(a, lda, panel, depth, c, ldc); break;
+    case 10: dpbf16_accumulate<10, false>(a, lda, panel, depth, c, ldc); break;
+    default: dpbf16_accumulate<11, false>(a, lda, panel, depth, c, ldc);
   }
 }
 
 // A head's keys as the right-hand side of Q K^T: panels of 32 keys, each [dim pair][key][2], i.e. the
-// keys' 32-bit pairs of dims transposed; dims zero-padded to `depth`, keys to a whole panel.
+// keys' 32-bit pairs of dims transposed; dims zero-padded to `depth`, keys to a whole panel. A pair is
+// copied as one 32-bit word where the dims need no padding (the heads' 128), element by element else.
 static void pack_keys(const uint16_t* k, int64_t stride, int64_t sk, int64_t dim, int64_t depth, uint16_t* out) {
-  for (int64_t p = 0; p < round_up(sk, kPanel); p += kPanel)
+  const int64_t keys = round_up(sk, kPanel);
+  if (dim == depth) {
+    const int64_t pairs = dim / 2;
+    auto* words = reinterpret_cast<uint32_t*>(out);
+    for (int64_t key = 0; key < keys; ++key) {
+      uint32_t* column = words + (key / kPanel) * pairs * kPanel + key % kPanel;
+      if (key >= sk) {  // padding keys are zeros, not read past the array
+        for (int64_t d = 0; d < pairs; ++d) column[d * kPanel] = 0;
+        continue;
+      }
+      const uint16_t* row = k + key * stride;
+      for (int64_t d = 0; d < pairs; ++d) std::memcpy(column + d * kPanel, row + 2 * d, 4);
+    }
+    return;
+  }
+  for (int64_t p = 0; p < keys; p += kPanel)
     for (int64_t d = 0; d < depth; d += 2)
       for (int64_t c = 0; c < kPanel; ++c, out += 2) {
-        const bool real = p + c < sk;  // padding keys are zeros, not read past the array
+        const bool real = p + c < sk;
         out[0] = real && d < dim ? k[(p + c) * stride + d] : 0;
         out[1] = real && d + 1 < dim ? k[(p + c) * stride + d + 1] : 0;
       }
 }
 
 // A head's values as the right-hand side of P V: panels of 32 dims, each [key pair][dim][2]; keys
-// zero-padded to a whole panel (their weights are zero too), dims to a whole panel.
+// zero-padded to a whole panel (their weights are zero too), dims to a whole panel. Where the dims fill
+// whole panels, a key pair's two rows of 32 dims are interleaved in two vector permutes.
 static void pack_values(const uint16_t* v, int64_t stride, int64_t sk, int64_t dim, uint16_t* out) {
+  const int64_t keys = round_up(sk, kPanel);
+  if (dim % kPanel == 0) {
+    alignas(64) uint16_t first[32], second[32];
+    for (int i = 0; i < 16; ++i) first[2 * i] = i, first[2 * i + 1] = 32 + i, second[2 * i] = 16 + i,
+                                 second[2 * i + 1] = 48 + i;
+    const __m512i low_half = _mm512_load_si512(first), high_half = _mm512_load_si512(second);
+    for (int64_t p = 0; p < dim; p += kPanel)
+      for (int64_t key = 0; key < keys; key += 2, out += 2 * kPanel) {
+        const __m512i a = key < sk ? _mm512_loadu_si512(v + key * stride + p) : _mm512_setzero_si512();
+        const __m512i b = key + 1 < sk ? _mm512_loadu_si512(v + (key + 1) * stride + p) : _mm512_setzero_si512();
+        _mm512_storeu_si512(out, _mm512_permutex2var_epi16(a, low_half, b));
+        _mm512_storeu_si512(out + kPanel, _mm512_permutex2var_epi16(a, high_half, b));
+      }
+    return;
+  }
   for (int64_t p = 0; p < round_up(dim, kPanel); p += kPanel)
-    for (int64_t key = 0; key < round_up(sk, kPanel); key += 2)
+    for (int64_t key = 0; key < keys; key += 2)
       for (int64_t c = 0; c < kPanel; ++c, out += 2) {
         const bool real = p + c < dim;
         out[0] = real && key < sk ? v[key * stride + p + c] : 0;
@@ -434,8 +478,8 @@ static ffi::Error attend(const AttentionShape& s, const Masking& m, ffi::Buffer<
   const auto* kp = reinterpret_cast<const uint16_t*>(k.untyped_data());
   const auto* vp = reinterpret_cast<const uint16_t*>(v.untyped_data());
   auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
-  // Tasks are (batch, head, query block), in that order, so a worker mostly keeps the head it packed
-  // (and the heads of a group share it).
+  // Tasks are (batch, head, query block), in that order, so a worker's share is mostly whole heads:
+  // it packs each of them once (and the heads of a group share it).
   const int workers = workers_for(tasks);
   std::vector<AttentionScratch> scratch;
   for (int i = 0; i < workers; ++i) scratch.emplace_back(s);
