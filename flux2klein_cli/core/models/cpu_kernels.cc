@@ -659,10 +659,15 @@ static void conv_tile_dpbf16(const ConvShape& s, const uint16_t* padded, const u
 }
 
 // Output rows per task. On the tiles and in VDPBF16PS: a tile's padded input within about 1 MB (the rows
-// above and below are made again by the next tile). On MKL: its float32 sums within about 512 KB.
+// above and below are made again by the next tile). On MKL: its float32 sums within about 512 KB. The
+// image's rows are then split evenly into a whole number of tiles per core where they allow it: a
+// 64-row image of tiles of at most 59 rows went to the two cores as 59 and 5.
 static int64_t conv_tile_rows(const ConvShape& s) {
-  const int64_t rows = s.packed() ? (1 << 19) / (s.wp() * s.c_in) - 3 : (128 << 10) / (s.wp() * s.c_out);
-  return std::max<int64_t>(s.packed() ? 4 : 1, std::min(s.h, rows));
+  const int64_t least = s.packed() ? 4 : 1;
+  const int64_t most = std::max(least, s.packed() ? (1 << 19) / (s.wp() * s.c_in) - 3 : (128 << 10) / (s.wp() * s.c_out));
+  const int64_t cores = worker_count(), tiles = (s.h + most - 1) / most;
+  const int64_t even = s.batch % cores == 0 ? tiles : round_up(tiles, cores);  // a batch of whole images evens out
+  return std::max(least, std::min(s.h, (s.h + even - 1) / even));
 }
 
 // For every tile of output rows, the tiles shared between the cores: fill(b, y, dst) writes padded row y
