@@ -22,6 +22,7 @@ from flux2klein_cli.core.compile.compile_all import compile_all
 from flux2klein_cli.core.compile.keys import key_of, key_parts
 from flux2klein_cli.core.compile.store import EXECUTABLE, MANIFEST, META, ExecutableStore, StoreWarning
 from flux2klein_cli.core.compile.target import ProgramSpec, Target
+from flux2klein_cli.core.devices import cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,11 +91,12 @@ def test_effort_is_its_own_entry_and_reaches_the_compiler(tmp_path: Path, monkey
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", spy)
     compiled, fast = store.load_or_compile(fast_spec)  # a separate entry, not a stale one: no warning
-    assert seen == [{"exec_time_optimization_effort": -1.0}]
+    options = {"exec_time_optimization_effort": -1.0, **cpu.xla_options()}  # and this host's CPU options
+    assert seen == [options]
     assert fast.status == "miss" and fast.warning is None and fast.key != default.key
     np.testing.assert_allclose(run(compiled), np.arange(8) * 2.0 + 1)
     meta = json.loads((Path(fast.path) / META).read_text())
-    assert meta["key_parts"]["compiler_options"] == {"exec_time_optimization_effort": -1.0}
+    assert meta["key_parts"]["compiler_options"] == options
     assert store.load_or_compile(make_spec())[1].status == "hit"  # the default entry is untouched
 
 
@@ -114,7 +116,7 @@ def test_effort_a_backend_does_not_read_compiles_at_its_default(tmp_path: Path,
 
     monkeypatch.setattr(jax.stages.Lowered, "compile", gpu_like)
     compiled, info = store.load_or_compile(fast_spec)
-    assert info.status == "miss" and len(warnings) == 1 and "default effort" in warnings[0]
+    assert info.status == "miss" and len(warnings) == 1 and "compiled with its defaults" in warnings[0]
     np.testing.assert_allclose(run(compiled), np.arange(8) * 2.0 + 1)
     assert store.load_or_compile(fast_spec)[1].status == "hit"
     store.load_or_compile(dataclasses.replace(fast_spec, name="second", key_parts={"scale": 3.0}))

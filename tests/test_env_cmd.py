@@ -20,6 +20,7 @@ from flux2klein_cli.cli import env_cmd
 from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.compile.store import META, ExecutableStore
 from flux2klein_cli.core.compile.target import ProgramSpec
+from flux2klein_cli.core.devices import cpu
 from flux2klein_cli.core.runs import env_report
 from tests.test_light_cli import probe
 
@@ -84,6 +85,7 @@ def test_cpu_host_report(private_caches: Path) -> None:
         assert d["platform"] == "cpu" and d["memory_bytes"] == host_total and d["memory_source"] == "host"
     assert set(report["cpu_bf16"]) == {"plugin", "onemkl", "why", "bf16_compute"}
     assert isinstance(report["cpu_bf16"]["why"], str)
+    assert report["cpu_compile"] == cpu.xla_options()
     assert report["attention"] == {"cpu": "blocked", "gpu": "cudnn", "tpu": "splash"}
     assert report["cache_root"] == str(private_caches / "cache")
 

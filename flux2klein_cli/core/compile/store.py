@@ -212,8 +212,8 @@ class ExecutableStore:
                 raise
             if target.platform not in self._ignored_options:
                 self._ignored_options.add(target.platform)
-                self.warn(f"--effort {target.effort}: the {target.platform} compiler has no option "
-                          f"{', '.join(options)}; programs are compiled at its default effort")
+                self.warn(f"the {target.platform} compiler has no option {', '.join(options)} (--effort "
+                          f"{target.effort}, or this host's CPU options); programs are compiled with its defaults")
             compiled = lowered.compile()
         return compiled, lowered_at - start, time.perf_counter() - lowered_at
 

@@ -72,7 +72,12 @@ class Target:
 
     @property
     def compiler_options(self) -> dict[str, Any]:
-        return {**EFFORTS[self.effort], **PLATFORM_EFFORTS.get((self.platform, self.effort), {})}
+        """XLA's options for this target's programs: its effort's, and on CPU which work goes to
+        YNNPACK (devices/cpu.py). Part of the store key."""
+        from flux2klein_cli.core.devices import cpu
+
+        host = cpu.xla_options() if self.platform == "cpu" else {}
+        return {**EFFORTS[self.effort], **PLATFORM_EFFORTS.get((self.platform, self.effort), {}), **host}
 
     def describe(self) -> dict[str, Any]:
         return {

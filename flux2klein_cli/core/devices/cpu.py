@@ -1,9 +1,11 @@
-"""What the host CPU can do, from /proc/cpuinfo: the facts the backend dispatch
-(core/models/trace.py) chooses the CPU programs' dot forms and kernel plugin by."""
+"""What the host CPU can do, from /proc/cpuinfo and the process's cores: the facts the backend
+dispatch (core/models/trace.py) chooses the CPU programs' dot forms and kernel plugin by, and the
+options their compiles take (core/compile/target.py)."""
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -42,3 +44,31 @@ def has_bf16_dot(flags: frozenset[str]) -> bool:
     """A bf16 dot-product instruction (AVX-512 bf16, or Arm's bf16): XLA's bf16 x bf16 -> float32 dot
     runs on it faster than on widened operands; without one it runs slower (docs/benchmarks.md)."""
     return bool({"avx512_bf16", "bf16"} & flags)
+
+
+def core_count() -> int:
+    """The cores this process may run on (its affinity), as XLA's CPU thread pool counts them."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+# XLA:CPU hands parts of a program to the YNNPACK library by kind (its
+# xla_cpu_experimental_ynn_fusion_type option). By default it takes dots with the elementwise work
+# around them, reductions, elementwise chains and convolutions, and many of those fusions run on one
+# thread. On 13 cores that made the float32 image 1.6x slower than with YNNPACK's lone dots only
+# (3.15 s against 1.97-2.10 s; diffusers 2.24 s). On 2 cores the two ran within the host's noise of
+# each other (docs/benchmarks.md), so hosts of up to 2 cores keep XLA's default.
+YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+LONE_DOTS_FROM_CORES = 3
+
+
+def xla_options(cores: int | None = None, xla_flags: str | None = None) -> dict[str, str]:
+    """Compile options for programs on this host's CPU: on more than 2 cores, only lone dots go to
+    YNNPACK. None where the user's XLA_FLAGS names that option (theirs is kept)."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    cores = core_count() if cores is None else cores
+    if YNN_OPTION in flags or cores < LONE_DOTS_FROM_CORES:
+        return {}
+    return {YNN_OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}

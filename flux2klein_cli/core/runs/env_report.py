@@ -79,6 +79,7 @@ class EnvReport:
     process_index: int
     host: dict[str, int | None]  # cpus, memory_bytes, available_bytes
     cpu_bf16: dict[str, str | None]  # kernels.report(): plugin (or None), onemkl, why, bf16_compute
+    cpu_compile: dict[str, str]  # XLA options CPU programs compile with (devices/cpu.xla_options); {}: XLA's defaults
     attention: dict[str, str]  # platform -> attention kind its programs take (trace.ATTENTION_KINDS)
     cache_root: str
     executable_store: StoreReport
@@ -252,6 +253,7 @@ def build_report() -> EnvReport:
     import jax
 
     from flux2klein_cli.core.cache_paths import cache_root
+    from flux2klein_cli.core.devices import cpu
     from flux2klein_cli.core.models import kernels
 
     problems: list[str] = []
@@ -274,6 +276,7 @@ def build_report() -> EnvReport:
         process_index=int(jax.process_index()),
         host=dict(cpus=os.cpu_count(), memory_bytes=total, available_bytes=available),
         cpu_bf16=kernels.report(),
+        cpu_compile=cpu.xla_options(),
         attention=attention_kinds(problems),
         cache_root=str(cache_root()),
         executable_store=store,
