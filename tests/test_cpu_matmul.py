@@ -114,6 +114,7 @@ def test_opt_out_and_missing_pieces_fall_back(monkeypatch: pytest.MonkeyPatch, f
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_shim, "_opened", [])  # as in a process that has not opened the shim yet
     status = kernels.detect(flags)
     assert status.name is None and "no C++ compiler" in status.reason
     assert not list((tmp_path / "native").iterdir())  # nothing half-built left
@@ -280,6 +281,7 @@ def test_an_avx512_bf16_cpu_takes_the_avx512_plugin(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
+    monkeypatch.setattr(cpu_shim, "_opened", [])  # as in a process that has not opened the shim yet
     for flags in (CPUINFO_AVX512, CPUINFO_AMX):
         status = kernels.detect(cpu.cpu_flags(flags))
         assert status.name is None and "no C++ compiler" in status.reason
@@ -291,6 +293,19 @@ def test_an_avx512_bf16_cpu_takes_the_avx512_plugin(monkeypatch: pytest.MonkeyPa
         for flags in (CPUINFO_AVX512, CPUINFO_AMX):
             assert kernels.detect(cpu.cpu_flags(flags)).name == "avx512-bf16"
         assert "oneMKL is not installed" in kernels.detect(cpu.cpu_flags(CPUINFO_AMX)).reason
+
+
+@pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
+def test_a_process_opens_the_shim_once_whatever_the_cache_folder(monkeypatch: pytest.MonkeyPatch,
+                                                                 fresh_status: None, tmp_path: Path) -> None:
+    """The plugin detected again after FLUX2KLEIN_CACHE changed (a test's private cache, a serve
+    worker's) keeps the shim this process opened: a second copy from the new folder would register
+    other addresses under the same FFI names, which XLA refuses."""
+    opened = cpu_shim.open_shim()[0]
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path / "another"))
+    assert cpu_shim.open_shim()[0] is opened
+    assert kernels.plugin_status().name in ("avx512-bf16", "amx")  # registered again, the same addresses
+    assert not (tmp_path / "another").exists()  # nothing built there
 
 
 def test_the_choice_is_part_of_a_cpu_executables_key(monkeypatch: pytest.MonkeyPatch) -> None:

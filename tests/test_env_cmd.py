@@ -21,8 +21,14 @@ from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.compile.store import META, ExecutableStore
 from flux2klein_cli.core.compile.target import ProgramSpec
 from flux2klein_cli.core.devices import cpu
+from flux2klein_cli.core.models import kernels
 from flux2klein_cli.core.runs import env_report
 from tests.test_light_cli import probe
+
+# The CPU plugin detected (its shim built and opened, in the default cache) before any test moves
+# the caches: a process opens the shim once (core/models/cpu_shim.py), so what these tests see
+# written is env's own doing, whichever tests ran before in this worker.
+kernels.plugin_status()
 
 # Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
 pytestmark = pytest.mark.slow

@@ -103,6 +103,11 @@ def cxx() -> str | None:
     return _get("CXX")
 
 
+def xla_flags() -> str:
+    """XLA's own flags as the user set them ("" when unset)."""
+    return _get("XLA_FLAGS") or ""
+
+
 def tpu_worker_hostnames() -> str:
     """The hosts of a TPU slice, as the TPU VM sets them (empty off a slice)."""
     return os.environ.get("TPU_WORKER_HOSTNAMES", "")

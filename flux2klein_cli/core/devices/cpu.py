@@ -9,6 +9,8 @@ import os
 import platform
 from pathlib import Path
 
+from flux2klein_cli.core import settings
+
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     """The feature flags of the first CPU in /proc/cpuinfo (or of `cpuinfo`; empty where there is
@@ -67,7 +69,7 @@ LONE_DOTS_FROM_CORES = 3
 def xla_options(cores: int | None = None, xla_flags: str | None = None) -> dict[str, str]:
     """Compile options for programs on this host's CPU: on more than 2 cores, only lone dots go to
     YNNPACK. None where the user's XLA_FLAGS names that option (theirs is kept)."""
-    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    flags = settings.xla_flags() if xla_flags is None else xla_flags
     cores = core_count() if cores is None else cores
     if YNN_OPTION in flags or cores < LONE_DOTS_FROM_CORES:
         return {}

@@ -61,15 +61,24 @@ def build_shim(out: Path) -> str | None:
     return None
 
 
+_opened: list[ctypes.CDLL] = []  # the shim this process opened, at most one
+
+
 def open_shim() -> tuple[ctypes.CDLL | None, str | None]:
-    """The shim opened in this process (built first when it is not there), or None and why not."""
+    """The shim opened in this process (built first when it is not there), or None and why not.
+    Opened once: its FFI targets register process-wide, and a second copy (from another cache
+    folder, after FLUX2KLEIN_CACHE changed) would register other addresses under the same names,
+    which XLA refuses."""
+    if _opened:
+        return _opened[0], None
     shim = shim_path()
     why = build_shim(shim)
     if why is not None:
         return None, why
     try:
         trust.check_private_file(shim, "CPU kernel shim")
-        return ctypes.CDLL(str(shim)), None
+        _opened.append(ctypes.CDLL(str(shim)))
+        return _opened[0], None
     except (trust.Untrusted, OSError) as e:  # a foreign or corrupt shim: XLA's path
         return None, f"the CPU kernel shim does not load: {e}"
 
