@@ -75,7 +75,7 @@ def table_rows(report: Any) -> list[tuple[str, str]]:
     rows.append(("cpu bf16",
                  f"{bf16.get('plugin') or 'XLA'}, bf16 computes as {bf16.get('bf16_compute')}: {bf16['why']}"))
     compile_options = ", ".join(f"{k}={v}" for k, v in report.cpu_compile.items())
-    rows.append(("cpu compile", compile_options or f"XLA's defaults ({host['cpus']} CPUs)"))
+    rows.append(("cpu compile", compile_options or "XLA's defaults"))
     rows.append(("attention", ", ".join(f"{p} {kind}" + (" (this host)" if p == report.platform else "")
                                         for p, kind in report.attention.items()) or "?"))
     rows.append(("cache root", report.cache_root))

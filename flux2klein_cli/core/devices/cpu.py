@@ -59,9 +59,9 @@ def core_count() -> int:
 # XLA:CPU hands parts of a program to the YNNPACK library by kind (its
 # xla_cpu_experimental_ynn_fusion_type option). By default it takes dots with the elementwise work
 # around them, reductions, elementwise chains and convolutions, and many of those fusions run on one
-# thread. On 13 cores that made the float32 image 1.6x slower than with YNNPACK's lone dots only
-# (3.15 s against 1.97-2.10 s; diffusers 2.24 s). On 2 cores the two ran within the host's noise of
-# each other (docs/benchmarks.md), so hosts of up to 2 cores keep XLA's default.
+# thread: on many cores they leave most of them idle, and lone dots alone were far faster there. On
+# 2 cores the two forms ran alike, so hosts of up to 2 cores keep XLA's default (docs/benchmarks.md,
+# "Many cores").
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 LONE_DOTS_FROM_CORES = 3
 

@@ -660,8 +660,8 @@ static void conv_tile_dpbf16(const ConvShape& s, const uint16_t* padded, const u
 
 // Output rows per task. On the tiles and in VDPBF16PS: a tile's padded input within about 1 MB (the rows
 // above and below are made again by the next tile). On MKL: its float32 sums within about 512 KB. The
-// image's rows are then split evenly into a whole number of tiles per core where they allow it: a
-// 64-row image of tiles of at most 59 rows went to the two cores as 59 and 5.
+// image's rows are then split evenly into a whole number of tiles per core where they allow it, so
+// that no core waits on another's last, longer tile.
 static int64_t conv_tile_rows(const ConvShape& s) {
   const int64_t least = s.packed() ? 4 : 1;
   const int64_t most = std::max(least, s.packed() ? (1 << 19) / (s.wp() * s.c_in) - 3 : (128 << 10) / (s.wp() * s.c_out));
