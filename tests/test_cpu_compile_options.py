@@ -10,10 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from flux2klein_cli.core.compile.store import META, ExecutableStore
 from flux2klein_cli.core.compile.target import ProgramSpec
 from flux2klein_cli.core.devices import cpu
+from flux2klein_cli.core.models.trace import TraceOptions, jit_program
+from flux2klein_cli.core.pipeline.programs import jit_module_call
 
 LONE_DOTS = {cpu.YNN_OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
@@ -62,3 +65,36 @@ def test_a_many_core_host_compiles_lone_dots_and_stores_them_apart(tmp_path: Pat
     for compiled in (two, many):
         np.testing.assert_allclose(np.asarray(compiled(a, a)), expected, rtol=1e-4)
     assert store.load_or_compile(dot_tanh_sum())[1].status == "hit"
+
+
+def tanh_of_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.tanh(a @ b).sum(0)
+
+
+@pytest.mark.parametrize(("cores", "platform", "lone"), [(13, None, True), (2, None, False), (13, "tpu", False)])
+def test_programs_run_without_the_store_compile_with_the_hosts_options(cores: int, platform: str | None, lone: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench --no-store` and any program the store did not give jit their functions: they compile
+    as a stored program would on this CPU, and a program traced for another platform takes none
+    of this CPU's options."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(cpu, "core_count", lambda: cores)
+    options = None if platform is None else TraceOptions(platform, "splash")
+    fn = jit_program(tanh_of_product, options)
+    a = jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64) / 4096
+    lines = entry_lines(fn.lower(a, a).compile())
+    assert any(line.strip().startswith("ROOT") and "__ynn_fusion" in line for line in lines) is not lone
+    if lone:
+        assert sum("__ynn_fusion" in line for line in lines) == 1
+    expected = np.tanh(np.asarray(a, np.float64) @ np.asarray(a, np.float64)).sum(0)
+    np.testing.assert_allclose(np.asarray(fn(a, a)), expected, rtol=1e-4)
+
+
+def test_the_pipelines_module_programs_take_the_hosts_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setattr(cpu, "core_count", lambda: 13)
+    layer = nnx.Linear(64, 64, rngs=nnx.Rngs(0))
+    call = jit_module_call(layer, lambda model, x: tanh_of_product(x, model.kernel[...]))
+    lines = entry_lines(call.lower(nnx.state(layer), jnp.ones((64, 64), jnp.float32)).compile())
+    assert sum("__ynn_fusion" in line for line in lines) == 1
+    assert not any(line.strip().startswith("ROOT") and "__ynn_fusion" in line for line in lines)

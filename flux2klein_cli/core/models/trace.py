@@ -152,6 +152,17 @@ def traced_under(fn: Callable[..., Any], options: TraceOptions | None) -> Callab
     return traced
 
 
+def jit_program(fn: Callable[..., Any], options: TraceOptions | None) -> jax.stages.Wrapped:
+    """`fn` jitted as a program: traced under `options` (None: the local backend's forms), and on
+    this host's CPU compiled with its options (devices/cpu.py), so that a program run without the
+    executable store compiles as a stored one does (core/compile/target.py)."""
+    from flux2klein_cli.core.devices import cpu
+
+    platform = options.platform if options is not None else jax.default_backend()
+    host = cpu.xla_options() if platform == "cpu" else {}
+    return jax.jit(traced_under(fn, options), compiler_options=host or None)
+
+
 def plugin(options: TraceOptions | None = None) -> ModuleType | None:
     """The kernel plugin module the options name (None: XLA's own forms)."""
     name = (options or current()).kernels

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from flux2klein_cli.core.models import trace
-from flux2klein_cli.core.models.trace import TraceOptions, traced_under
+from flux2klein_cli.core.models.trace import TraceOptions, jit_program
 from flux2klein_cli.core.models.transformer import BlockInputs, Flux2Transformer, ReferenceKV, Streams
 from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.schedule import Schedule
@@ -293,7 +293,7 @@ def denoise_fn(graphdef: nnx.GraphDef, count: int | None = None, trace: TraceOpt
     def run(state: nnx.State, x: DenoiseInputs, start: jax.Array) -> Any:
         return denoise(nnx.merge(graphdef, state), x, start, count, cache)
 
-    return jax.jit(traced_under(run, trace))
+    return jit_program(run, trace)
 
 
 def steps_per_call(steps: int, calls: int) -> int:
@@ -310,7 +310,7 @@ def reference_kv_fn(graphdef: nnx.GraphDef, trace: TraceOptions | None = None) -
     def run(state: nnx.State, refs: jax.Array, rope_cos: jax.Array, rope_sin: jax.Array) -> ReferenceKV:
         return nnx.merge(graphdef, state).reference_kv(refs, (rope_cos, rope_sin))
 
-    return jax.jit(traced_under(run, trace))
+    return jit_program(run, trace)
 
 
 jax.tree_util.register_dataclass(

@@ -18,7 +18,7 @@ from flax import nnx
 
 from flux2klein_cli.core.defaults import DEFAULTS
 from flux2klein_cli.core.devices.sharding import BATCH_AXES, batch_shards, constrain
-from flux2klein_cli.core.models.trace import TraceOptions, traced_under
+from flux2klein_cli.core.models.trace import TraceOptions, jit_program
 from flux2klein_cli.core.pipeline import tokens
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
 from flux2klein_cli.core.pipeline.step_cache import CacheForm
@@ -138,7 +138,7 @@ def jit_module_call(module: nnx.Module, method: str | Callable[..., Any] = "__ca
         model = nnx.merge(graphdef, state)
         return method(model, *args) if callable(method) else getattr(model, method)(*args)
 
-    return jax.jit(traced_under(call, trace))
+    return jit_program(call, trace)
 
 
 def encode_tokens(vae: Any, pixels: jax.Array) -> jax.Array:
