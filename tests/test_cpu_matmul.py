@@ -295,6 +295,32 @@ def test_an_avx512_bf16_cpu_takes_the_avx512_plugin(monkeypatch: pytest.MonkeyPa
         assert "oneMKL is not installed" in kernels.detect(cpu.cpu_flags(CPUINFO_AMX)).reason
 
 
+def test_a_report_names_the_plugin_without_building_its_shim(monkeypatch: pytest.MonkeyPatch, fresh_status: None,
+                                                             tmp_path: Path) -> None:
+    """`flux2klein env` (detect with build False): a plugin whose shim is not built yet is named,
+    with what its first run will do; nothing is built, written or loaded. Without a compiler it says
+    what that run would: XLA's forms."""
+    monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+    monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_shim, "_opened", [])  # as in a process that has not opened the shim yet
+    monkeypatch.setattr(cpu_shim, "build_shim", lambda out: pytest.fail("a report built the shim"))
+    monkeypatch.setattr(cpu_shim.ctypes, "CDLL", lambda path: pytest.fail("a report loaded the shim"))
+    monkeypatch.setenv("CXX", "/usr/bin/true")  # a compiler on the PATH or not, this one is named
+    monkeypatch.setattr(kernels, "find_mkl", lambda: None)
+    avx512 = kernels.detect(cpu.cpu_flags(CPUINFO_AVX512), build=False)
+    assert avx512.name == "avx512-bf16" and "built on the first run" in avx512.reason
+    monkeypatch.setattr(kernels, "find_mkl", lambda: "/nowhere/libmkl_rt.so.3")
+    amx = kernels.detect(cpu.cpu_flags(CPUINFO_AMX), build=False)
+    assert amx.name == "amx" and "built on the first run" in amx.reason and "libmkl_rt" in amx.reason
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
+    for flags in (CPUINFO_AVX512, CPUINFO_AMX):
+        status = kernels.detect(cpu.cpu_flags(flags), build=False)
+        assert status.name is None and "no C++ compiler" in status.reason
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 @pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
 def test_a_process_opens_the_shim_once_whatever_the_cache_folder(monkeypatch: pytest.MonkeyPatch,
                                                                  fresh_status: None, tmp_path: Path) -> None:

@@ -21,14 +21,9 @@ from flux2klein_cli.cli.app import app
 from flux2klein_cli.core.compile.store import META, ExecutableStore
 from flux2klein_cli.core.compile.target import ProgramSpec
 from flux2klein_cli.core.devices import cpu
-from flux2klein_cli.core.models import kernels
+from flux2klein_cli.core.models import cpu_shim, kernels
 from flux2klein_cli.core.runs import env_report
 from tests.test_light_cli import probe
-
-# The CPU plugin detected (its shim built and opened, in the default cache) before any test moves
-# the caches: a process opens the shim once (core/models/cpu_shim.py), so what these tests see
-# written is env's own doing, whichever tests ran before in this worker.
-kernels.plugin_status()
 
 # Long for the fast tier (`-m "not slow"`, under 4 minutes); the full suite runs it.
 pytestmark = pytest.mark.slow
@@ -139,6 +134,19 @@ def test_an_empty_host_and_a_refused_store(private_caches: Path, monkeypatch: py
     result = CliRunner().invoke(app, ["env"])
     assert result.exit_code == 0 and "warning: executable store" in result.stderr
     assert "untrusted" in result.stdout.strip().splitlines()[-1]
+
+
+def test_env_builds_no_kernel_shim_in_a_fresh_process(private_caches: Path) -> None:
+    """On a fresh cache `env` names the CPU's kernel plugin and says its shim is built on the first
+    run: it builds nothing (about 20 s) and writes no folder."""
+    done = subprocess.run([sys.executable, "-m", "flux2klein_cli", "env", "--json"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr
+    bf16 = json.loads(done.stdout)["cpu_bf16"]
+    assert not (private_caches / "cache").exists()
+    applies = cpu.is_x86() and cpu.has_bf16_dot(cpu.cpu_flags())
+    if applies and cpu_shim.compiler() is not None:
+        assert bf16["plugin"] in kernels.PLUGINS and "built on the first run" in bf16["why"]
 
 
 class FakeDevice:

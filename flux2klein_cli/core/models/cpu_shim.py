@@ -26,12 +26,26 @@ BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-
                "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
                "-mprefer-vector-width=512")
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
+NO_COMPILER = "no C++ compiler to build the CPU kernel shim"
 
 
 def shim_path() -> Path:
     built_from = SOURCE.read_bytes() + jaxlib.version.__version__.encode() + " ".join(BUILD_FLAGS).encode()
     tag = hashlib.sha256(built_from).hexdigest()[:16]
     return native_dir() / f"cpu_kernels-{tag}.so"
+
+
+def compiler() -> str | None:
+    """The C++ compiler that builds the shim: `$CXX`, else g++ or c++ on the PATH."""
+    return settings.cxx() or shutil.which("g++") or shutil.which("c++")
+
+
+def unbuilt_reason() -> str | None:
+    """Without building anything: None when this process opened the shim or its file is there,
+    else what the first run that needs it will do (build it, or fall back to XLA's path)."""
+    if _opened or shim_path().exists():
+        return None
+    return NO_COMPILER if compiler() is None else "its shim is built on the first run that uses it"
 
 
 def build_shim(out: Path) -> str | None:
@@ -44,12 +58,12 @@ def build_shim(out: Path) -> str | None:
             return None
     except (trust.Untrusted, OSError) as e:
         return str(e)
-    compiler = settings.cxx() or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        return "no C++ compiler to build the CPU kernel shim"
+    cxx = compiler()
+    if not cxx:
+        return NO_COMPILER
     with temporaries.temporary_file(out.parent, out.name, 0o700) as (fd, tmp):
         os.close(fd)
-        cmd = [compiler, *BUILD_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp), "-ldl"]
+        cmd = [cxx, *BUILD_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp), "-ldl"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:

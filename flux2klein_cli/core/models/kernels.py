@@ -50,40 +50,68 @@ def find_mkl() -> str | None:
     return ctypes.util.find_library("mkl_rt")
 
 
-def detect(flags: frozenset[str]) -> Status:
-    """The plugin for a CPU with these feature flags; loads it (and builds its shim) when it applies."""
+def detect(flags: frozenset[str], build: bool = True) -> Status:
+    """The plugin for a CPU with these feature flags; loads it (and builds its shim) when it applies.
+    `build` False (a report, `flux2klein env`): a plugin whose shim is not built yet is named with
+    what its first run will do, and nothing is built or loaded."""
     if settings.cpu_matmul() == "xla":
         return Status(None, f"{settings.CPU_MATMUL}=xla")
     if not cpu.is_x86() or not cpu.has_bf16_dot(flags):
         return Status(None, "the CPU has neither AMX nor AVX-512 bf16")
-    amx = _amx(flags)
+    amx = _amx(flags, build)
     if amx.name is not None:
         return amx
+    chosen = f"{amx.reason}: attention and the VAE's convolutions in AVX-512 bf16 (VDPBF16PS)"
+    unbuilt = None if build else _shim().unbuilt_reason()
+    if unbuilt == _shim().NO_COMPILER:  # what the first run would say
+        return Status(None, f"{amx.reason}; {unbuilt}")
+    if unbuilt is not None:
+        return Status("avx512-bf16", f"{chosen}; {unbuilt}")
     from flux2klein_cli.core.models import avx512_bf16
 
     why = avx512_bf16.load()
     if why is not None:
         return Status(None, f"{amx.reason}; {why}")
-    return Status("avx512-bf16", f"{amx.reason}: attention and the VAE's convolutions in AVX-512 bf16 (VDPBF16PS)")
+    return Status("avx512-bf16", chosen)
 
 
-def _amx(flags: frozenset[str]) -> Status:
+def _amx(flags: frozenset[str], build: bool) -> Status:
     """The AMX plugin where it applies; else None and why not."""
     if not cpu.has_amx_bf16(flags):
         return Status(None, "the CPU has no AMX bf16 (amx_bf16, amx_tile)")
     mkl = find_mkl()
     if mkl is None:
         return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
+    chosen = f"oneMKL bf16 GEMM ({mkl})"
+    unbuilt = None if build else _shim().unbuilt_reason()
+    if unbuilt == _shim().NO_COMPILER:
+        return Status(None, unbuilt)
+    if unbuilt is not None:
+        return Status("amx", f"{chosen}; {unbuilt}")
     from flux2klein_cli.core.models import cpu_matmul
 
     why = cpu_matmul.load(mkl)
-    return Status(None, why) if why is not None else Status("amx", f"oneMKL bf16 GEMM ({mkl})")
+    return Status(None, why) if why is not None else Status("amx", chosen)
+
+
+def _shim() -> ModuleType:
+    from flux2klein_cli.core.models import cpu_shim  # imports jax: only once a plugin applies
+
+    return cpu_shim
 
 
 @functools.cache
 def plugin_status() -> Status:
     """Detects, builds and registers once per process."""
     return detect(cpu.cpu_flags())
+
+
+def report_status() -> Status:
+    """What a report says without building anything: the plugin the runs take, its shim built or
+    not (plugin_status when this process has detected it already)."""
+    if plugin_status.cache_info().currsize:
+        return plugin_status()
+    return detect(cpu.cpu_flags(), build=False)
 
 
 def plugin_module(name: str) -> ModuleType:
@@ -108,10 +136,10 @@ def cpu_bf16_compute() -> str:
     return "f32-accumulate" if cpu.has_bf16_dot(cpu.cpu_flags()) else "f32"
 
 
-def report() -> dict[str, str | None]:
+def report(build: bool = True) -> dict[str, str | None]:
     """For a run's report: what this CPU's bf16 work runs on (`plugin`: the plugin's name, or null
     for XLA's own forms; `onemkl`: the same where it is the oneMKL one, as reports had it), why, and
-    how a bf16 model computes."""
-    chosen = plugin_status()
+    how a bf16 model computes. `build` False: nothing is built (report_status)."""
+    chosen = plugin_status() if build else report_status()
     return {"plugin": chosen.name, "onemkl": chosen.name if chosen.name == "amx" else None, "why": chosen.reason,
             "bf16_compute": cpu_bf16_compute()}

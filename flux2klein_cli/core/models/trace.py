@@ -72,10 +72,11 @@ class TraceOptions:
                 raise ValueError(f"{field} {value!r} is not one of {allowed}")
 
     @classmethod
-    def for_platform(cls, platform: str, *, effort: str = "default") -> TraceOptions:
+    def for_platform(cls, platform: str, *, effort: str = "default", build: bool = True) -> TraceOptions:
         """The forms a run on `platform` at compile `effort` takes, with the settings that may change them
         (core/settings.py: FLUX2KLEIN_GPU_ATTENTION, FLUX2KLEIN_IDLE_AXES, FLUX2KLEIN_INT8_COMPUTE,
-        FLUX2KLEIN_CPU_MATMUL). A CPU program runs on this host, so its forms follow this CPU."""
+        FLUX2KLEIN_CPU_MATMUL). A CPU program runs on this host, so its forms follow this CPU. `build`
+        False (a report): a kernel plugin whose shim is not built yet is named, not built."""
         if platform == "tpu":
             attention = "splash"
         elif platform == "cpu":
@@ -84,8 +85,8 @@ class TraceOptions:
             attention = "cudnn"
         else:
             attention = "xla"
-        plugin, bf16_compute = (kernels.plugin_status().name, kernels.cpu_bf16_compute()) if platform == "cpu" else (
-            None, "bf16")
+        status = kernels.plugin_status if build else kernels.report_status
+        plugin, bf16_compute = (status().name, kernels.cpu_bf16_compute()) if platform == "cpu" else (None, "bf16")
         convs_as_matmuls = effort == "fast" and platform in MATMUL_CONV_PLATFORMS
         return cls(platform, attention, convs_as_matmuls, idle_axes=settings.idle_axes(),
                    int8_compute=settings.int8_compute(), kernels=plugin, bf16_compute=bf16_compute)

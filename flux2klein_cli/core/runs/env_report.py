@@ -6,7 +6,8 @@ work runs on (core/models/kernels.py), the attention kind each platform's progra
 (core/models/trace.py), the cache root, the executable store's size and health, jax's persistent
 XLA cache, every FLUX2KLEIN_* variable set and the limits table (core/limits.py). Each figure comes
 from the module that decides it; nothing here restates a rule. Reading the stores writes nothing
-(no store key is created, no folder made).
+(no store key is created, no folder made), and no CPU kernel shim is built: the report says where
+the first run will build one.
 """
 
 from __future__ import annotations
@@ -231,7 +232,7 @@ def attention_kinds(problems: list[str]) -> dict[str, str]:
     out = {}
     for name in PLATFORMS:
         try:
-            out[name] = TraceOptions.for_platform(name).attention
+            out[name] = TraceOptions.for_platform(name, build=False).attention
         except Flux2KleinError as e:  # a bad FLUX2KLEIN_* value: the run would refuse it too
             problems.append(str(e))
             return {}
@@ -275,7 +276,7 @@ def build_report() -> EnvReport:
         process_count=int(jax.process_count()),
         process_index=int(jax.process_index()),
         host=dict(cpus=os.cpu_count(), memory_bytes=total, available_bytes=available),
-        cpu_bf16=kernels.report(),
+        cpu_bf16=kernels.report(build=False),
         cpu_compile=cpu.xla_options(),
         attention=attention_kinds(problems),
         cache_root=str(cache_root()),
