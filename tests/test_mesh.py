@@ -19,6 +19,7 @@ from flux2klein_cli.core.choices import MESH_AXES
 from flux2klein_cli.core.devices import sharding
 from flux2klein_cli.core.devices.mesh import MeshSpec
 from flux2klein_cli.core.errors import UserInputError
+from flux2klein_cli.core.pipeline.pipeline import UNFIT
 
 # Which requests run on which mesh (tests/mesh_worker.py's MESH@NAME,...): every mesh runs two or
 # three, every request runs on every axis, and data x context x tensor runs them all. Every request
@@ -166,6 +167,8 @@ def test_two_processes_make_the_one_process_images(tiny_checkpoint: Path, tmp_pa
     report = json.loads(outs[0][0])  # process 0: exactly one JSON object on stdout
     assert report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "context": 2}
     assert outs[1][0] == ""  # process 1 writes nothing
+    for _, stderr in outs:  # each process runs the executables it loaded or compiled, not a jitted fallback
+        assert UNFIT not in stderr, stderr[-2000:]
     for i in range(2):
         a, b = (np.asarray(Image.open(tmp_path / f"{name}-{i}.png"), np.int16) for name in ("one", "two"))
         assert np.abs(a - b).max() <= 1

@@ -15,6 +15,7 @@ import pytest
 
 from flux2klein_cli.core.engine.plan import RunPlan
 from flux2klein_cli.core.pipeline.geometry import LatentGeometry
+from flux2klein_cli.core.pipeline.pipeline import UNFIT
 from flux2klein_cli.core.serve.multihost import Lockstep, decode_plans, encode_plans, follow
 from tests.test_serve import BASE_FLAGS, Server, free_port, png, wait_ready
 
@@ -92,6 +93,8 @@ def test_two_processes_serve_as_one(tmp_path: Path) -> None:
     follower = logs[1].read_text(errors="replace")
     assert codes == [0, 0], logs[0].read_text(errors="replace")[-2000:] + follower[-2000:]
     assert "running process 0's batches" in follower
+    for log in (logs[0].read_text(errors="replace"), follower):  # the stored executables ran, no jitted fallback
+        assert UNFIT not in log, log[-2000:]
     batches = int(follower.rsplit("stopped after ", 1)[1].split()[0])
     assert batches >= 3, follower  # the warm-up's batch sizes and both requests
     time.sleep(0)

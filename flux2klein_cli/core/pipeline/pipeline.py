@@ -103,6 +103,30 @@ def timed(seconds: dict[str, float], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
+UNFIT = "does not fit this call"  # the warning's words when a stored executable is not used
+
+
+def placed_on_mesh(args: Any, shardings: Any) -> Any:
+    """`args` (global arrays) placed as an executable takes them, `shardings` being its input
+    shardings (None for an argument it does not read, which stays as it is). A process can move
+    only what it sees whole: an array over several processes keeps its place if it has it, and a
+    replicated one (a host input, placed before the executable was known) is cut here, each
+    process holding all of it; anything else fails as `jax.device_put` fails (a ValueError)."""
+
+    def place(sharding: Any, x: Any) -> Any:
+        if sharding is None:
+            return x
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            if x.sharding.is_equivalent_to(sharding, x.ndim):
+                return x
+            if x.sharding.is_fully_replicated:
+                host = np.asarray(x.addressable_data(0))
+                return jax.make_array_from_callback(x.shape, sharding, lambda index: host[index])
+        return jax.device_put(x, sharding)
+
+    return jax.tree.map(place, shardings, args, is_leaf=lambda node: node is None)
+
+
 def first_non_finite(stages: list[tuple[str, Any]], to_host: Callable[[Any], Any]) -> str | None:
     """The name of the first stage whose output holds NaN or inf (None outputs are skipped).
     Only looked at after the images went non-finite, to say where it began."""
@@ -177,10 +201,12 @@ class KleinPipeline:
         compiled = (compiled_programs or {}).get(name)
         if compiled is not None:
             try:
-                out = compiled(*jax.device_put(args, compiled.input_shardings[0]))
+                shardings = compiled.input_shardings[0]
+                placed = jax.device_put(args, shardings) if self.mesh is None else placed_on_mesh(args, shardings)
+                out = compiled(*placed)
                 return jax.block_until_ready(out) if wait else out
             except (TypeError, ValueError) as e:  # arguments it was not compiled for: never fail the run for it
-                self.warn(f"stored executable {name} does not fit this call ({str(e).splitlines()[0]}); "
+                self.warn(f"stored executable {name} {UNFIT} ({str(e).splitlines()[0]}); "
                           "compiling it instead")
                 if isinstance(compiled_programs, dict):
                     compiled_programs.pop(name, None)
