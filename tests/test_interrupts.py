@@ -317,3 +317,16 @@ def test_a_signal_or_a_timer_in_the_last_moments_is_ignored(mode: str, tmp_path:
     done = subprocess.run([sys.executable, "-c", LATE, mode], env=_env(tmp_path), capture_output=True, text=True,
                           preexec_fn=_as_at_a_terminal, timeout=DEADLINE_S)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_nothing_prints_after_interrupted(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`interrupted` is the last line: a thread still finishing after it (the programs loading
+    ahead, whose pool Python's exit shut down) says nothing more."""
+    from flux2klein_cli.cli import main, output
+
+    output.warn("before")
+    output.note("before")
+    monkeypatch.setitem(main._state, "announced", True)
+    output.warn("stored executables unavailable (RuntimeError: cannot schedule new futures after shutdown)")
+    output.note("generating 2 image(s), 4 steps")
+    assert capsys.readouterr().err.split() == ["warning:", "before", "before"]

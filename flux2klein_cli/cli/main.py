@@ -75,6 +75,12 @@ def _unraisable(unraisable: sys.UnraisableHookArgs) -> None:
     sys.__unraisablehook__(unraisable)
 
 
+def interrupted_announced() -> bool:
+    """Whether `interrupted` was printed. It is the run's last line: a thread still finishing
+    after it (the programs loading ahead, whose pool Python's exit has shut down) prints nothing."""
+    return _state["announced"]
+
+
 def _announce() -> None:
     if not _state["announced"]:
         _state["announced"] = True

@@ -19,6 +19,7 @@ from rich.status import Status
 from rich.table import Table as RichTable
 from rich.text import Text
 
+from flux2klein_cli.cli.main import interrupted_announced
 from flux2klein_cli.core.errors import Flux2KleinError
 
 # The click Typer parses with (its own vendored copy in newer Typer): its exceptions module, found publicly.
@@ -43,12 +44,17 @@ def error(message: object) -> None:
 
 
 def warn(message: object) -> None:
-    """One `warning: ...` line on stderr."""
+    """One `warning: ...` line on stderr (none after `interrupted`)."""
+    if interrupted_announced():
+        return
     stderr.print(_line("warning:", "yellow", message), highlight=False, soft_wrap=True)
 
 
 def note(message: object, style: str = "") -> None:
-    """A progress or summary line on stderr (never on stdout, which scripts read)."""
+    """A progress or summary line on stderr (never on stdout, which scripts read); none after
+    `interrupted`."""
+    if interrupted_announced():
+        return
     stderr.print(plain(message, style), highlight=False, soft_wrap=True)
 
 
