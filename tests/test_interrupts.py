@@ -322,11 +322,15 @@ def test_a_signal_or_a_timer_in_the_last_moments_is_ignored(mode: str, tmp_path:
 def test_nothing_prints_after_interrupted(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`interrupted` is the last line: a thread still finishing after it (the programs loading
     ahead, whose pool Python's exit shut down) says nothing more."""
-    from flux2klein_cli.cli import main, output
+    import threading
+
+    from flux2klein_cli.cli import interrupted_line, output
 
     output.warn("before")
     output.note("before")
-    monkeypatch.setitem(main._state, "announced", True)
+    printed = threading.Event()
+    printed.set()
+    monkeypatch.setattr(interrupted_line, "_printed", printed)
     output.warn("stored executables unavailable (RuntimeError: cannot schedule new futures after shutdown)")
     output.note("generating 2 image(s), 4 steps")
     assert capsys.readouterr().err.split() == ["warning:", "before", "before"]

@@ -30,11 +30,13 @@ import time
 from types import FrameType, ModuleType
 from typing import NoReturn
 
+from flux2klein_cli.cli import interrupted_line
+
 EXIT_INTERRUPTED = 130
 GRACE_S = 4.0  # time the main thread gets to clean up before the watchdog exits for it
 _RETRY_S = 0.02
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_state = {"signalled": False, "announced": False, "exiting": False, "hooked": False}
+_state = {"signalled": False, "exiting": False, "hooked": False}
 
 
 class Interrupted(BaseException):
@@ -75,27 +77,11 @@ def _unraisable(unraisable: sys.UnraisableHookArgs) -> None:
     sys.__unraisablehook__(unraisable)
 
 
-def interrupted_announced() -> bool:
-    """Whether `interrupted` was printed. It is the run's last line: a thread still finishing
-    after it (the programs loading ahead, whose pool Python's exit has shut down) prints nothing."""
-    return _state["announced"]
-
-
-def _announce() -> None:
-    if not _state["announced"]:
-        _state["announced"] = True
-        try:
-            sys.stderr.write("interrupted\n")
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-
-
 def _force_exit() -> None:
     from flux2klein_cli.core.temporaries import remove_live  # imported by install_handlers already
 
     remove_live()
-    _announce()
+    interrupted_line.announce()
     os._exit(EXIT_INTERRUPTED)
 
 
@@ -150,7 +136,7 @@ def _at_exit() -> None:
     for signum in (*_SIGNALS, signal.SIGALRM):
         signal.signal(signum, signal.SIG_IGN)
     if _state["signalled"]:
-        _announce()
+        interrupted_line.announce()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -240,7 +226,7 @@ def _run() -> int | str | None:
     except SystemExit as e:
         # 130 from a KeyboardInterrupt that cli/output.py's user_errors caught has been announced there.
         if e.code == EXIT_INTERRUPTED:
-            _state["announced"] = True
+            interrupted_line.announced_elsewhere()
         return e.code
     except (Interrupted, KeyboardInterrupt):
         return EXIT_INTERRUPTED
@@ -266,7 +252,7 @@ def main() -> None:
         atexit.register(_pause_for_test, mark)
     if _state["signalled"] or code == EXIT_INTERRUPTED:
         # Also when a library swallowed the exception and the command went on: the user asked to stop.
-        _announce()
+        interrupted_line.announce()
         code = EXIT_INTERRUPTED
     sys.exit(code)
 

@@ -19,7 +19,7 @@ from rich.status import Status
 from rich.table import Table as RichTable
 from rich.text import Text
 
-from flux2klein_cli.cli.main import interrupted_announced
+from flux2klein_cli.cli import interrupted_line
 from flux2klein_cli.core.errors import Flux2KleinError
 
 # The click Typer parses with (its own vendored copy in newer Typer): its exceptions module, found publicly.
@@ -45,7 +45,7 @@ def error(message: object) -> None:
 
 def warn(message: object) -> None:
     """One `warning: ...` line on stderr (none after `interrupted`)."""
-    if interrupted_announced():
+    if interrupted_line.announced():
         return
     stderr.print(_line("warning:", "yellow", message), highlight=False, soft_wrap=True)
 
@@ -53,7 +53,7 @@ def warn(message: object) -> None:
 def note(message: object, style: str = "") -> None:
     """A progress or summary line on stderr (never on stdout, which scripts read); none after
     `interrupted`."""
-    if interrupted_announced():
+    if interrupted_line.announced():
         return
     stderr.print(plain(message, style), highlight=False, soft_wrap=True)
 
@@ -98,7 +98,7 @@ def user_errors(flags: Mapping[str, str] | None = None) -> Iterator[None]:
         error(message(e, flags))
         raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
-        stderr.print("interrupted")
+        interrupted_line.announce()
         raise typer.Exit(130) from None
 
 
