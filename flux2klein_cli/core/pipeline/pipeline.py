@@ -108,18 +108,19 @@ UNFIT = "does not fit this call"  # the warning's words when a stored executable
 
 def placed_on_mesh(args: Any, shardings: Any) -> Any:
     """`args` (global arrays) placed as an executable takes them, `shardings` being its input
-    shardings (None for an argument it does not read, which stays as it is). A process can move
-    only what it sees whole: an array over several processes keeps its place if it has it, and a
-    replicated one (a host input, placed before the executable was known) is cut here, each
-    process holding all of it; anything else fails as `jax.device_put` fails (a ValueError)."""
+    shardings (None for an argument it does not read, which stays as it is). An array already
+    placed so stays; a process can move only what it sees whole, so a replicated array over
+    several processes (a host input, placed before the executable was known) is cut here, each
+    process holding all of it; anything else goes to `jax.device_put`, and fails as it fails
+    (a ValueError) for an array over several processes."""
 
     def place(sharding: Any, x: Any) -> Any:
         if sharding is None:
             return x
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            if x.sharding.is_equivalent_to(sharding, x.ndim):
+        if isinstance(x, jax.Array):
+            if x.sharding.is_equivalent_to(sharding, x.ndim):  # the weights, mostly: no call per leaf
                 return x
-            if x.sharding.is_fully_replicated:
+            if not x.is_fully_addressable and x.sharding.is_fully_replicated:
                 host = np.asarray(x.addressable_data(0))
                 return jax.make_array_from_callback(x.shape, sharding, lambda index: host[index])
         return jax.device_put(x, sharding)
