@@ -10,10 +10,10 @@ from pathlib import Path
 
 # Tests measure float32 parity: keep XLA from using reduced-precision matmuls.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# LLVM at -O0 compiles the suite's tiny programs about a quarter faster (most of the suite's time is
-# compiles). Every comparison here is between runs under the same flags (a subprocess inherits them,
-# and they are part of every store key) or against diffusers within a tolerance. Flags a caller set
-# are kept, this one added unless they name it.
+# Most of the suite's time is compiles, which LLVM's -O0 shortens (README, "Test"). Every comparison
+# here is between runs under the same flags (a subprocess inherits them, and they are part of every
+# store key) or against diffusers within a tolerance. Flags a caller set are kept, this one added
+# unless they name it.
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 # jax's persistent XLA cache stays off whatever the caller exported (CI's base tier exports one for
