@@ -107,12 +107,12 @@ UNFIT = "does not fit this call"  # the warning's words when a stored executable
 
 
 def placed_on_mesh(args: Any, shardings: Any) -> Any:
-    """`args` (global arrays) placed as an executable takes them, `shardings` being its input
-    shardings (None for an argument it does not read, which stays as it is). An array already
-    placed so stays; a process can move only what it sees whole, so a replicated array over
-    several processes (a host input, placed before the executable was known) is cut here, each
-    process holding all of it; anything else goes to `jax.device_put`, and fails as it fails
-    (a ValueError) for an array over several processes."""
+    """`args` placed on a mesh as an executable takes them, `shardings` being its input shardings
+    (None for an argument it does not read, which stays as it is). A host value is cut into the
+    slices this process holds; an array already placed so stays. A process can move only what it
+    sees whole, so a replicated array over several processes is cut here too, each process holding
+    all of it; anything else goes to `jax.device_put`, which fails (a ValueError) for an array
+    over several processes."""
 
     def place(sharding: Any, x: Any) -> Any:
         if sharding is None:
@@ -120,10 +120,11 @@ def placed_on_mesh(args: Any, shardings: Any) -> Any:
         if isinstance(x, jax.Array):
             if x.sharding.is_equivalent_to(sharding, x.ndim):  # the weights, mostly: no call per leaf
                 return x
-            if not x.is_fully_addressable and x.sharding.is_fully_replicated:
-                host = np.asarray(x.addressable_data(0))
-                return jax.make_array_from_callback(x.shape, sharding, lambda index: host[index])
-        return jax.device_put(x, sharding)
+            if x.is_fully_addressable or not x.sharding.is_fully_replicated:
+                return jax.device_put(x, sharding)
+            x = x.addressable_data(0)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree.map(place, shardings, args, is_leaf=lambda node: node is None)
 
@@ -197,8 +198,6 @@ class KleinPipeline:
         """Run one program: its executable in `compiled_programs` when there is one (arguments
         placed as it was compiled for), else the jitted function. `wait=False` returns as soon as
         the call is queued (for a call after a first one that waited: the executable is known good)."""
-        if self.mesh is not None:
-            args = jax.tree.map(lambda x: self._global(x, PartitionSpec()), args)
         compiled = (compiled_programs or {}).get(name)
         if compiled is not None:
             try:
@@ -213,6 +212,7 @@ class KleinPipeline:
                     compiled_programs.pop(name, None)
         if self.mesh is None:
             return program(*args)
+        args = jax.tree.map(lambda x: self._global(x, PartitionSpec()), args)
         with jax.set_mesh(self.mesh):
             return program(*args)
 
