@@ -62,11 +62,9 @@ def detect(flags: frozenset[str], build: bool = True) -> Status:
     if amx.name is not None:
         return amx
     chosen = f"{amx.reason}: attention and the VAE's convolutions in AVX-512 bf16 (VDPBF16PS)"
-    unbuilt = None if build else _shim().unbuilt_reason()
-    if unbuilt == _shim().NO_COMPILER:  # what the first run would say
-        return Status(None, f"{amx.reason}; {unbuilt}")
+    unbuilt = None if build else _unbuilt("avx512-bf16", chosen, refused=f"{amx.reason}; ")
     if unbuilt is not None:
-        return Status("avx512-bf16", f"{chosen}; {unbuilt}")
+        return unbuilt
     from flux2klein_cli.core.models import avx512_bf16
 
     why = avx512_bf16.load()
@@ -83,15 +81,25 @@ def _amx(flags: frozenset[str], build: bool) -> Status:
     if mkl is None:
         return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
     chosen = f"oneMKL bf16 GEMM ({mkl})"
-    unbuilt = None if build else _shim().unbuilt_reason()
-    if unbuilt == _shim().NO_COMPILER:
-        return Status(None, unbuilt)
+    unbuilt = None if build else _unbuilt("amx", chosen)
     if unbuilt is not None:
-        return Status("amx", f"{chosen}; {unbuilt}")
+        return unbuilt
     from flux2klein_cli.core.models import cpu_matmul
 
     why = cpu_matmul.load(mkl)
     return Status(None, why) if why is not None else Status("amx", chosen)
+
+
+def _unbuilt(name: str, chosen: str, refused: str = "") -> Status | None:
+    """A report's status (nothing built) for a plugin whose shim is not built yet: what its first
+    run will do, as that run would say it (`refused` before the reason it falls back); None when
+    the shim is built or opened."""
+    reason = _shim().unbuilt_reason()
+    if reason is None:
+        return None
+    if reason == _shim().NO_COMPILER:
+        return Status(None, f"{refused}{reason}")
+    return Status(name, f"{chosen}; {reason}")
 
 
 def _shim() -> ModuleType:
