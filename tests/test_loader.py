@@ -113,19 +113,52 @@ def test_long_key_lists_are_cut_at_ten(tmp_path: Path) -> None:
     assert "extra.09" in message and "extra.10" not in message and "(and 5 more)" in message
 
 
+def _shim_transposes() -> str | None:
+    """Why the CPU kernel shim's transposing copy cannot run here (None: it can, and the shim is open)."""
+    from flux2klein_cli.core.devices import cpu
+
+    if not (cpu.is_x86() and "avx512_bf16" in cpu.cpu_flags()):
+        return "the CPU has no AVX-512 bf16 (the shim is built for such CPUs only)"
+    from flux2klein_cli.core.models import cpu_shim
+
+    return cpu_shim.open_shim()[1]
+
+
+TRANSPOSE_PATHS = ["numpy", pytest.param("shim", marks=pytest.mark.skipif(
+    _shim_transposes() is not None, reason=str(_shim_transposes())))]
+# float32 values whose bf16 rounding is easy to get wrong: NaN, infinities, subnormals, signed zero,
+# ties (to even, both ways), and the largest values (rounding up to infinity).
+F32_EDGES = np.array([np.nan, np.inf, -np.inf, 1e-40, -1e-41, -0.0, 1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, -3.39e38,
+                      1 + 2**-8 + 2**-20, np.finfo(np.float32).tiny], np.float32)
+
+
+@pytest.mark.parametrize("path", TRANSPOSE_PATHS)
 @pytest.mark.parametrize("shape", [(600, 300), (37, 19), (8, 64), (16, 16), (4100, 17), (3, 700)])
 @pytest.mark.parametrize("types", [("bf16", "bf16"), ("f32", "bf16"), ("f32", "f32"), ("bf16", "f32")])
-def test_transposing_copies_are_exact(shape, types) -> None:
-    """The packed transpose (and its fallbacks for odd sizes and slices) equals numpy's, bit for bit."""
+def test_transposing_copies_are_exact(shape, types, path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed transpose (and its fallbacks for odd sizes and slices), and the kernel shim's
+    transposing copy where this CPU opens the shim, equal numpy's, bit for bit."""
+    from flux2klein_cli.core.models import cpu_shim
+
+    calls = []
+    if path == "numpy":
+        monkeypatch.setattr(cpu_shim, "transposer", lambda: None)
+    else:
+        native = cpu_shim.transposer()
+        monkeypatch.setattr(cpu_shim, "transposer", lambda: calls.append(1) or native)
     names = {"bf16": np.dtype(ml_dtypes.bfloat16), "f32": np.dtype(np.float32)}
     source, target = names[types[0]], names[types[1]]
     rng = np.random.default_rng(1)
     stored = (rng.integers(0, 2**16, size=shape, dtype=np.uint16).view(source) if source.itemsize == 2
               else rng.standard_normal(shape).astype(np.float32))  # bf16 from random bits: NaNs too
+    if source.itemsize == 4:
+        stored.flat[: F32_EDGES.size] = F32_EDGES[: stored.size]
     for view in (stored.T, stored.T[1:-2, 3:]):
         out = aligned_empty(view.shape, target)
         copy_into(out, view)
         assert np.array_equal(out.view(np.uint8), np.ascontiguousarray(view.astype(target)).view(np.uint8))
+    # The shim moves float32 -> bf16 and same-dtype copies; bf16 -> float32 stays numpy's.
+    assert bool(calls) == (path == "shim" and types != ("bf16", "f32"))
 
 
 def _tracked_reads(sizes: list[int], log: dict[str, int], lock) -> list[tuple[int, object]]:

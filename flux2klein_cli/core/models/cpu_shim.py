@@ -106,3 +106,17 @@ def register(targets: dict[str, str], lib: ctypes.CDLL) -> str | None:
     for target, symbol in symbols.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="cpu")
     return None
+
+
+def transposer() -> ctypes._CFuncPtr | None:
+    """The shim's transposing copy (`flux2klein_transpose_copy` in cpu_kernels.cc) when this process has
+    opened the shim (a CPU whose kernel plugin loaded), else None: the loader then keeps numpy's path.
+    ctypes releases the GIL for the call, so reader threads copy side by side."""
+    if not _opened:
+        return None
+    copy = _opened[0].flux2klein_transpose_copy
+    if copy.argtypes is None:
+        copy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                         ctypes.c_int64, ctypes.c_int]
+        copy.restype = ctypes.c_int
+    return copy

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from flux2klein_cli.core.devices.mesh import default_mesh
 from flux2klein_cli.core.devices.sharding import replicated_rule
 from flux2klein_cli.core.errors import CheckpointError
+from flux2klein_cli.core.models import cpu_shim
 from flux2klein_cli.core.weights.safetensors_io import SafetensorsCheckpoint, _first
 
 Path_ = tuple[str, ...]
@@ -198,9 +199,31 @@ def _transpose_packed(dest: np.ndarray, src: np.ndarray) -> None:
         np.copyto(dest[:, packed_cols * k :], stored[packed_cols * k :].T, casting="unsafe")
 
 
+# (source dtype, destination dtype) -> the kind of cpu_kernels.cc's flux2klein_transpose_copy.
+_NATIVE_KINDS = {("float32", "bfloat16"): 0, ("uint16", "uint16"): 1, ("uint32", "uint32"): 2}
+
+
+def _native_transpose(dest: np.ndarray, src: np.ndarray) -> bool:
+    """dest = src (a transposed view of row-contiguous storage) through the CPU kernel shim's
+    transposing copy, 5-10x numpy's, when this process opened the shim and moves these dtypes
+    (cpu_shim.transposer); False when it did nothing."""
+    kind = _NATIVE_KINDS.get((src.dtype.name, dest.dtype.name))
+    if (kind is None or src.ndim != 2 or src.strides[0] != src.itemsize or dest.strides[1] != dest.itemsize
+            or src.strides[1] % src.itemsize or dest.strides[0] % dest.itemsize):
+        return False
+    copy = cpu_shim.transposer()
+    if copy is None:
+        return False
+    rows, cols = dest.shape  # the stored rows are dest's columns
+    return copy(src.ctypes.data, cols, rows, src.strides[1] // src.itemsize, dest.ctypes.data,
+                dest.strides[0] // dest.itemsize, kind) == 0
+
+
 def _copy_tiles(dest: np.ndarray, src: np.ndarray) -> None:
     if src.ndim != 2 or src.flags.c_contiguous:
         np.copyto(dest, src, casting="unsafe")
+        return
+    if _native_transpose(dest, src):
         return
     if _packable(dest, src):
         _transpose_packed(dest, src)
