@@ -5,6 +5,7 @@ ml_dtypes pin"):
     python benchmarks/cpu_where.py gemm --lib xla                      # GFLOP/s per product; also numpy, torch
     python benchmarks/cpu_where.py attention                           # query-blocked attention forms
     python benchmarks/cpu_where.py upsample                            # nearest x2 + 3x3 conv, two forms
+    python benchmarks/cpu_where.py upsample-plugin                     # the same in the AVX-512 bf16 plugin
     python benchmarks/cpu_where.py first-touch                         # fresh memory, 256 MB
     python benchmarks/cpu_where.py ops --dtype bf16                    # our XLA ops' time, from a profile
     python benchmarks/cpu_where.py single-tail                         # the single block's SwiGLU + concat
@@ -184,6 +185,40 @@ def upsample() -> None:
             print(f"{side}x{side}x{channels} {name} {seconds * 1e3:.1f} ms")
 
 
+def upsample_plugin(rounds: int) -> None:
+    """The decoder's Upsample in bf16 with the AVX-512 bf16 plugin: one shim call (four 2x2 convolutions
+    of the input) against XLA's upsample then the plugin's 3x3 convolution, interleaved, at the medium
+    decoder's three upsamples and two of FLUX.2's (decoder widths 512 and 256)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from flux2klein_cli.core.models import kernels
+    from flux2klein_cli.core.models.trace import TraceOptions, traced_under
+    from flux2klein_cli.core.models.vae import Upsample
+
+    if kernels.plugin_status().name != "avx512-bf16":
+        raise SystemExit(f"the AVX-512 bf16 plugin does not run here: {kernels.plugin_status().reason}")
+    options = TraceOptions("cpu", "blocked", kernels="avx512-bf16")
+    forms = {"one call": nnx.jit(traced_under(lambda m, x: m(x), options)),
+             "upsample, then conv": nnx.jit(traced_under(lambda m, x: m._upsampled_conv(x), options))}
+    rng = np.random.default_rng(0)
+    for side, channels in ((64, 128), (128, 128), (256, 64), (64, 512), (128, 256)):
+        module = Upsample(channels, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        module.conv.kernel[...] = jnp.asarray(rng.standard_normal((3, 3, channels, channels)) / (9 * channels) ** 0.5,
+                                              jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((1, side, side, channels)), jnp.bfloat16)
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for _ in range(rounds):  # interleaved
+            for name, form in forms.items():
+                times[name].append(median_s(lambda f=form, m=module, x=x: jax.block_until_ready(f(m, x)), calls=3))
+        flops = 2 * 9 * channels * channels * (2 * side) ** 2  # the plain form's
+        print(f"{side}x{side}x{channels} -> {2 * side}x{2 * side}: " + ", ".join(
+            f"{name} {statistics.median(t) * 1e3:.1f} ms ({flops / statistics.median(t) / 1e9:.0f} GFLOP/s of the "
+            f"plain form's work)" for name, t in times.items()))
+
+
 def first_touch() -> None:
     import numpy as np
 
@@ -277,8 +312,8 @@ def single_tail(rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "first-touch", "ops",
-                                          "single-tail"))
+    parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "upsample-plugin",
+                                          "first-touch", "ops", "single-tail"))
     parser.add_argument("--model", default="/tmp/cmp/medium", help="phases, ops: a diffusers checkpoint folder")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
@@ -296,6 +331,8 @@ def main() -> None:
         attention(args.rounds)
     elif args.study == "upsample":
         upsample()
+    elif args.study == "upsample-plugin":
+        upsample_plugin(args.rounds)
     elif args.study == "ops":
         ops(args.model, args.size, args.steps, args.dtype, args.top)
     elif args.study == "single-tail":
