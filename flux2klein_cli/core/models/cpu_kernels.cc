@@ -964,7 +964,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3, NormSiluConv3
 // each column of the block as one run: 5-10 GB/s on one core. stored is (rows, cols) with row stride
 // `stored_stride` elements, dest (cols, rows) with row stride `dest_stride`. Kinds: 0 float32 -> bfloat16
 // (rounded as to_bf16x16, so as ml_dtypes and XLA round), 1 16-bit values as they are, 2 32-bit values as
-// they are. Returns 0, or 1 for an unknown kind. Plain C++ on the shim's flags: no tiles, no MKL.
+// they are. Returns 0, or 1 for an unknown kind. AVX-512F only (no tiles, no MKL): it runs wherever the shim
+// loads, called from several reader threads at once.
 template <typename Out, typename Load>
 static void transpose_blocks(int64_t rows, int64_t cols, Out* dest, int64_t dest_stride, Load load) {
   alignas(64) Out block[16][16];
