@@ -275,8 +275,9 @@ def ops(model: str, size: int, steps: int, dtype: str, top: int) -> None:
 def single_tail(rounds: int) -> None:
     """What follows the single block's fused projection in bf16, at the medium checkpoint's 512x512
     shapes: the projection rounded to bf16, SwiGLU of its MLP half, and the attention output joined
-    to it for the output projection. As the model writes it (XLA joins in float32, then rounds),
-    against the MLP half rounded on its own and a join of the bf16 bits as uint16. Same bits."""
+    to it for the output projection. As XLA runs the model's form (it joins in float32, then rounds),
+    against the MLP half rounded on its own and a join of the bf16 bits as uint16, and, where the
+    AVX-512 bf16 plugin runs, the model's form with its SwiGLU-and-join pass. Same bits."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -300,8 +301,20 @@ def single_tail(rounds: int) -> None:
         return joined, p[:, :1536].astype(jnp.bfloat16) * 2
 
     forms = {"as written": jax.jit(as_written), "bits joined": jax.jit(bits_joined)}
-    results = {name: form(projection, attended) for name, form in forms.items()}
-    same = all(bool(jnp.array_equal(x, y)) for x, y in zip(*results.values(), strict=True))
+    from flux2klein_cli.core.models import kernels
+
+    if kernels.plugin_status().name == "avx512-bf16":
+        from flux2klein_cli.core.models.trace import TraceOptions, traced_under
+        from flux2klein_cli.core.models.transformer import swiglu
+
+        def plugin(p: Any, a: Any) -> Any:
+            rounded = p.astype(jnp.bfloat16)
+            return swiglu(rounded, start=1536, after=a), rounded[:, :1536] * 2
+
+        options = TraceOptions("cpu", "blocked", kernels="avx512-bf16")
+        forms["the plugin's pass"] = jax.jit(traced_under(plugin, options))
+    results = [form(projection, attended) for form in forms.values()]
+    same = all(bool(jnp.array_equal(x, y)) for other in results[1:] for x, y in zip(results[0], other, strict=True))
     times: dict[str, list[float]] = {name: [] for name in forms}
     for _ in range(rounds):  # interleaved
         for name, form in forms.items():

@@ -272,6 +272,13 @@ def test_the_avx512_plugin_takes_attention_and_the_vaes_convolutions_but_not_the
     assert traced(bf16_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)).count(
         f"@{avx512_bf16.NORM_CONV_TARGET}(") == 2
     assert "custom_call" not in traced(bf16_linear(), jnp.ones((3, 64), jnp.bfloat16))
+    from flux2klein_cli.core.models.transformer import swiglu
+
+    proj, attended = jnp.ones((1, 5, 4 + 2 * 6), jnp.bfloat16), jnp.ones((1, 5, 3), jnp.bfloat16)
+    joined = traced_under(lambda p, a: swiglu(p, start=4, after=a), options)
+    assert f"@{avx512_bf16.SWIGLU_TARGET}(" in hlo(joined, proj, attended)
+    assert avx512_bf16.SWIGLU_TARGET not in hlo(joined, proj, attended, platform="tpu")
+    assert avx512_bf16.SWIGLU_TARGET not in hlo(joined, proj.astype(jnp.float32), attended.astype(jnp.float32))
     upsampled = traced(bf16_upsample(4, 6), x)  # the decoder's upsample and its convolution: one call
     assert f"@{avx512_bf16.UPSAMPLE_CONV_TARGET}(" in upsampled and avx512_bf16.CONV_TARGET not in upsampled
     assert avx512_bf16.UPSAMPLE_CONV_TARGET not in traced(bf16_upsample(4, 6), x, platform="tpu")
@@ -469,6 +476,26 @@ def test_the_vaes_conv_in_the_shim_matches_nnx_conv(plugin: str, shape: tuple[in
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.bfloat16)
     ours, xla = (np.asarray(conv_under(form)(module, x), np.float32) for form in (plugin, None))
     assert ours.shape == (b, h, w, c_out)
+    assert np.mean(ours != xla) < 1e-3
+    np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
+
+
+@pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
+@pytest.mark.parametrize("shape", [(1, 37, 24, 12, 8), (2, 5, 0, 20, 0), (1, 300, 96, 48, 32), (3, 1, 6, 17, 5)])
+def test_the_transformers_swiglu_in_the_shim_matches_xlas_form(shape: tuple[int, ...]) -> None:
+    """SwiGLU of x[..., start:] joined after the attention output (the single block's), or alone (the
+    feed-forward's), in one shim pass: the XLA form's roundings (SiLU in float32 rounded to bf16, then
+    the bf16 product), equal but for rare one-ulp differences of the two SiLUs."""
+    from flux2klein_cli.core.models.transformer import swiglu
+
+    b, s, start, hidden, joined = shape
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(3 * rng.standard_normal((b, s, start + 2 * hidden)), jnp.bfloat16)
+    after = jnp.asarray(rng.standard_normal((b, s, joined)), jnp.bfloat16) if joined else None
+    ours, xla = (np.asarray(jax.jit(traced_under(lambda x, a: swiglu(x, start=start, after=a),
+                                                 plugin_options(form)))(x, after), np.float32)
+                 for form in ("avx512-bf16", None))
+    assert ours.shape == (b, s, joined + hidden)
     assert np.mean(ours != xla) < 1e-3
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
 

@@ -9,7 +9,8 @@ keys) run well below the rate: the VAE decoder and attention were most of a bf16
 products in VDPBF16PS instead of on the AMX tiles: pairs of bf16 products summed into float32 lanes.
 
 It takes the VAE's 1x1 convolutions too (`conv1x1`), and the decoder's nearest 2x upsample with the
-3x3 convolution after it (`upsample_conv3x3`); the Linear layers keep XLA's dots. Chosen by
+3x3 convolution after it (`upsample_conv3x3`), and the transformer's SwiGLU with the join after the
+single block's attention output (`swiglu`); the Linear layers keep XLA's dots. Chosen by
 the backend dispatch (core/models/kernels.py) and named `avx512-bf16` in the trace options, so it is
 part of every program's key.
 """
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from flux2klein_cli.core.models import cpu_matmul, cpu_shim
 
@@ -29,6 +31,7 @@ CONV_TARGET = "flux2klein_avx512_bf16_conv3x3"
 NORM_CONV_TARGET = "flux2klein_avx512_bf16_norm_silu_conv3x3"
 CONV1X1_TARGET = "flux2klein_avx512_bf16_conv1x1"
 UPSAMPLE_CONV_TARGET = "flux2klein_avx512_bf16_upsample_conv3x3"
+SWIGLU_TARGET = "flux2klein_avx512_bf16_swiglu"
 
 
 def load() -> str | None:
@@ -41,7 +44,8 @@ def load() -> str | None:
                               CONV_TARGET: "flux2klein_avx512_conv3x3",
                               NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3",
                               CONV1X1_TARGET: "flux2klein_avx512_conv1x1",
-                              UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3"}, lib)
+                              UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3",
+                              SWIGLU_TARGET: "flux2klein_avx512_swiglu"}, lib)
 
 
 def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
@@ -108,3 +112,24 @@ def upsample_conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback:
         return call(x, kernel, bias)
 
     return jax.lax.platform_dependent(x, kernel, bias, cpu=avx512, default=lambda x, kernel, bias: fallback(x))
+
+
+def swiglu_eligible(x: jax.Array, after: jax.Array | None) -> bool:
+    """Whether the transformer's SwiGLU of `x` (joined after `after`) takes the shim: bf16 on one CPU device."""
+    return (x.dtype == jnp.bfloat16 and (after is None or after.dtype == jnp.bfloat16) and x.ndim >= 2
+            and cpu_matmul.single_cpu_device())
+
+
+def swiglu(x: jax.Array, start: int, after: jax.Array | None, fallback: Any) -> jax.Array:
+    """The transformer's SwiGLU of x[..., start:] (gate, then value), joined after `after` on the last
+    axis when given, in one shim pass with its numerics (SiLU in float32 rounded to bf16, then the bf16
+    product); `fallback(x)` on other platforms. Taking `start` instead of a slice spares XLA a copy."""
+    joined = jnp.zeros((*x.shape[:-1], 0), jnp.bfloat16) if after is None else after
+    hidden = (x.shape[-1] - start) // 2
+
+    def avx512(x: jax.Array, joined: jax.Array) -> jax.Array:
+        out = jax.ShapeDtypeStruct((*x.shape[:-1], joined.shape[-1] + hidden), jnp.bfloat16)
+        call = jax.ffi.ffi_call(SWIGLU_TARGET, out, vmap_method="sequential")
+        return call(joined, x, start=np.int64(start))
+
+    return jax.lax.platform_dependent(x, joined, cpu=avx512, default=lambda x, joined: fallback(x))

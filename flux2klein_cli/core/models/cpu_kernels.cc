@@ -958,6 +958,49 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3<
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3, NormSiluConv3x3<true>,
                               FLUX2KLEIN_NORM_CONV_BINDING);
 
+// The transformer's SwiGLU in bf16, joined after another bf16 array when that has columns (the single
+// block's attention output, which the output projection takes side by side with it): row t of the out
+// is [after[t], bf16(bf16(silu(gate)) * value)], gate = x[t, start : start + H], value = x[t, start + H :
+// start + 2H], SiLU in float32. The roundings are transformer.swiglu's (SiLU rounded to bf16, then the
+// bf16 product). XLA widened this chain and the join to float32 and ran each in a pass of its own.
+constexpr int64_t kRowsPerTask = 64;
+
+static ffi::Error Swiglu(ffi::Buffer<ffi::BF16> after, ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::BF16> out,
+                         int64_t start) {
+  auto ad = after.dimensions(), xd = x.dimensions(), od = out->dimensions();
+  if (xd.size() == 0 || ad.size() != xd.size() || od.size() != xd.size() ||
+      !std::equal(xd.begin(), xd.end() - 1, ad.begin()) || !std::equal(xd.begin(), xd.end() - 1, od.begin()))
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (..., A), (..., start + 2H), out (..., A + H)");
+  const int64_t a = ad.back(), width = xd.back(), h = od.back() - a;
+  if (start < 0 || h < 0 || start + 2 * h != width)
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (..., A), (..., start + 2H), out (..., A + H)");
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < xd.size(); ++i) rows *= xd[i];
+  const auto* ap = reinterpret_cast<const uint16_t*>(after.untyped_data());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
+  const int64_t tasks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_tasks(tasks, workers_for(tasks), [&](int64_t task, int) {
+    for (int64_t r = task * kRowsPerTask; r < std::min(rows, (task + 1) * kRowsPerTask); ++r) {
+      uint16_t* row = op + r * (a + h);
+      if (a > 0) std::memcpy(row, ap + r * a, a * 2);
+      const uint16_t* gate = xp + r * width + start;
+      for (int64_t c = 0; c < h; c += 16) {
+        const __mmask16 lanes = lanes_left(h - c);
+        const __m512 g = from_bf16x16(_mm256_maskz_loadu_epi16(lanes, gate + c));
+        const __m512 v = from_bf16x16(_mm256_maskz_loadu_epi16(lanes, gate + h + c));
+        const __m512 activated = from_bf16x16(to_bf16x16(silu16(g)));
+        _mm256_mask_storeu_epi16(row + a + c, lanes, to_bf16x16(_mm512_mul_ps(activated, v)));
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_swiglu, Swiglu,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>().Attr<int64_t>("start"));
+
 // The loader's transposing copy (core/weights/loader.py, copy_into): a torch (out, in) weight into the
 // (in, out) array JAX takes, converted on the way. numpy moves a transposed view one element at a time,
 // strided, at about 1 GB/s here; this reads 16 rows of 16 values as vectors, converts them, and writes

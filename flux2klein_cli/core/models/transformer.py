@@ -248,9 +248,20 @@ def modulate(x: jax.Array, shift: jax.Array, scale: jax.Array, eps: float) -> ja
     return (1 + scale) * layer_norm(x, eps) + shift
 
 
-def swiglu(x: jax.Array) -> jax.Array:
-    gate, value = jnp.split(x, 2, axis=-1)
-    return silu(gate) * value
+def swiglu(x: jax.Array, *, start: int = 0, after: jax.Array | None = None) -> jax.Array:
+    """SiLU(gate) * value of x[..., start:]'s two halves, joined after `after` on the last axis when
+    given (the single block's attention output, beside it for the output projection); in one pass of
+    the kernel plugin where it has one (core/models/avx512_bf16.py)."""
+
+    def xla(x: jax.Array) -> jax.Array:
+        gate, value = jnp.split(x[..., start:], 2, axis=-1)
+        out = silu(gate) * value
+        return out if after is None else jnp.concatenate([after, out], axis=-1)
+
+    kernels = trace.plugin()
+    if kernels is not None and hasattr(kernels, "swiglu") and kernels.swiglu_eligible(x, after):
+        return kernels.swiglu(x, start, after, xla)
+    return xla(x)
 
 
 class TimestepEmbedding(nnx.Module):
@@ -386,7 +397,7 @@ class ParallelAttention(nnx.Module):
         head_shape = (*x.shape[:2], self.heads, self.dim // self.heads)
         q, k, v = (p.reshape(head_shape) for p in jnp.split(proj[..., : 3 * self.dim], 3, -1))
         out, ref_kv = joint_attention(apply_rope(self.norm_q(q), rope), apply_rope(self.norm_k(k), rope), v, mode)
-        return self.to_out(jnp.concatenate([out, swiglu(proj[..., 3 * self.dim :])], axis=-1)), ref_kv
+        return self.to_out(swiglu(proj, start=3 * self.dim, after=out)), ref_kv
 
 
 class SingleBlock(nnx.Module):
