@@ -446,6 +446,23 @@ def text_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax
 
 
 @pytest.mark.parametrize("plugin", PLUGINS)
+def test_the_text_encoders_attention_reads_no_key_past_the_last_one_a_block_may_see(plugin: str) -> None:
+    """A prompt padded on the right (its 9 real tokens of 300, as the text encoder pads to 512): each
+    block of queries stops its products at the panel of the last key it may see. The padding keys'
+    values are then never read: NaN there changes no output bit (XLA's form, which multiplies them by
+    zero weights, would turn every row NaN)."""
+    q, k, v, _ = text_attention_inputs(1, 300, 4, 2, 32)
+    real = np.arange(300) < 9
+    mask = jnp.asarray(np.tril(np.ones((300, 300), bool))[None] & real[None, None, :])
+    poisoned = v.at[:, 64:].set(jnp.nan)  # from the third panel of 32 keys on
+    ours, with_nan = (np.asarray(text_attention_under(plugin)(q, k, values, mask), np.float32)
+                      for values in (v, poisoned))
+    np.testing.assert_array_equal(ours, with_nan)
+    rounded = text_attention_reference(q, k, v, mask, round_weights=True)
+    assert np.all(np.isfinite(ours)) and np.mean(ours != rounded) < 1e-3
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
 @pytest.mark.parametrize("shape", [(2, 300, 8, 2, 64), (2, 37, 6, 3, 16), (2, 130, 4, 4, 128)])
 def test_the_text_encoders_attention_in_the_shim_matches_xlas_form(plugin: str, shape: tuple[int, ...]) -> None:
     """The masked, grouped-query form: jax.nn.dot_product_attention's numerics (scores scaled after

@@ -403,6 +403,28 @@ static void pack_values(const uint16_t* v, int64_t stride, int64_t sk, int64_t d
       }
 }
 
+// The last key index that any of the block's rows allows (-1 when none does): each row's mask is scanned
+// from its end, 64 bytes at a time, down to the last index found so far.
+static int64_t last_allowed_key(const AttentionShape& s, const Masking& m, int64_t b, int64_t row0, int64_t rows) {
+  int64_t last = -1;
+  for (int64_t i = 0; i < rows; ++i) {
+    const bool* allowed = m.allowed + (b * s.sq + row0 + i) * s.sk;
+    int64_t end = s.sk;  // indices [end, s.sk) of this row hold no allowed key
+    for (; end - 64 > last; end -= 64) {
+      const __m512i bytes = _mm512_loadu_si512(allowed + end - 64);
+      const uint64_t set = _mm512_test_epi8_mask(bytes, bytes);
+      if (set != 0) {
+        last = end - 64 + 63 - __builtin_clzll(set);
+        end = last;  // nothing left to find in this row
+        break;
+      }
+    }
+    for (int64_t j = end - 1; j > last; --j)
+      if (allowed[j]) last = j;
+  }
+  return last;
+}
+
 // A worker's scratch for one block of queries, and the keys and values of the head it last packed.
 struct AttentionScratch {
   int64_t depth, keys, dims;  // the head dim, the keys and the value dims, each padded for the tiles
@@ -439,8 +461,12 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
     if (s.avx512) return dpbf16_product(a, lda, panel, depth, c, ldc, tile_rows);
     for (int64_t r = 0; r < tile_rows; r += 32) tile_product(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
   };
+  // A masked block's products stop at the panel of the last key any of its rows may see: the keys past it
+  // weigh zero (the text encoder's prompts are padded on the right to 512 tokens, most of them padding).
+  const int64_t keys = m.allowed == nullptr ? w.keys : round_up(last_allowed_key(s, m, b, row0, rows) + 1, kPanel);
+  const int64_t seen = std::min(keys, s.sk);
   if (!s.avx512) configure_tiles();
-  for (int64_t p = 0; p < w.keys; p += kPanel)
+  for (int64_t p = 0; p < keys; p += kPanel)
     product(w.queries.data(), w.depth, w.packed_keys.data() + p * w.depth, w.depth, w.scores.data() + p, w.keys);
   // Per row: the divisor of its P @ V (1 where the weights are normalised already, 0 for no key).
   std::vector<float> divisors(tile_rows, 1.0f);
@@ -451,13 +477,13 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
     if (filled && m.allowed == nullptr) {
       divisors[i] = exp_row(row, s.sk, row_max(row, s.sk), weights);
     } else if (filled) {
-      filled = masked_softmax_row(row, s.sk, m.scale, m.allowed + (b * s.sq + row0 + i) * s.sk, weights);
+      filled = masked_softmax_row(row, seen, m.scale, m.allowed + (b * s.sq + row0 + i) * s.sk, weights);
       if (!filled) divisors[i] = 0.0f;
     }
-    std::fill(weights + (filled ? s.sk : 0), weights + w.keys, 0);
+    std::fill(weights + (filled ? seen : 0), weights + w.keys, 0);
   }
   for (int64_t p = 0; p < w.dims; p += kPanel)
-    product(w.weights.data(), w.keys, w.packed_values.data() + p * w.keys, w.keys, w.acc.data() + p, w.dims);
+    product(w.weights.data(), w.keys, w.packed_values.data() + p * w.keys, keys, w.acc.data() + p, w.dims);
   if (!s.avx512) _tile_release();
   for (int64_t i = 0; i < rows; ++i) {
     uint16_t* o = out + (b * s.sq + row0 + i) * q_stride + h * s.dim;
