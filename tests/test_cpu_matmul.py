@@ -76,6 +76,8 @@ def plugin_missing(plugin: str) -> str | None:
 PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) is not None,
                                                       reason=str(plugin_missing(name))))
            for name in kernels.PLUGINS]
+# Tests of what only the AVX-512 bf16 plugin has (the upsample convolution, SwiGLU).
+avx512 = pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
 
 
 def test_cpu_flags_read_the_first_processor() -> None:
@@ -340,7 +342,7 @@ def test_a_report_names_the_plugin_without_building_its_shim(monkeypatch: pytest
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
+@avx512
 def test_a_process_opens_the_shim_once_whatever_the_cache_folder(monkeypatch: pytest.MonkeyPatch,
                                                                  fresh_status: None, tmp_path: Path) -> None:
     """The plugin detected again after FLUX2KLEIN_CACHE changed (a test's private cache, a serve
@@ -497,7 +499,7 @@ def test_the_vaes_conv_in_the_shim_matches_nnx_conv(plugin: str, shape: tuple[in
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
 
 
-@pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
+@avx512
 @pytest.mark.parametrize("shape", [(1, 37, 24, 12, 8), (2, 5, 0, 20, 0), (1, 300, 96, 48, 32), (3, 1, 6, 17, 5)])
 def test_the_transformers_swiglu_in_the_shim_matches_xlas_form(shape: tuple[int, ...]) -> None:
     """SwiGLU of x[..., start:] joined after the attention output (the single block's), or alone (the
@@ -526,7 +528,7 @@ def upsampled_conv_exact(module: nnx.Module, x: jax.Array) -> np.ndarray:
     return sum(padded[:, dy : dy + h, dx : dx + w] @ kernel[dy, dx] for dy in range(3) for dx in range(3)) + bias
 
 
-@pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
+@avx512
 @pytest.mark.parametrize("shape", [(1, 16, 12, 64, 32), (2, 9, 5, 6, 20), (1, 7, 3, 32, 40), (1, 30, 33, 128, 128)])
 def test_the_decoders_upsample_and_conv_in_one_shim_call_stay_as_close_as_xlas_form(shape: tuple[int, ...]) -> None:
     """The AVX-512 bf16 plugin's nearest 2x upsample and 3x3 convolution, as four 2x2 convolutions of the

@@ -625,14 +625,6 @@ static std::vector<uint16_t> pack_conv_kernel(const uint16_t* kernel, int64_t c_
   return packed;
 }
 
-// One float32 -> bfloat16 bits, as to_bf16x16 rounds each lane.
-static inline uint16_t to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  if (f != f) return static_cast<uint16_t>((bits >> 16) | 0x40);
-  return static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
 // A 3x3 kernel (3, 3, Cin, Cout) as the sixteen taps of a nearest 2x upsample then that convolution
 // (upsample_conv_tile_dpbf16), packed as pack_conv_kernel packs nine: tap (dy, dx) of phase (a, b) is the
 // sum of the kernel's rows kRows[a][dy] and columns kRows[b][dx], in float32, rounded to bf16 once (the
@@ -641,14 +633,17 @@ static inline uint16_t to_bf16(float f) {
 // the first and row 2 on the second.
 static std::vector<uint16_t> pack_upsample_kernel(const uint16_t* kernel, int64_t c_in, int64_t c_out) {
   static constexpr int kRows[2][2][2] = {{{0, 0}, {1, 2}}, {{0, 1}, {2, 2}}};  // [phase][tap]: first, last
-  std::vector<uint16_t> merged(16 * c_in * c_out);
+  const int64_t size = c_in * c_out;
+  std::vector<uint16_t> merged(16 * size);
   for (int tap = 0; tap < 16; ++tap) {
     const int a = tap / 8, b = tap / 4 % 2, dy = tap / 2 % 2, dx = tap % 2;
-    for (int64_t i = 0; i < c_in * c_out; ++i) {
-      float sum = 0.0f;
+    for (int64_t i = 0; i < size; i += 16) {  // sixteen weights at a time: this runs on every call
+      const __mmask16 lanes = lanes_left(size - i);
+      __m512 sum = _mm512_setzero_ps();
       for (int ky = kRows[a][dy][0]; ky <= kRows[a][dy][1]; ++ky)
-        for (int kx = kRows[b][dx][0]; kx <= kRows[b][dx][1]; ++kx) sum += from_bf16(kernel[(ky * 3 + kx) * c_in * c_out + i]);
-      merged[tap * c_in * c_out + i] = to_bf16(sum);
+        for (int kx = kRows[b][dx][0]; kx <= kRows[b][dx][1]; ++kx)
+          sum = _mm512_add_ps(sum, from_bf16x16(_mm256_maskz_loadu_epi16(lanes, kernel + (ky * 3 + kx) * size + i)));
+      _mm256_mask_storeu_epi16(merged.data() + tap * size + i, lanes, to_bf16x16(sum));
     }
   }
   return pack_conv_kernel(merged.data(), c_in, c_out, 16);
