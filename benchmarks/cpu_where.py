@@ -219,6 +219,47 @@ def upsample_plugin(rounds: int) -> None:
             f"plain form's work)" for name, t in times.items()))
 
 
+def linear_plugin(rounds: int) -> None:
+    """A Linear layer's bf16 product with the AVX-512 bf16 plugin's GEMM against XLA's (the dot with a
+    float32 result, then the convert), interleaved, at the medium transformer's and text encoder's
+    shapes and two of the 4B's. Each program runs 8 products against 8 different weights, as a model
+    does, so the weights come from memory rather than from the cache of the call before."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from flux2klein_cli.core.models import avx512_bf16, kernels
+
+    if kernels.plugin_status().name != "avx512-bf16":
+        raise SystemExit(f"the AVX-512 bf16 plugin does not run here: {kernels.plugin_status().reason}")
+
+    def xla(x: Any, w: Any) -> Any:
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    def plugin(x: Any, w: Any) -> Any:
+        return avx512_bf16.dot_general(x, w, None, xla)
+
+    def chained(dot: Callable[[Any, Any], Any]) -> Any:
+        return jax.jit(lambda x, ws: [dot(x, w)[:1, :1] for w in ws])
+
+    forms = {"XLA": chained(xla), "plugin": chained(plugin)}
+    rng = np.random.default_rng(0)
+    for m, k, n in ((1536, 512, 4608), (1536, 2048, 512), (1024, 512, 3072), (1024, 1536, 512), (1024, 512, 512),
+                    (512, 512, 512), (512, 768, 2304), (1536, 3072, 9216), (1536, 12288, 3072)):
+        x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+        ws = [jnp.asarray(rng.standard_normal((k, n)) / k ** 0.5, jnp.bfloat16) for _ in range(8)]
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for _ in range(rounds):  # interleaved
+            for name, form in forms.items():
+                run = functools.partial(lambda f, x, ws: jax.block_until_ready(f(x, ws)), form, x, ws)
+                times[name].append(median_s(run, calls=3) / len(ws))
+        flops = 2 * m * k * n
+        best = {name: statistics.median(t) for name, t in times.items()}
+        print(f"{m}x{k} @ {k}x{n}: " + ", ".join(f"{name} {t * 1e3:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s)"
+                                                 for name, t in best.items())
+              + f"; plugin/XLA {best['plugin'] / best['XLA']:.2f}")
+
+
 def first_touch() -> None:
     import numpy as np
 
@@ -326,7 +367,7 @@ def single_tail(rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "upsample-plugin",
-                                          "first-touch", "ops", "single-tail"))
+                                          "first-touch", "ops", "single-tail", "linear-plugin"))
     parser.add_argument("--model", default="/tmp/cmp/medium", help="phases, ops: a diffusers checkpoint folder")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
@@ -350,6 +391,8 @@ def main() -> None:
         ops(args.model, args.size, args.steps, args.dtype, args.top)
     elif args.study == "single-tail":
         single_tail(args.rounds)
+    elif args.study == "linear-plugin":
+        linear_plugin(args.rounds)
     else:
         first_touch()
 

@@ -89,7 +89,7 @@ def test_cpu_flags_read_the_first_processor() -> None:
 
 def test_a_cpu_without_amx_keeps_xlas_dot(monkeypatch: pytest.MonkeyPatch, fresh_status: None) -> None:
     """AVX-512 bf16 without AMX: the AVX-512 plugin on x86 (its shim builds here), which leaves the
-    Linear dots to XLA."""
+    smaller Linear dots to XLA."""
     flags = cpu.cpu_flags(CPUINFO_AVX512)
     monkeypatch.setattr(kernels.cpu, "cpu_flags", lambda: flags)
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
@@ -258,7 +258,7 @@ def test_the_vaes_norm_silu_conv_takes_one_shim_call_only_on_the_onemkl_path() -
     assert cpu_matmul.NORM_CONV_TARGET not in traced(True, platform="tpu")
 
 
-def test_the_avx512_plugin_takes_attention_and_the_vaes_convolutions_but_not_the_dots() -> None:
+def test_the_avx512_plugin_takes_attention_the_vaes_convolutions_and_the_larger_dots() -> None:
     """Lowering only (no CPU needed): which calls the AVX-512 bf16 plugin's programs hold."""
     options = plugin_options("avx512-bf16")
 
@@ -273,7 +273,16 @@ def test_the_avx512_plugin_takes_attention_and_the_vaes_convolutions_but_not_the
     assert f"@{avx512_bf16.CONV1X1_TARGET}(" in traced(bf16_conv(4, 6, size=1), x)  # the VAE's shortcuts
     assert traced(bf16_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)).count(
         f"@{avx512_bf16.NORM_CONV_TARGET}(") == 2
-    assert "custom_call" not in traced(bf16_linear(), jnp.ones((3, 64), jnp.bfloat16))
+    assert "custom_call" not in traced(bf16_linear(), jnp.ones((3, 64), jnp.bfloat16))  # too small to pay
+    big = linear(512, 640, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), bias=True)  # 2 x 320 x 512 x 640 products
+    tokens = jax.ShapeDtypeStruct((2, 320, 512), jnp.bfloat16)
+    assert traced(big, tokens).count(f"@{avx512_bf16.GEMM_TARGET}(") == 1
+    assert avx512_bf16.GEMM_TARGET not in traced(big, tokens, platform="tpu")
+    assert avx512_bf16.GEMM_TARGET not in traced(big, jax.ShapeDtypeStruct((2, 100, 512), jnp.bfloat16))
+    wide = linear(512, 640, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert avx512_bf16.GEMM_TARGET not in traced(wide, jax.ShapeDtypeStruct((2, 320, 512), jnp.float32))
+    odd = linear(511, 640, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))  # VDPBF16PS sums pairs of the inner dim
+    assert avx512_bf16.GEMM_TARGET not in traced(odd, jax.ShapeDtypeStruct((2, 320, 511), jnp.bfloat16))
     from flux2klein_cli.core.models.transformer import swiglu
 
     proj, attended = jnp.ones((1, 5, 4 + 2 * 6), jnp.bfloat16), jnp.ones((1, 5, 3), jnp.bfloat16)
@@ -517,6 +526,50 @@ def test_the_transformers_swiglu_in_the_shim_matches_xlas_form(shape: tuple[int,
     assert ours.shape == (b, s, joined + hidden)
     assert np.mean(ours != xla) < 1e-3
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
+
+
+def xla_linear_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """A Linear layer's product as XLA computes it on CPU: float32 sums, rounded to bf16."""
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+
+def shim_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The AVX-512 bf16 plugin's product, whatever the size (the Linear layers take it from 2e8 products)."""
+    return jax.jit(lambda x, w: avx512_bf16.dot_general(x, w, None, xla_linear_dot))(x, w)
+
+
+@avx512
+@pytest.mark.parametrize("shape", [(37, 70, 45), (2, 197, 64, 103), (13, 2, 300), (200, 2048, 200), (1, 512, 33)])
+def test_the_linear_layers_product_in_the_shim_matches_xlas(shape: tuple[int, ...]) -> None:
+    """bf16 (..., K) x (K, N) rounded to bf16 once: XLA's numerics (float32 sums of the pairs), equal
+    but for rare one-ulp roundings where the order of the sums differs, and no further from float64.
+    The shapes cut the shim's blocks of 12 and 192 rows, 32-column panels and blocks of columns (64 of
+    them at K = 2048) in odd places; a wrong block or panel would be off by the size of the outputs."""
+    *lead, k, n = shape
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((*lead, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    ours, xla = np.asarray(shim_dot(x, w), np.float64), np.asarray(jax.jit(xla_linear_dot)(x, w), np.float64)
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    assert ours.shape == (*lead, n)
+    assert np.mean(ours != xla) < 1e-3
+    np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
+    assert np.abs(ours - exact).mean() <= 1.01 * np.abs(xla - exact).mean()
+
+
+@avx512
+def test_the_linear_layers_product_in_the_shim_keeps_nan_and_infinity_to_their_rows_and_sums_nothing_to_zero() -> None:
+    rng = np.random.default_rng(5)
+    x = np.asarray(rng.standard_normal((30, 64)), np.float32)
+    w = jnp.asarray(rng.standard_normal((64, 40)), jnp.bfloat16)
+    x[3, 5], x[17, 0] = np.nan, np.inf
+    ours, xla = (np.asarray(f(jnp.asarray(x, jnp.bfloat16), w), np.float32)
+                 for f in (shim_dot, jax.jit(xla_linear_dot)))
+    assert np.isnan(ours[3]).all() and not np.isnan(np.delete(ours, [3, 17], axis=0)).any()
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
+    empty = shim_dot(jnp.ones((5, 0), jnp.bfloat16), jnp.ones((0, 7), jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(empty, np.float32), np.zeros((5, 7), np.float32))
 
 
 def upsampled_conv_exact(module: nnx.Module, x: jax.Array) -> np.ndarray:

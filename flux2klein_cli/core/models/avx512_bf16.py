@@ -9,14 +9,16 @@ keys) run well below the rate: the VAE decoder and attention were most of a bf16
 products in VDPBF16PS instead of on the AMX tiles: pairs of bf16 products summed into float32 lanes.
 
 It takes the VAE's 1x1 convolutions too (`conv1x1`), and the decoder's nearest 2x upsample with the
-3x3 convolution after it (`upsample_conv3x3`), and the transformer's SwiGLU with the join after the
-single block's attention output (`swiglu`); the Linear layers keep XLA's dots. Chosen by
+3x3 convolution after it (`upsample_conv3x3`), the transformer's SwiGLU with the join after the
+single block's attention output (`swiglu`), and the larger Linear layers' products (`dot_general`:
+XLA's ran at 83-87% of the unit's rate, then rounded its float32 result in a pass of its own). Chosen by
 the backend dispatch (core/models/kernels.py) and named `avx512-bf16` in the trace options, so it is
 part of every program's key.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -32,6 +34,7 @@ NORM_CONV_TARGET = "flux2klein_avx512_bf16_norm_silu_conv3x3"
 CONV1X1_TARGET = "flux2klein_avx512_bf16_conv1x1"
 UPSAMPLE_CONV_TARGET = "flux2klein_avx512_bf16_upsample_conv3x3"
 SWIGLU_TARGET = "flux2klein_avx512_bf16_swiglu"
+GEMM_TARGET = "flux2klein_avx512_bf16_gemm"
 
 
 def load() -> str | None:
@@ -45,11 +48,38 @@ def load() -> str | None:
                               NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3",
                               CONV1X1_TARGET: "flux2klein_avx512_conv1x1",
                               UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3",
-                              SWIGLU_TARGET: "flux2klein_avx512_swiglu"}, lib)
+                              SWIGLU_TARGET: "flux2klein_avx512_swiglu",
+                              GEMM_TARGET: "flux2klein_avx512_gemm"}, lib)
+
+
+# Below this many multiply-adds XLA's dot was as fast or faster (512 x 512 x 512: 0.74 ms against 1.26 ms;
+# 1024 x 512 x 512 and up: ours 5-18% faster; docs/benchmarks.md).
+GEMM_MIN_PRODUCTS = 200_000_000
 
 
 def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
-    return False  # XLA's bf16 dot with a float32 result runs on the bf16 unit already
+    """Whether `dot_general` takes these: a Linear layer's bf16 (..., K) x (K, N) with a bf16 result, K
+    even (VDPBF16PS sums pairs), on one CPU device, big enough that the shim's call pays."""
+    if preferred_element_type not in (None, jnp.bfloat16) or not cpu_matmul.dot_eligible(
+            lhs, rhs, dimension_numbers, preferred_element_type, kwargs):
+        return False
+    k, n = rhs.shape
+    return k % 2 == 0 and math.prod(lhs.shape[:-1]) * k * n >= GEMM_MIN_PRODUCTS
+
+
+def dot_general(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any, fallback: Any) -> jax.Array:
+    """bf16 (..., K) x (K, N) -> bf16 in the shim: float32 sums rounded once, the numerics of XLA's dot
+    with a float32 result and the convert after it, without the float32 array between them;
+    `fallback(lhs, rhs)` on other platforms."""
+
+    def avx512(x: jax.Array, w: jax.Array) -> jax.Array:
+        lead, k, n = x.shape[:-1], w.shape[0], w.shape[1]
+        rows = x.reshape(math.prod(lead), k)
+        call = jax.ffi.ffi_call(GEMM_TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.bfloat16),
+                                vmap_method="sequential")
+        return call(rows, w).reshape(*lead, n)
+
+    return jax.lax.platform_dependent(lhs, rhs, cpu=avx512, default=fallback)
 
 
 attention_eligible = cpu_matmul.attention_eligible

@@ -22,7 +22,8 @@
 //   flux2klein_avx512_attention, flux2klein_avx512_masked_attention, flux2klein_avx512_conv3x3,
 //   flux2klein_avx512_norm_silu_conv3x3, flux2klein_avx512_conv1x1 (the VAE's 1x1 shortcuts), and
 //   flux2klein_avx512_upsample_conv3x3 (the decoder's nearest 2x upsample and its convolution, in 2.25x
-//   fewer products).
+//   fewer products), flux2klein_avx512_swiglu (the transformer's SwiGLU), and flux2klein_avx512_gemm (the
+//   Linear layers' products, rounded to bf16 as they are stored).
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
 // Built with AVX-512, bf16 and AMX on: it is loaded on CPUs with AVX-512 bf16 only, and the AMX
 // instructions run only in the AMX plugin's handlers.
@@ -1021,6 +1022,76 @@ static ffi::Error Swiglu(ffi::Buffer<ffi::BF16> after, ffi::Buffer<ffi::BF16> x,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_swiglu, Swiglu,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Attr<int64_t>("start"));
+
+// A Linear layer's product, bf16 (M, K) x bf16 (K, N) -> bf16 (M, N): float32 sums of VDPBF16PS pairs,
+// rounded once (XLA's bf16 dot with a float32 result, then the convert). XLA's own ran these at 83-87% of
+// the unit's rate, and its float32 result took a pass of its own to round. A task is a block of
+// kGemmRows rows against a block of columns; each worker packs a block of columns of the weight into
+// VDPBF16PS panels once (the tasks come in column-block order, so a worker's share is mostly whole
+// blocks), and each kDotRows rows' products against a panel run in registers, then round to bf16 as
+// they are stored.
+constexpr int64_t kGemmRows = 16 * kDotRows;
+
+// Columns per packed block: the packed weight block fits in half a core's L2, a whole panel at least.
+static int64_t gemm_block_columns(int64_t k) {
+  return std::clamp<int64_t>((256 * 1024 / (2 * round_up(k, kPanel))) / kPanel * kPanel, kPanel, 8 * kPanel);
+}
+
+// y (m, n) = bf16(x (m, k) x w (k, n)), all row-major, k even.
+static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, int64_t m, int64_t k, int64_t n) {
+  if (k == 0) {  // empty sums: +0
+    std::fill(yp, yp + m * n, 0);
+    return;
+  }
+  const int64_t depth = round_up(k, kPanel), columns = gemm_block_columns(k), column_blocks = (n + columns - 1) / columns;
+  const int64_t row_blocks = (m + kGemmRows - 1) / kGemmRows, tasks = column_blocks * row_blocks;
+  const int workers = workers_for(tasks);
+  struct Packed {
+    std::vector<uint16_t> panels;
+    int64_t block = -1;
+  };
+  std::vector<Packed> packed(workers);
+  parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
+    const int64_t block = t / row_blocks, col0 = block * columns, cols = std::min(columns, n - col0);
+    Packed& mine = packed[worker];
+    if (mine.block != block) {  // the weight's columns [col0, col0 + cols) as panels of [pair][column][2]
+      mine.panels.resize(depth * round_up(cols, kPanel));
+      pack_values(wp + col0, n, k, cols, mine.panels.data());
+      mine.block = block;
+    }
+    alignas(64) float sums[kDotRows * kPanel];
+    const int64_t row_end = std::min(m, (t % row_blocks + 1) * kGemmRows);
+    for (int64_t r = t % row_blocks * kGemmRows; r < row_end; r += kDotRows) {
+      const int64_t rows = std::min<int64_t>(kDotRows, row_end - r);
+      for (int64_t p = 0; p < cols; p += kPanel) {
+        if (rows == kDotRows)
+          dpbf16_accumulate<kDotRows, false>(xp + r * k, k, mine.panels.data() + p * depth, k, sums, kPanel);
+        else
+          dpbf16_product(xp + r * k, k, mine.panels.data() + p * depth, k, sums, kPanel, rows);
+        const __mmask16 low = lanes_left(cols - p), high = lanes_left(std::max<int64_t>(0, cols - p - 16));
+        for (int64_t i = 0; i < rows; ++i) {
+          uint16_t* out = yp + (r + i) * n + col0 + p;
+          _mm256_mask_storeu_epi16(out, low, to_bf16x16(_mm512_load_ps(sums + i * kPanel)));
+          _mm256_mask_storeu_epi16(out + 16, high, to_bf16x16(_mm512_load_ps(sums + i * kPanel + 16)));
+        }
+      }
+    }
+  });
+}
+
+static ffi::Error Gemm16(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || xd[1] % 2 != 0 || yd[0] != xd[0] ||
+      yd[1] != wd[1])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (M, K) x (K, N) -> (M, N), K even");
+  dpbf16_gemm(reinterpret_cast<const uint16_t*>(x.untyped_data()), reinterpret_cast<const uint16_t*>(w.untyped_data()),
+            reinterpret_cast<uint16_t*>(y->untyped_data()), xd[0], xd[1], wd[1]);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_gemm, Gemm16,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 // The loader's transposing copy (core/weights/loader.py, copy_into): a torch (out, in) weight into the
 // (in, out) array JAX takes, converted on the way. numpy moves a transposed view one element at a time,

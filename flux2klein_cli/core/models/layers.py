@@ -56,8 +56,8 @@ class ZeroInitRngs:
 
 def linear(d_in: int, d_out: int, *, dtype: Any, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
     """A torch-style Linear; the kernel is (in, out), loaded from torch's (out, in)."""
-    # The dot in the trace options' form (core/models/trace.py): on CPU float32 sums of bf16, on AMX
-    # CPUs the kernel plugin's.
+    # The dot in the trace options' form (core/models/trace.py): on CPU float32 sums of bf16, on CPUs
+    # with a kernel plugin the plugin's (the AVX-512 bf16 one's for the larger products only).
     return nnx.Linear(
         d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=ZEROS, bias_init=ZEROS, rngs=rngs,
         dot_general=trace.dot_general, promote_dtype=trace.promote_dtype,
@@ -231,7 +231,7 @@ def gpu_fused_attention(q: jax.Array) -> bool:
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Unmasked attention (B, Sq, H, Dh) x (B, Sk, H, Dh) -> (B, Sq, H, Dh) in the form the trace
     options name: the Pallas splash kernel on TPU (core/models/tpu_attention.py), cuDNN's fused
-    kernel on NVIDIA GPUs, the query-blocked form on the host CPU (in the kernel plugin on AMX CPUs)."""
+    kernel on NVIDIA GPUs, the query-blocked form on the host CPU (in the kernel plugin where one loaded)."""
     options = trace.current()
     if options.attention.startswith("splash") and tpu_attention.supports(q, k, v):
         return tpu_attention.splash_attention(q, k, v)
