@@ -528,6 +528,55 @@ def test_the_transformers_swiglu_in_the_shim_matches_xlas_form(shape: tuple[int,
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
 
 
+def torch_rounded_norm_rope(proj: np.ndarray, weight: np.ndarray, cos: np.ndarray, sin: np.ndarray, part: int,
+                            heads: int, eps: float) -> np.ndarray:
+    """diffusers' RMSNorm then rotary embedding on bf16, each step rounded as torch rounds it: the norm in
+    float32 rounded to bf16, times the weight in bf16, the rotation in float32 rounded to bf16."""
+    import ml_dtypes
+
+    def bf16(a: np.ndarray) -> np.ndarray:
+        return np.asarray(a, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    dim = weight.shape[0]
+    x = proj[..., part * heads * dim:(part + 1) * heads * dim].reshape(*proj.shape[:2], heads, dim)
+    mean_square = (x.astype(np.float64) ** 2).mean(-1, keepdims=True).astype(np.float32)
+    z = bf16(bf16(x * (np.float32(1) / np.sqrt(mean_square + np.float32(eps)))) * weight)
+    rotated = np.stack([-z[..., 1::2], z[..., 0::2]], -1).reshape(z.shape)
+    return bf16(z * cos[None, :, None, :] + rotated * sin[None, :, None, :])
+
+
+@avx512
+@pytest.mark.parametrize("shape", [(1, 300, 4, 128, 0), (2, 37, 3, 32, 64), (1, 5, 1, 18, 7)])
+def test_the_single_blocks_queries_keys_and_values_in_one_shim_pass_round_as_torch_does(shape: tuple[int, ...]) -> None:
+    """The single block's q and k (RMSNorm, its weight, the rotation) and v from its fused projection in
+    one shim pass: every step rounded to bf16 as torch rounds it (XLA's form skips some of those
+    roundings: its excess precision), equal to that form but for rare one-ulp differences of the
+    norm's sum. v is the projection's slice, bit for bit."""
+    from flux2klein_cli.core.models import transformer
+
+    b, s, heads, head_dim, extra = shape
+    config = transformer.TransformerConfig(num_attention_heads=heads, attention_head_dim=head_dim)
+    module = transformer.ParallelAttention(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(6)
+    module.norm_q.weight[...] = jnp.asarray(1 + 0.2 * rng.standard_normal(head_dim), jnp.bfloat16)
+    module.norm_k.weight[...] = jnp.asarray(1 + 0.2 * rng.standard_normal(head_dim), jnp.bfloat16)
+    angles = rng.uniform(0, 40, (s, head_dim // 2)).repeat(2, axis=1)
+    rope = (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
+    proj = jnp.asarray(3 * rng.standard_normal((b, s, 3 * heads * head_dim + extra)), jnp.bfloat16)
+    traced = traced_under(lambda p, r: module.qkv_heads(p, r), plugin_options("avx512-bf16"))
+    assert f"@{avx512_bf16.QKV_HEADS_TARGET}(" in hlo(traced, proj, rope)
+    assert avx512_bf16.QKV_HEADS_TARGET not in hlo(traced, proj, rope, platform="tpu")
+    q, k, v = (np.asarray(a, np.float32) for a in jax.jit(traced)(proj, rope))
+    values = np.asarray(proj, np.float32)
+    for part, (ours, norm) in enumerate(((q, module.norm_q), (k, module.norm_k))):
+        expected = torch_rounded_norm_rope(values, np.asarray(norm.weight[...], np.float32), *map(np.asarray, rope),
+                                           part, heads, config.eps)
+        assert ours.shape == expected.shape == (b, s, heads, head_dim)
+        assert np.mean(ours != expected) < 1e-3
+        np.testing.assert_allclose(ours, expected, rtol=2 ** -7, atol=2 ** -7)
+    np.testing.assert_array_equal(v, values[..., 2 * heads * head_dim:3 * heads * head_dim].reshape(q.shape))
+
+
 def xla_linear_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """A Linear layer's product as XLA computes it on CPU: float32 sums, rounded to bf16."""
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)

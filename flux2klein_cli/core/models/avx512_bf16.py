@@ -35,6 +35,7 @@ CONV1X1_TARGET = "flux2klein_avx512_bf16_conv1x1"
 UPSAMPLE_CONV_TARGET = "flux2klein_avx512_bf16_upsample_conv3x3"
 SWIGLU_TARGET = "flux2klein_avx512_bf16_swiglu"
 GEMM_TARGET = "flux2klein_avx512_bf16_gemm"
+QKV_HEADS_TARGET = "flux2klein_avx512_bf16_qkv_heads"
 
 
 def load() -> str | None:
@@ -49,7 +50,8 @@ def load() -> str | None:
                               CONV1X1_TARGET: "flux2klein_avx512_conv1x1",
                               UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3",
                               SWIGLU_TARGET: "flux2klein_avx512_swiglu",
-                              GEMM_TARGET: "flux2klein_avx512_gemm"}, lib)
+                              GEMM_TARGET: "flux2klein_avx512_gemm",
+                              QKV_HEADS_TARGET: "flux2klein_avx512_qkv_heads"}, lib)
 
 
 # Below this many multiply-adds XLA's dot was as fast or faster (512 x 512 x 512: 0.74 ms against 1.26 ms;
@@ -163,3 +165,31 @@ def swiglu(x: jax.Array, start: int, after: jax.Array | None, fallback: Any) -> 
         return call(joined, x, start=np.int64(start))
 
     return jax.lax.platform_dependent(x, joined, cpu=avx512, default=lambda x, joined: fallback(x))
+
+
+def qkv_heads_eligible(proj: jax.Array, heads: int, head_dim: int) -> bool:
+    """Whether `qkv_heads` takes the single block's bf16 (B, S, W) projection on one CPU device."""
+    return (proj.dtype == jnp.bfloat16 and proj.ndim == 3 and head_dim % 2 == 0
+            and proj.shape[-1] >= 3 * heads * head_dim and cpu_matmul.single_cpu_device())
+
+
+def qkv_heads(proj: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array,
+              heads: int, eps: float, fallback: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The single block's (B, S, H, D) queries and keys (RMSNorm, its weight, then the rotation) and
+    values from its fused projection, in one shim pass with transformer.py's roundings;
+    `fallback(proj)` on other platforms."""
+    b, s = proj.shape[:2]
+    head_dim = q_weight.shape[0]
+    shape = jax.ShapeDtypeStruct((b, s, heads, head_dim), jnp.bfloat16)
+
+    def avx512(proj: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array,
+               sin: jax.Array) -> tuple[jax.Array, ...]:
+        call = jax.ffi.ffi_call(QKV_HEADS_TARGET, (shape, shape, shape), vmap_method="sequential")
+        return tuple(call(proj, q_weight, k_weight, cos, sin, eps=np.float32(eps)))
+
+    def xla(proj: jax.Array, *_: jax.Array) -> tuple[jax.Array, ...]:
+        return tuple(fallback(proj))
+
+    q, k, v = jax.lax.platform_dependent(proj, q_weight, k_weight, cos.astype(jnp.float32), sin.astype(jnp.float32),
+                                         cpu=avx512, default=xla)
+    return q, k, v

@@ -1023,6 +1023,75 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_swiglu, Swiglu,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Attr<int64_t>("start"));
 
+// The single block's queries, keys and values from its fused projection: for each token and head,
+// q = rope(rms_norm(proj[q part]) * q_weight), k the same with k_weight, v = proj[v part], each (B, S, H,
+// D) bf16. The roundings are transformer.py's: the norm in float32 rounded to bf16, times the weight in
+// bf16, then the rotation of interleaved pairs in float32 (x * cos + rotated * sin) rounded to bf16.
+// XLA ran the slices, the two norms and the two rotations as six passes, most of them in float32.
+static void norm_rope_head(const uint16_t* x, const uint16_t* weight, const float* cos, const float* sin, int64_t dim,
+                           float eps, uint16_t* out) {
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __m512 v = from_bf16x16(_mm256_maskz_loadu_epi16(lanes_left(dim - d), x + d));
+    squares = _mm512_fmadd_ps(v, v, squares);
+  }
+  const float mean = _mm512_reduce_add_ps(squares) / static_cast<float>(dim);
+  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(mean + eps));
+  // The pair partner of each lane (2i <-> 2i + 1) and the sign of its term: -odd on even lanes.
+  const __m512i swap = _mm512_set_epi32(14, 15, 12, 13, 10, 11, 8, 9, 6, 7, 4, 5, 2, 3, 0, 1);
+  const __mmask16 even = 0x5555;
+  for (int64_t d = 0; d < dim; d += 16) {
+    const __mmask16 lanes = lanes_left(dim - d);
+    const __m512 v = from_bf16x16(_mm256_maskz_loadu_epi16(lanes, x + d));
+    const __m512 normed = from_bf16x16(to_bf16x16(_mm512_mul_ps(v, scale)));
+    const __m512 w = from_bf16x16(_mm256_maskz_loadu_epi16(lanes, weight + d));
+    const __m512 z = from_bf16x16(to_bf16x16(_mm512_mul_ps(normed, w)));
+    const __m512 partner = _mm512_permutexvar_ps(swap, z);
+    const __m512 rotated = _mm512_mask_sub_ps(partner, even, _mm512_setzero_ps(), partner);
+    const __m512 turned = _mm512_add_ps(_mm512_mul_ps(z, _mm512_maskz_loadu_ps(lanes, cos + d)),
+                                        _mm512_mul_ps(rotated, _mm512_maskz_loadu_ps(lanes, sin + d)));
+    _mm256_mask_storeu_epi16(out + d, lanes, to_bf16x16(turned));
+  }
+}
+
+static ffi::Error QkvHeads(ffi::Buffer<ffi::BF16> proj, ffi::Buffer<ffi::BF16> q_weight, ffi::Buffer<ffi::BF16> k_weight,
+                           ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::BF16> q,
+                           ffi::ResultBuffer<ffi::BF16> k, ffi::ResultBuffer<ffi::BF16> v, float eps) {
+  auto pd = proj.dimensions(), qd = q->dimensions(), cd = cos.dimensions();
+  if (pd.size() != 3 || qd.size() != 4 || cd.size() != 2 || qd[0] != pd[0] || qd[1] != pd[1] || cd[0] != pd[1] ||
+      cd[1] != qd[3] || qd[3] % 2 != 0 || pd[2] < 3 * qd[2] * qd[3] ||
+      static_cast<int64_t>(q_weight.element_count()) != qd[3] ||
+      static_cast<int64_t>(k_weight.element_count()) != qd[3] || sin.element_count() != cos.element_count())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "expected (B, S, W >= 3HD), (D,), (D,), (S, D), (S, D) -> three (B, S, H, D), D even");
+  const int64_t batch = pd[0], seq = pd[1], width = pd[2], heads = qd[2], dim = qd[3], tokens = batch * seq;
+  const auto* pp = reinterpret_cast<const uint16_t*>(proj.untyped_data());
+  const auto* qw = reinterpret_cast<const uint16_t*>(q_weight.untyped_data());
+  const auto* kw = reinterpret_cast<const uint16_t*>(k_weight.untyped_data());
+  uint16_t* outs[3] = {reinterpret_cast<uint16_t*>(q->untyped_data()), reinterpret_cast<uint16_t*>(k->untyped_data()),
+                       reinterpret_cast<uint16_t*>(v->untyped_data())};
+  const int64_t tasks = (tokens + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_tasks(tasks, workers_for(tasks), [&](int64_t task, int) {
+    for (int64_t t = task * kRowsPerTask; t < std::min(tokens, (task + 1) * kRowsPerTask); ++t) {
+      const uint16_t* row = pp + t * width;
+      const float *c = cos.typed_data() + (t % seq) * dim, *s = sin.typed_data() + (t % seq) * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t at = (t * heads + h) * dim;
+        norm_rope_head(row + h * dim, qw, c, s, dim, eps, outs[0] + at);
+        norm_rope_head(row + (heads + h) * dim, kw, c, s, dim, eps, outs[1] + at);
+      }
+      std::memcpy(outs[2] + t * heads * dim, row + 2 * heads * dim, heads * dim * 2);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_qkv_heads, QkvHeads,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>().Attr<float>("eps"));
+
 // A Linear layer's product, bf16 (M, K) x bf16 (K, N) -> bf16 (M, N): float32 sums of VDPBF16PS pairs,
 // rounded once (XLA's bf16 dot with a float32 result, then the convert). XLA's own ran these at 83-87% of
 // the unit's rate, and its float32 result took a pass of its own to round. A task is a block of

@@ -394,10 +394,25 @@ class ParallelAttention(nnx.Module):
 
     def __call__(self, x: jax.Array, rope: Rope, mode: RefMode) -> tuple[jax.Array, KV | None]:
         proj = self.to_qkv_mlp_proj(x)
-        head_shape = (*x.shape[:2], self.heads, self.dim // self.heads)
-        q, k, v = (p.reshape(head_shape) for p in jnp.split(proj[..., : 3 * self.dim], 3, -1))
-        out, ref_kv = joint_attention(apply_rope(self.norm_q(q), rope), apply_rope(self.norm_k(k), rope), v, mode)
+        out, ref_kv = joint_attention(*self.qkv_heads(proj, rope), mode)
         return self.to_out(swiglu(proj, start=3 * self.dim, after=out)), ref_kv
+
+    def qkv_heads(self, proj: jax.Array, rope: Rope) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(B, S, H, Dh) queries and keys (normed, then rotated) and values from the fused projection;
+        in one pass of the kernel plugin where it has one (core/models/avx512_bf16.py)."""
+        head_dim = self.dim // self.heads
+
+        def xla(proj: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            head_shape = (*proj.shape[:2], self.heads, head_dim)
+            q, k, v = (p.reshape(head_shape) for p in jnp.split(proj[..., : 3 * self.dim], 3, -1))
+            return apply_rope(self.norm_q(q), rope), apply_rope(self.norm_k(k), rope), v
+
+        kernels = trace.plugin()
+        if kernels is not None and hasattr(kernels, "qkv_heads") and kernels.qkv_heads_eligible(
+                proj, self.heads, head_dim) and self.norm_q.eps == self.norm_k.eps:
+            return kernels.qkv_heads(proj, self.norm_q.weight[...], self.norm_k.weight[...], *rope, self.heads,
+                                     self.norm_q.eps, xla)
+        return xla(proj)
 
 
 class SingleBlock(nnx.Module):
