@@ -73,28 +73,64 @@ static int worker_count() {
 // One thread per core (at most one per task).
 static int workers_for(int64_t tasks) { return static_cast<int>(std::min<int64_t>(worker_count(), tasks)); }
 
-// Runs work(task, worker) for every task in [0, tasks) on `workers` threads, MKL single-threaded
+// The XLA runtime's thread pool of the handler running on this thread (null outside a handler). The
+// kernels' helpers run on it: a kernel then shares the cores with the XLA ops that run beside it (the
+// double blocks' image and text products are independent, and XLA runs them at once) instead of
+// starting threads of its own on top of them.
+static thread_local ffi::ThreadPool* current_pool = nullptr;
+
+struct PoolScope {
+  explicit PoolScope(ffi::ThreadPool& pool) : saved(current_pool) { current_pool = &pool; }
+  ~PoolScope() { current_pool = saved; }
+  ffi::ThreadPool* saved;
+};
+
+// Runs work(task, worker) for every task in [0, tasks) on up to `workers` threads, MKL single-threaded
 // inside each: the cores take separate tasks (and keep their data in their own caches) instead of
 // MKL's threads splitting every small product. Each worker first takes its own contiguous share of the
 // tasks in order, then helps with the others' shares from their fronts: neighbouring tasks share data
 // (attention's blocks of one head share its packed keys and values), and a core slowed by other work
-// is still helped.
+// is still helped. The calling thread is worker 0; the others are helpers on the XLA pool (threads of
+// their own outside a handler). A helper that starts only once every task is taken (its pool thread
+// was busy) finds nothing to do, so the call returns when the tasks are done, not when every helper
+// has run: the counters live in shared state a late helper still holds.
 template <typename Work>
 static void parallel_tasks(int64_t tasks, int workers, Work work) {
-  std::vector<std::atomic<int64_t>> next(workers);
-  std::vector<int64_t> end(workers);
-  for (int i = 0; i < workers; ++i) next[i] = tasks * i / workers, end[i] = tasks * (i + 1) / workers;
-  auto run = [&](int worker) {
+  struct Shares {
+    std::vector<std::atomic<int64_t>> next;
+    std::vector<int64_t> end;
+    std::atomic<int64_t> done{0};
+    explicit Shares(int workers) : next(workers), end(workers) {}
+  };
+  auto shares = std::make_shared<Shares>(std::max(workers, 1));
+  for (int i = 0; i < workers; ++i)
+    shares->next[i] = tasks * i / workers, shares->end[i] = tasks * (i + 1) / workers;
+  // `work` is reached only through a task taken while the caller still waits for it.
+  auto run = [shares, workers, &work](int worker) {
     if (set_threads_local != nullptr) set_threads_local(1);  // MKL is loaded by the AMX plugin only
     for (int i = 0; i < workers; ++i) {
       const int share = (worker + i) % workers;
-      for (int64_t t = next[share]++; t < end[share]; t = next[share]++) work(t, worker);
+      for (int64_t t = shares->next[share]++; t < shares->end[share]; t = shares->next[share]++) {
+        work(t, worker);
+        shares->done.fetch_add(1, std::memory_order_release);
+      }
     }
     if (set_threads_local != nullptr) set_threads_local(0);
   };
   std::vector<std::thread> threads;
-  for (int i = 1; i < workers; ++i) threads.emplace_back(run, i);
+  for (int i = 1; i < workers; ++i) {
+    if (current_pool != nullptr)
+      current_pool->Schedule([run, i] { run(i); });
+    else
+      threads.emplace_back(run, i);
+  }
   run(0);
+  for (int spins = 0; shares->done.load(std::memory_order_acquire) < tasks; ++spins) {
+    if (spins < 4096)
+      _mm_pause();
+    else
+      sched_yield();
+  }
   for (auto& t : threads) t.join();
 }
 
@@ -532,8 +568,9 @@ static bool attention_shapes(ffi::Buffer<ffi::BF16>& q, ffi::Buffer<ffi::BF16>& 
 }
 
 template <bool Avx512>
-static ffi::Error Attention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
+static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
                             ffi::ResultBuffer<ffi::BF16> out) {
+  PoolScope scope(pool);
   AttentionShape s;
   if (!attention_shapes(q, k, v, &s) || s.kv_heads != s.heads)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, Sq, H, D) and two (B, Sk, H, D)");
@@ -542,14 +579,15 @@ static ffi::Error Attention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, 
 }
 
 #define FLUX2KLEIN_ATTENTION_BINDING                                                                       \
-  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
       .Ret<ffi::Buffer<ffi::BF16>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_attention, Attention<false>, FLUX2KLEIN_ATTENTION_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_attention, Attention<true>, FLUX2KLEIN_ATTENTION_BINDING);
 
 template <bool Avx512>
-static ffi::Error MaskedAttention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
+static ffi::Error MaskedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
                                   ffi::Buffer<ffi::PRED> allowed, float scale, ffi::ResultBuffer<ffi::BF16> out) {
+  PoolScope scope(pool);
   AttentionShape s;
   auto md = allowed.dimensions();
   if (!attention_shapes(q, k, v, &s) || md.size() != 3 || md[0] != s.batch || md[1] != s.sq || md[2] != s.sk)
@@ -560,7 +598,7 @@ static ffi::Error MaskedAttention(ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF1
 }
 
 #define FLUX2KLEIN_MASKED_ATTENTION_BINDING                                                                \
-  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
       .Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale").Ret<ffi::Buffer<ffi::BF16>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention<false>,
                               FLUX2KLEIN_MASKED_ATTENTION_BINDING);
@@ -835,8 +873,9 @@ static ffi::Error conv_call(ffi::Span<const int64_t> xd, ffi::Span<const int64_t
 }
 
 template <bool Avx512>
-static ffi::Error Conv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
+static ffi::Error Conv3x3(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                           ffi::ResultBuffer<ffi::BF16> out) {
+  PoolScope scope(pool);
   ConvShape s;
   ffi::Error shapes = conv_call<Avx512>(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s);
   if (shapes.failure()) return shapes;
@@ -848,15 +887,16 @@ static ffi::Error Conv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kerne
 }
 
 #define FLUX2KLEIN_CONV_BINDING                                                           \
-  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
       .Ret<ffi::Buffer<ffi::BF16>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_conv3x3, Conv3x3<false>, FLUX2KLEIN_CONV_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv3x3, Conv3x3<true>, FLUX2KLEIN_CONV_BINDING);
 
 // A nearest 2x upsample then a 3x3 'same' convolution with bias, bf16 NHWC (B, H, W, Cin) x (3, 3, Cin,
 // Cout) -> (B, 2H, 2W, Cout), in VDPBF16PS (upsample_conv_tile_dpbf16).
-static ffi::Error UpsampleConv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
+static ffi::Error UpsampleConv3x3(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                                   ffi::ResultBuffer<ffi::BF16> out) {
+  PoolScope scope(pool);
   auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
   if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
       xd[3] % 2 != 0 || od[0] != xd[0] || od[1] != 2 * xd[1] || od[2] != 2 * xd[2] || od[3] != kd[3] ||
@@ -891,8 +931,9 @@ static inline __m512 silu16(__m512 y) {
 // (64 -> 32 channels at 512x512) far below the unit's rate.
 constexpr int64_t kPositionsPerTask = 64 * kDotRows;
 
-static ffi::Error Conv1x1(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
+static ffi::Error Conv1x1(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                           ffi::ResultBuffer<ffi::BF16> out) {
+  PoolScope scope(pool);
   auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
   if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 1 || kd[1] != 1 || kd[2] != xd[3] ||
       xd[3] % 2 != 0 || !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] ||
@@ -953,9 +994,10 @@ static void normalised_row(const ConvShape& s, const Normalisation& n, int64_t b
 }
 
 template <bool Avx512>
-static ffi::Error NormSiluConv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> scale,
+static ffi::Error NormSiluConv3x3(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> scale,
                                   ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::BF16> kernel,
                                   ffi::Buffer<ffi::BF16> bias, ffi::ResultBuffer<ffi::BF16> out) {
+  PoolScope scope(pool);
   ConvShape s;
   ffi::Error shapes = conv_call<Avx512>(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s);
   if (shapes.failure()) return shapes;
@@ -973,7 +1015,7 @@ static ffi::Error NormSiluConv3x3(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32
 }
 
 #define FLUX2KLEIN_NORM_CONV_BINDING                                                                           \
-  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>() \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>() \
       .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()           \
       .Ret<ffi::Buffer<ffi::BF16>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3<false>, FLUX2KLEIN_NORM_CONV_BINDING);
@@ -987,8 +1029,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3, NormSiluConv3
 // bf16 product). XLA widened this chain and the join to float32 and ran each in a pass of its own.
 constexpr int64_t kRowsPerTask = 64;
 
-static ffi::Error Swiglu(ffi::Buffer<ffi::BF16> after, ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::BF16> out,
+static ffi::Error Swiglu(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> after, ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::BF16> out,
                          int64_t start) {
+  PoolScope scope(pool);
   auto ad = after.dimensions(), xd = x.dimensions(), od = out->dimensions();
   if (xd.size() == 0 || ad.size() != xd.size() || od.size() != xd.size() ||
       !std::equal(xd.begin(), xd.end() - 1, ad.begin()) || !std::equal(xd.begin(), xd.end() - 1, od.begin()))
@@ -1020,7 +1063,7 @@ static ffi::Error Swiglu(ffi::Buffer<ffi::BF16> after, ffi::Buffer<ffi::BF16> x,
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_swiglu, Swiglu,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Attr<int64_t>("start"));
 
 // The single block's queries, keys and values from its fused projection: for each token and head,
@@ -1054,9 +1097,10 @@ static void norm_rope_head(const uint16_t* x, const uint16_t* weight, const floa
   }
 }
 
-static ffi::Error QkvHeads(ffi::Buffer<ffi::BF16> proj, ffi::Buffer<ffi::BF16> q_weight, ffi::Buffer<ffi::BF16> k_weight,
+static ffi::Error QkvHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> proj, ffi::Buffer<ffi::BF16> q_weight, ffi::Buffer<ffi::BF16> k_weight,
                            ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::BF16> q,
                            ffi::ResultBuffer<ffi::BF16> k, ffi::ResultBuffer<ffi::BF16> v, float eps) {
+  PoolScope scope(pool);
   auto pd = proj.dimensions(), qd = q->dimensions(), cd = cos.dimensions();
   if (pd.size() != 3 || qd.size() != 4 || cd.size() != 2 || qd[0] != pd[0] || qd[1] != pd[1] || cd[0] != pd[1] ||
       cd[1] != qd[3] || qd[3] % 2 != 0 || pd[2] < 3 * qd[2] * qd[3] ||
@@ -1087,7 +1131,7 @@ static ffi::Error QkvHeads(ffi::Buffer<ffi::BF16> proj, ffi::Buffer<ffi::BF16> q
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_qkv_heads, QkvHeads,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Attr<float>("eps"));
@@ -1148,7 +1192,8 @@ static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, in
   });
 }
 
-static ffi::Error Gemm16(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> y) {
+static ffi::Error Gemm16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> y) {
+  PoolScope scope(pool);
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || xd[1] % 2 != 0 || yd[0] != xd[0] ||
       yd[1] != wd[1])
@@ -1159,7 +1204,7 @@ static ffi::Error Gemm16(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_gemm, Gemm16,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
 // The loader's transposing copy (core/weights/loader.py, copy_into): a torch (out, in) weight into the
