@@ -408,8 +408,9 @@ class ParallelAttention(nnx.Module):
             return apply_rope(self.norm_q(q), rope), apply_rope(self.norm_k(k), rope), v
 
         kernels = trace.plugin()
-        if kernels is not None and hasattr(kernels, "qkv_heads") and kernels.qkv_heads_eligible(
-                proj, self.heads, head_dim) and self.norm_q.eps == self.norm_k.eps:
+        if (kernels is not None and hasattr(kernels, "qkv_heads") and kernels.qkv_heads_eligible(
+                proj, self.heads, head_dim) and self.norm_q.eps == self.norm_k.eps
+                and rope[0].shape == (proj.shape[1], head_dim)):
             return kernels.qkv_heads(proj, self.norm_q.weight[...], self.norm_k.weight[...], *rope, self.heads,
                                      self.norm_q.eps, xla)
         return xla(proj)
