@@ -54,8 +54,8 @@ def load() -> str | None:
                               QKV_HEADS_TARGET: "flux2klein_avx512_qkv_heads"}, lib)
 
 
-# Below this many multiply-adds XLA's dot was as fast or faster (512 x 512 x 512: 0.74 ms against 1.26 ms;
-# 1024 x 512 x 512 and up: ours 5-18% faster; docs/benchmarks.md).
+# Below this many multiply-adds XLA's dot was as fast or faster (512 x 512 x 512: 0.71 ms against 0.75 ms;
+# even at 1024 x 512 x 512, 3-26% faster above; docs/benchmarks.md).
 GEMM_MIN_PRODUCTS = 200_000_000
 
 

@@ -22,8 +22,9 @@
 //   flux2klein_avx512_attention, flux2klein_avx512_masked_attention, flux2klein_avx512_conv3x3,
 //   flux2klein_avx512_norm_silu_conv3x3, flux2klein_avx512_conv1x1 (the VAE's 1x1 shortcuts), and
 //   flux2klein_avx512_upsample_conv3x3 (the decoder's nearest 2x upsample and its convolution, in 2.25x
-//   fewer products), flux2klein_avx512_swiglu (the transformer's SwiGLU), and flux2klein_avx512_gemm (the
-//   Linear layers' products, rounded to bf16 as they are stored).
+//   fewer products), flux2klein_avx512_swiglu (the transformer's SwiGLU), flux2klein_avx512_qkv_heads (the
+//   single block's q/k norms and rotations), and flux2klein_avx512_gemm (the Linear layers' products,
+//   rounded to bf16 as they are stored).
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
 // Built with AVX-512, bf16 and AMX on: it is loaded on CPUs with AVX-512 bf16 only, and the AMX
 // instructions run only in the AMX plugin's handlers.
@@ -568,7 +569,8 @@ static bool attention_shapes(ffi::Buffer<ffi::BF16>& q, ffi::Buffer<ffi::BF16>& 
 }
 
 template <bool Avx512>
-static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
+static ffi::Error Attention(ffi::ThreadPool pool,
+                            ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
                             ffi::ResultBuffer<ffi::BF16> out) {
   PoolScope scope(pool);
   AttentionShape s;
@@ -579,13 +581,15 @@ static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi:
 }
 
 #define FLUX2KLEIN_ATTENTION_BINDING                                                                       \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() \
+      .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
       .Ret<ffi::Buffer<ffi::BF16>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_attention, Attention<false>, FLUX2KLEIN_ATTENTION_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_attention, Attention<true>, FLUX2KLEIN_ATTENTION_BINDING);
 
 template <bool Avx512>
-static ffi::Error MaskedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
+static ffi::Error MaskedAttention(ffi::ThreadPool pool,
+                                  ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
                                   ffi::Buffer<ffi::PRED> allowed, float scale, ffi::ResultBuffer<ffi::BF16> out) {
   PoolScope scope(pool);
   AttentionShape s;
@@ -598,7 +602,8 @@ static ffi::Error MaskedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> q
 }
 
 #define FLUX2KLEIN_MASKED_ATTENTION_BINDING                                                                \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() \
+      .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
       .Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale").Ret<ffi::Buffer<ffi::BF16>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention<false>,
                               FLUX2KLEIN_MASKED_ATTENTION_BINDING);
@@ -873,7 +878,8 @@ static ffi::Error conv_call(ffi::Span<const int64_t> xd, ffi::Span<const int64_t
 }
 
 template <bool Avx512>
-static ffi::Error Conv3x3(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
+static ffi::Error Conv3x3(ffi::ThreadPool pool,
+                          ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                           ffi::ResultBuffer<ffi::BF16> out) {
   PoolScope scope(pool);
   ConvShape s;
@@ -887,14 +893,16 @@ static ffi::Error Conv3x3(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::B
 }
 
 #define FLUX2KLEIN_CONV_BINDING                                                           \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() \
+      .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
       .Ret<ffi::Buffer<ffi::BF16>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_conv3x3, Conv3x3<false>, FLUX2KLEIN_CONV_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv3x3, Conv3x3<true>, FLUX2KLEIN_CONV_BINDING);
 
 // A nearest 2x upsample then a 3x3 'same' convolution with bias, bf16 NHWC (B, H, W, Cin) x (3, 3, Cin,
 // Cout) -> (B, 2H, 2W, Cout), in VDPBF16PS (upsample_conv_tile_dpbf16).
-static ffi::Error UpsampleConv3x3(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
+static ffi::Error UpsampleConv3x3(ffi::ThreadPool pool,
+                                  ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                                   ffi::ResultBuffer<ffi::BF16> out) {
   PoolScope scope(pool);
   auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
@@ -931,7 +939,8 @@ static inline __m512 silu16(__m512 y) {
 // (64 -> 32 channels at 512x512) far below the unit's rate.
 constexpr int64_t kPositionsPerTask = 64 * kDotRows;
 
-static ffi::Error Conv1x1(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
+static ffi::Error Conv1x1(ffi::ThreadPool pool,
+                          ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
                           ffi::ResultBuffer<ffi::BF16> out) {
   PoolScope scope(pool);
   auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
@@ -994,7 +1003,8 @@ static void normalised_row(const ConvShape& s, const Normalisation& n, int64_t b
 }
 
 template <bool Avx512>
-static ffi::Error NormSiluConv3x3(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> scale,
+static ffi::Error NormSiluConv3x3(ffi::ThreadPool pool,
+                                  ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> scale,
                                   ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::BF16> kernel,
                                   ffi::Buffer<ffi::BF16> bias, ffi::ResultBuffer<ffi::BF16> out) {
   PoolScope scope(pool);
@@ -1015,7 +1025,8 @@ static ffi::Error NormSiluConv3x3(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x
 }
 
 #define FLUX2KLEIN_NORM_CONV_BINDING                                                                           \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>() \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() \
+      .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>() \
       .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()           \
       .Ret<ffi::Buffer<ffi::BF16>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3<false>, FLUX2KLEIN_NORM_CONV_BINDING);
@@ -1029,7 +1040,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3, NormSiluConv3
 // bf16 product). XLA widened this chain and the join to float32 and ran each in a pass of its own.
 constexpr int64_t kRowsPerTask = 64;
 
-static ffi::Error Swiglu(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> after, ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::BF16> out,
+static ffi::Error Swiglu(ffi::ThreadPool pool,
+                         ffi::Buffer<ffi::BF16> after, ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::BF16> out,
                          int64_t start) {
   PoolScope scope(pool);
   auto ad = after.dimensions(), xd = x.dimensions(), od = out->dimensions();
@@ -1063,7 +1075,8 @@ static ffi::Error Swiglu(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> after, ffi
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_swiglu, Swiglu,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Attr<int64_t>("start"));
 
 // The single block's queries, keys and values from its fused projection: for each token and head,
@@ -1097,9 +1110,10 @@ static void norm_rope_head(const uint16_t* x, const uint16_t* weight, const floa
   }
 }
 
-static ffi::Error QkvHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> proj, ffi::Buffer<ffi::BF16> q_weight, ffi::Buffer<ffi::BF16> k_weight,
-                           ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin, ffi::ResultBuffer<ffi::BF16> q,
-                           ffi::ResultBuffer<ffi::BF16> k, ffi::ResultBuffer<ffi::BF16> v, float eps) {
+static ffi::Error QkvHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> proj, ffi::Buffer<ffi::BF16> q_weight,
+                           ffi::Buffer<ffi::BF16> k_weight, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                           ffi::ResultBuffer<ffi::BF16> q, ffi::ResultBuffer<ffi::BF16> k, ffi::ResultBuffer<ffi::BF16> v,
+                           float eps) {
   PoolScope scope(pool);
   auto pd = proj.dimensions(), qd = q->dimensions(), cd = cos.dimensions();
   if (pd.size() != 3 || qd.size() != 4 || cd.size() != 2 || qd[0] != pd[0] || qd[1] != pd[1] || cd[0] != pd[1] ||
@@ -1131,8 +1145,10 @@ static ffi::Error QkvHeads(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> proj, ff
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_qkv_heads, QkvHeads,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Attr<float>("eps"));
 
@@ -1156,7 +1172,8 @@ static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, in
     std::fill(yp, yp + m * n, 0);
     return;
   }
-  const int64_t depth = round_up(k, kPanel), columns = gemm_block_columns(k), column_blocks = (n + columns - 1) / columns;
+  const int64_t depth = round_up(k, kPanel), columns = gemm_block_columns(k);
+  const int64_t column_blocks = (n + columns - 1) / columns;
   const int64_t row_blocks = (m + kGemmRows - 1) / kGemmRows, tasks = column_blocks * row_blocks;
   const int workers = workers_for(tasks);
   struct Packed {
@@ -1192,7 +1209,8 @@ static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, in
   });
 }
 
-static ffi::Error Gemm16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> y) {
+static ffi::Error Gemm16(ffi::ThreadPool pool,
+                         ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> y) {
   PoolScope scope(pool);
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || xd[1] % 2 != 0 || yd[0] != xd[0] ||
@@ -1204,7 +1222,8 @@ static ffi::Error Gemm16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Bu
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_gemm, Gemm16,
-                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
 // The loader's transposing copy (core/weights/loader.py, copy_into): a torch (out, in) weight into the
