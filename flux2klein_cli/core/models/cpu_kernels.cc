@@ -933,47 +933,6 @@ static inline __m512 silu16(__m512 y) {
                             _mm512_set1_ps(NAN));
 }
 
-// A 1x1 convolution with bias, NHWC bf16 -> bf16, in VDPBF16PS (the AVX-512 bf16 plugin's): every
-// position's channels times the kernel, kDotRows positions at a time per panel of 32 output channels,
-// with nnx.Conv's numerics (store_conv_outputs). XLA's bf16 dot ran the VAE's narrow shortcuts
-// (64 -> 32 channels at 512x512) far below the unit's rate.
-constexpr int64_t kPositionsPerTask = 64 * kDotRows;
-
-static ffi::Error Conv1x1(ffi::ThreadPool pool,
-                          ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
-                          ffi::ResultBuffer<ffi::BF16> out) {
-  PoolScope scope(pool);
-  auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
-  if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 1 || kd[1] != 1 || kd[2] != xd[3] ||
-      xd[3] % 2 != 0 || !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] ||
-      static_cast<int64_t>(bias.element_count()) != kd[3])
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, H, W, Cin), (1, 1, Cin, Cout), (Cout,), Cin even");
-  const int64_t positions = xd[0] * xd[1] * xd[2], c_in = xd[3], c_out = kd[3];
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  const auto* bp = reinterpret_cast<const uint16_t*>(bias.untyped_data());
-  auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
-  const std::vector<uint16_t> packed =
-      pack_conv_kernel(reinterpret_cast<const uint16_t*>(kernel.untyped_data()), c_in, c_out, 1);
-  std::vector<float> bias32(round_up(c_out, kPanel), 0.0f);
-  for (int64_t c = 0; c < c_out; ++c) bias32[c] = from_bf16(bp[c]);
-  const int64_t tasks = (positions + kPositionsPerTask - 1) / kPositionsPerTask;
-  parallel_tasks(tasks, workers_for(tasks), [&](int64_t t, int) {
-    alignas(64) float block[kDotRows * kPanel];
-    const int64_t end = std::min(positions, (t + 1) * kPositionsPerTask);
-    for (int64_t p = 0; p < c_out; p += kPanel)
-      for (int64_t p0 = t * kPositionsPerTask; p0 < end; p0 += kDotRows) {
-        const int64_t rows = std::min<int64_t>(kDotRows, end - p0);
-        dpbf16_product(xp + p0 * c_in, c_in, packed.data() + p * c_in, c_in, block, kPanel, rows);
-        for (int64_t i = 0; i < rows; ++i)
-          store_conv_outputs(block + i * kPanel, bias32.data() + p, std::min(kPanel, c_out - p),
-                             op + (p0 + i) * c_out + p);
-      }
-  });
-  return ffi::Error::Success();
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1, Conv1x1, FLUX2KLEIN_CONV_BINDING);
-
 // The VAE's GroupNorm then SiLU, applied to the input rows as a tile reads them instead of in a pass of
 // its own: y = (x - mean) * scale + shift per (batch, channel), in float32, SiLU, rounded to bf16 (the
 // numerics of GroupNorm(x, silu=True) in core/models/vae.py).
@@ -1166,8 +1125,10 @@ static int64_t gemm_block_columns(int64_t k) {
   return std::clamp<int64_t>((256 * 1024 / (2 * round_up(k, kPanel))) / kPanel * kPanel, kPanel, 8 * kPanel);
 }
 
-// y (m, n) = bf16(x (m, k) x w (k, n)), all row-major, k even.
-static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, int64_t m, int64_t k, int64_t n) {
+// y (m, n) = bf16(x (m, k) x w (k, n)), all row-major, k even; with a float32 `bias` (n, padded to a whole
+// panel), that rounded product plus the bias, rounded again (store_conv_outputs: nnx.Conv's numerics).
+static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, const float* bias, uint16_t* yp, int64_t m, int64_t k,
+                        int64_t n) {
   if (k == 0) {  // empty sums: +0
     std::fill(yp, yp + m * n, 0);
     return;
@@ -1201,6 +1162,10 @@ static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, uint16_t* yp, in
         const __mmask16 low = lanes_left(cols - p), high = lanes_left(std::max<int64_t>(0, cols - p - 16));
         for (int64_t i = 0; i < rows; ++i) {
           uint16_t* out = yp + (r + i) * n + col0 + p;
+          if (bias != nullptr) {
+            store_conv_outputs(sums + i * kPanel, bias + col0 + p, std::min(kPanel, cols - p), out);
+            continue;
+          }
           _mm256_mask_storeu_epi16(out, low, to_bf16x16(_mm512_load_ps(sums + i * kPanel)));
           _mm256_mask_storeu_epi16(out + 16, high, to_bf16x16(_mm512_load_ps(sums + i * kPanel + 16)));
         }
@@ -1217,7 +1182,7 @@ static ffi::Error Gemm16(ffi::ThreadPool pool,
       yd[1] != wd[1])
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (M, K) x (K, N) -> (M, N), K even");
   dpbf16_gemm(reinterpret_cast<const uint16_t*>(x.untyped_data()), reinterpret_cast<const uint16_t*>(w.untyped_data()),
-            reinterpret_cast<uint16_t*>(y->untyped_data()), xd[0], xd[1], wd[1]);
+              nullptr, reinterpret_cast<uint16_t*>(y->untyped_data()), xd[0], xd[1], wd[1]);
   return ffi::Error::Success();
 }
 
@@ -1225,6 +1190,31 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_gemm, Gemm16,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
+
+// A 1x1 convolution with bias, NHWC bf16 -> bf16 (the VAE's shortcuts): the Linear layers' product over
+// every position's channels, the bias added as nnx.Conv adds it. XLA's bf16 dot ran these narrow
+// products (64 -> 32 channels at 512x512) far below the unit's rate.
+static ffi::Error Conv1x1(ffi::ThreadPool pool,
+                          ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
+                          ffi::ResultBuffer<ffi::BF16> out) {
+  PoolScope scope(pool);
+  auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
+  if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 1 || kd[1] != 1 || kd[2] != xd[3] ||
+      xd[3] % 2 != 0 || !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] ||
+      static_cast<int64_t>(bias.element_count()) != kd[3])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, H, W, Cin), (1, 1, Cin, Cout), (Cout,), Cin even");
+  const int64_t c_out = kd[3];
+  const auto* bp = reinterpret_cast<const uint16_t*>(bias.untyped_data());
+  std::vector<float> bias32(round_up(c_out, kPanel), 0.0f);
+  for (int64_t c = 0; c < c_out; ++c) bias32[c] = from_bf16(bp[c]);
+  // The (1, 1, Cin, Cout) kernel is a (Cin, Cout) weight, row-major.
+  dpbf16_gemm(reinterpret_cast<const uint16_t*>(x.untyped_data()),
+              reinterpret_cast<const uint16_t*>(kernel.untyped_data()), bias32.data(),
+              reinterpret_cast<uint16_t*>(out->untyped_data()), xd[0] * xd[1] * xd[2], xd[3], c_out);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1, Conv1x1, FLUX2KLEIN_CONV_BINDING);
 
 // The loader's transposing copy (core/weights/loader.py, copy_into): a torch (out, in) weight into the
 // (in, out) array JAX takes, converted on the way. numpy moves a transposed view one element at a time,
