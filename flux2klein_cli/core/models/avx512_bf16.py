@@ -11,7 +11,12 @@ products in VDPBF16PS instead of on the AMX tiles: pairs of bf16 products summed
 It takes the VAE's 1x1 convolutions too (`conv1x1`), and the decoder's nearest 2x upsample with the
 3x3 convolution after it (`upsample_conv3x3`), the transformer's SwiGLU with the join after the
 single block's attention output (`swiglu`), and the larger Linear layers' products (`dot_general`:
-XLA's ran at 83-87% of the unit's rate, then rounded its float32 result in a pass of its own). Chosen by
+XLA's ran at 83-87% of the unit's rate, then rounded its float32 result in a pass of its own).
+
+A float32 model's VAE convolutions take the same loops in float32 FMAs (the `*_f32` targets): XLA ran
+the decoder's upsample convolutions and 1x1 shortcuts at 15-45% of the FMA rate, and its GroupNorm and
+SiLU in passes of their own (its float32 Linear products and plain 3x3 convolutions were as fast as the
+shim's loops: they stay XLA's). Chosen by
 the backend dispatch (core/models/kernels.py) and named `avx512-bf16` in the trace options, so it is
 part of every program's key.
 """
@@ -36,6 +41,9 @@ UPSAMPLE_CONV_TARGET = "flux2klein_avx512_bf16_upsample_conv3x3"
 SWIGLU_TARGET = "flux2klein_avx512_bf16_swiglu"
 GEMM_TARGET = "flux2klein_avx512_bf16_gemm"
 QKV_HEADS_TARGET = "flux2klein_avx512_bf16_qkv_heads"
+# The float32 forms of the products: each bf16 target's name with this suffix (and its handler's).
+F32 = "_f32"
+F32_FORMS = (CONV_TARGET, NORM_CONV_TARGET, CONV1X1_TARGET, UPSAMPLE_CONV_TARGET)
 
 
 def load() -> str | None:
@@ -43,15 +51,22 @@ def load() -> str | None:
     lib, why = cpu_shim.open_shim()
     if lib is None:
         return why
-    return cpu_shim.register({ATTENTION_TARGET: "flux2klein_avx512_attention",
-                              MASKED_ATTENTION_TARGET: "flux2klein_avx512_masked_attention",
-                              CONV_TARGET: "flux2klein_avx512_conv3x3",
-                              NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3",
-                              CONV1X1_TARGET: "flux2klein_avx512_conv1x1",
-                              UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3",
-                              SWIGLU_TARGET: "flux2klein_avx512_swiglu",
-                              GEMM_TARGET: "flux2klein_avx512_gemm",
-                              QKV_HEADS_TARGET: "flux2klein_avx512_qkv_heads"}, lib)
+    handlers = {ATTENTION_TARGET: "flux2klein_avx512_attention",
+                MASKED_ATTENTION_TARGET: "flux2klein_avx512_masked_attention",
+                CONV_TARGET: "flux2klein_avx512_conv3x3",
+                NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3",
+                CONV1X1_TARGET: "flux2klein_avx512_conv1x1",
+                UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3",
+                SWIGLU_TARGET: "flux2klein_avx512_swiglu",
+                GEMM_TARGET: "flux2klein_avx512_gemm",
+                QKV_HEADS_TARGET: "flux2klein_avx512_qkv_heads"}
+    handlers.update({target + F32: handlers[target] + F32 for target in F32_FORMS})
+    return cpu_shim.register(handlers, lib)
+
+
+def _target(name: str, dtype: Any) -> str:
+    """A product's target for its operands' dtype: the bf16 one, or its float32 form."""
+    return name + F32 if dtype == jnp.float32 else name
 
 
 # Below this many multiply-adds XLA's dot was as fast or faster (512 x 512 x 512: 0.71 ms against 0.75 ms;
@@ -61,7 +76,8 @@ GEMM_MIN_PRODUCTS = 200_000_000
 
 def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
     """Whether `dot_general` takes these: a Linear layer's bf16 (..., K) x (K, N) with a bf16 result, K
-    even (VDPBF16PS sums pairs), on one CPU device, big enough that the shim's call pays."""
+    even (VDPBF16PS sums pairs), on one CPU device, big enough that the shim's call pays. (XLA's
+    float32 Linear products ran as fast as the shim's float32 loop: they stay XLA's.)"""
     if preferred_element_type not in (None, jnp.bfloat16) or not cpu_matmul.dot_eligible(
             lhs, rhs, dimension_numbers, preferred_element_type, kwargs):
         return False
@@ -99,19 +115,28 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     return cpu_matmul.masked_attention(q, k, v, mask, scale, fallback, target=MASKED_ATTENTION_TARGET)
 
 
-def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool) -> bool:
+# A float32 convolution's least width, in and out: the decoder's 3-channel output convolution ran 3x
+# slower in the shim's 32-wide panels than in XLA's (docs/benchmarks.md).
+F32_MIN_CHANNELS = 16
+
+
+def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool, c_out: int) -> bool:
     """cpu_matmul.conv_eligible, with input channels in pairs (VDPBF16PS sums two at a time; the
-    encoder's RGB input is not)."""
-    return cpu_matmul.conv_eligible(x, dtype, has_bias) and x.shape[-1] % 2 == 0
+    encoder's RGB input is not); or a float32 module's at least F32_MIN_CHANNELS wide in and out."""
+    if dtype == jnp.float32:
+        return (has_bias and x.ndim == 4 and min(x.shape[-1], c_out) >= F32_MIN_CHANNELS
+                and cpu_matmul.single_cpu_device())
+    return cpu_matmul.conv_eligible(x, dtype, has_bias, c_out) and x.shape[-1] % 2 == 0
 
 
 def conv1x1(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
-    """A 1x1 convolution with bias, bf16 NHWC (B, H, W, Cin) x (1, 1, Cin, Cout) -> bf16, in the shim,
-    with nnx.Conv's numerics (XLA's dot ran the VAE's narrow shortcuts far below the unit's rate);
-    `fallback(x)` on other platforms."""
+    """A 1x1 convolution with bias, NHWC (B, H, W, Cin) x (1, 1, Cin, Cout), bf16 or float32, in the
+    shim, with nnx.Conv's numerics (XLA's dot ran the VAE's narrow shortcuts far below the unit's
+    rate); `fallback(x)` on other platforms."""
 
     def avx512(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(CONV1X1_TARGET, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
+        call = jax.ffi.ffi_call(_target(CONV1X1_TARGET, x.dtype),
+                                jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), x.dtype),
                                 vmap_method="sequential")
         return call(x, kernel, bias)
 
@@ -119,28 +144,29 @@ def conv1x1(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> 
 
 
 def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
-    """cpu_matmul.conv3x3, its products in VDPBF16PS."""
-    return cpu_matmul.conv3x3(x, kernel, bias, fallback, target=CONV_TARGET)
+    """cpu_matmul.conv3x3, its products in VDPBF16PS (float32: in FMAs, a float32 result)."""
+    return cpu_matmul.conv3x3(x, kernel, bias, fallback, target=_target(CONV_TARGET, x.dtype))
 
 
 def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: jax.Array, kernel: jax.Array,
                       bias: jax.Array, fallback: Any) -> jax.Array:
-    """cpu_matmul.norm_silu_conv3x3, its products in VDPBF16PS."""
-    return cpu_matmul.norm_silu_conv3x3(x, mean, scale, shift, kernel, bias, fallback, target=NORM_CONV_TARGET)
+    """cpu_matmul.norm_silu_conv3x3, its products in VDPBF16PS (float32: in FMAs, nothing rounded)."""
+    return cpu_matmul.norm_silu_conv3x3(x, mean, scale, shift, kernel, bias, fallback,
+                                        target=_target(NORM_CONV_TARGET, x.dtype))
 
 
 def upsample_conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
-    """A nearest 2x upsample then a 3x3 'same' convolution with bias, bf16 NHWC (B, H, W, Cin) x
-    (3, 3, Cin, Cout) -> (B, 2H, 2W, Cout), in the shim: four 2x2 convolutions of the input, one per
-    output phase, so 2.25x fewer products and no upsampled copy. A phase's taps that read the same
-    input pixel are summed in float32 and rounded to bf16 once: the one rounding this form adds to
-    nnx.Conv's numerics (float32 sums rounded, then the bias). `fallback(x)` (upsample, then the
-    convolution) on other platforms."""
+    """A nearest 2x upsample then a 3x3 'same' convolution with bias, NHWC (B, H, W, Cin) x
+    (3, 3, Cin, Cout) -> (B, 2H, 2W, Cout), bf16 or float32, in the shim: four 2x2 convolutions of the
+    input, one per output phase, so 2.25x fewer products and no upsampled copy. A phase's taps that
+    read the same input pixel are summed in float32 (in bf16: rounded to bf16 once, the one rounding
+    this form adds to nnx.Conv's numerics: float32 sums rounded, then the bias). `fallback(x)`
+    (upsample, then the convolution) on other platforms."""
 
     def avx512(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
         b, h, w, _ = x.shape
-        call = jax.ffi.ffi_call(UPSAMPLE_CONV_TARGET, jax.ShapeDtypeStruct((b, 2 * h, 2 * w, kernel.shape[-1]),
-                                                                           jnp.bfloat16), vmap_method="sequential")
+        out = jax.ShapeDtypeStruct((b, 2 * h, 2 * w, kernel.shape[-1]), x.dtype)
+        call = jax.ffi.ffi_call(_target(UPSAMPLE_CONV_TARGET, x.dtype), out, vmap_method="sequential")
         return call(x, kernel, bias)
 
     return jax.lax.platform_dependent(x, kernel, bias, cpu=avx512, default=lambda x, kernel, bias: fallback(x))

@@ -40,6 +40,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -362,26 +363,64 @@ static inline void dpbf16_accumulate(const uint16_t* a, int64_t lda, const uint1
   }
 }
 
-// c (rows x 32 float32, row stride ldc) = a (rows x depth bf16) x one packed panel, in VDPBF16PS, the
-// rows kDotRows at a time (tile_product's work, all of a block's rows in one call).
-static void dpbf16_product(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
-                           int64_t ldc, int64_t rows) {
+// The same register block in float32 FMAs (the float32 plugin's products): c (Rows x 32) += a (Rows x
+// depth float32) x one panel of [depth][32] float32; each step loads the panel's two vectors for one
+// index of the depth and broadcasts each row's value. A panel holds depth x 32 values in both forms.
+template <int Rows, bool Add = true>
+static inline void fma_accumulate(const float* a, int64_t lda, const float* panel, int64_t depth, float* c,
+                                  int64_t ldc) {
+  __m512 acc[Rows][2];
+  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < depth; ++k, panel += kPanel) {
+    const __m512 w0 = _mm512_loadu_ps(panel), w1 = _mm512_loadu_ps(panel + 16);
+    for (int i = 0; i < Rows; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * lda + k]);
+      acc[i][0] = _mm512_fmadd_ps(x, w0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(x, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < Rows; ++i) {
+    if (Add) {
+      acc[i][0] = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc), acc[i][0]);
+      acc[i][1] = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + 16), acc[i][1]);
+    }
+    _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+    _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+  }
+}
+
+// One name for both register blocks, chosen by the element type (uint16_t: bf16 bits, VDPBF16PS).
+template <int Rows, bool Add = true>
+static inline void accumulate(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
+                              int64_t ldc) {
+  dpbf16_accumulate<Rows, Add>(a, lda, panel, depth, c, ldc);
+}
+
+template <int Rows, bool Add = true>
+static inline void accumulate(const float* a, int64_t lda, const float* panel, int64_t depth, float* c, int64_t ldc) {
+  fma_accumulate<Rows, Add>(a, lda, panel, depth, c, ldc);
+}
+
+// c (rows x 32 float32, row stride ldc) = a (rows x depth) x one packed panel, the rows kDotRows at a
+// time (tile_product's work, all of a block's rows in one call).
+template <typename T>
+static void product(const T* a, int64_t lda, const T* panel, int64_t depth, float* c, int64_t ldc, int64_t rows) {
   int64_t r = 0;
-  for (; r + kDotRows <= rows; r += kDotRows) dpbf16_accumulate<kDotRows, false>(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
+  for (; r + kDotRows <= rows; r += kDotRows) accumulate<kDotRows, false>(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
   a += r * lda, c += r * ldc;
   switch (rows - r) {
     case 0: break;
-    case 1: dpbf16_accumulate<1, false>(a, lda, panel, depth, c, ldc); break;
-    case 2: dpbf16_accumulate<2, false>(a, lda, panel, depth, c, ldc); break;
-    case 3: dpbf16_accumulate<3, false>(a, lda, panel, depth, c, ldc); break;
-    case 4: dpbf16_accumulate<4, false>(a, lda, panel, depth, c, ldc); break;
-    case 5: dpbf16_accumulate<5, false>(a, lda, panel, depth, c, ldc); break;
-    case 6: dpbf16_accumulate<6, false>(a, lda, panel, depth, c, ldc); break;
-    case 7: dpbf16_accumulate<7, false>(a, lda, panel, depth, c, ldc); break;
-    case 8: dpbf16_accumulate<8, false>(a, lda, panel, depth, c, ldc); break;
-    case 9: dpbf16_accumulate<9, false>(a, lda, panel, depth, c, ldc); break;
-    case 10: dpbf16_accumulate<10, false>(a, lda, panel, depth, c, ldc); break;
-    default: dpbf16_accumulate<11, false>(a, lda, panel, depth, c, ldc);
+    case 1: accumulate<1, false>(a, lda, panel, depth, c, ldc); break;
+    case 2: accumulate<2, false>(a, lda, panel, depth, c, ldc); break;
+    case 3: accumulate<3, false>(a, lda, panel, depth, c, ldc); break;
+    case 4: accumulate<4, false>(a, lda, panel, depth, c, ldc); break;
+    case 5: accumulate<5, false>(a, lda, panel, depth, c, ldc); break;
+    case 6: accumulate<6, false>(a, lda, panel, depth, c, ldc); break;
+    case 7: accumulate<7, false>(a, lda, panel, depth, c, ldc); break;
+    case 8: accumulate<8, false>(a, lda, panel, depth, c, ldc); break;
+    case 9: accumulate<9, false>(a, lda, panel, depth, c, ldc); break;
+    case 10: accumulate<10, false>(a, lda, panel, depth, c, ldc); break;
+    default: accumulate<11, false>(a, lda, panel, depth, c, ldc);
   }
 }
 
@@ -441,6 +480,20 @@ static void pack_values(const uint16_t* v, int64_t stride, int64_t sk, int64_t d
       }
 }
 
+// The float32 form (fma_accumulate's panels): panels of 32 dims, each [key][dim]; keys zero-padded to a
+// whole panel, dims to a whole panel.
+static void pack_values(const float* v, int64_t stride, int64_t sk, int64_t dim, float* out) {
+  const int64_t keys = round_up(sk, kPanel);
+  for (int64_t p = 0; p < round_up(dim, kPanel); p += kPanel) {
+    const __mmask16 low = lanes_left(dim - p), high = lanes_left(std::max<int64_t>(0, dim - p - 16));
+    for (int64_t key = 0; key < keys; ++key, out += kPanel) {
+      const bool real = key < sk;
+      _mm512_storeu_ps(out, real ? _mm512_maskz_loadu_ps(low, v + key * stride + p) : _mm512_setzero_ps());
+      _mm512_storeu_ps(out + 16, real ? _mm512_maskz_loadu_ps(high, v + key * stride + p + 16) : _mm512_setzero_ps());
+    }
+  }
+}
+
 // The last key index that any of the block's rows allows (-1 when none does): each row's mask is scanned
 // from its end, 64 bytes at a time, down to the last index found so far.
 static int64_t last_allowed_key(const AttentionShape& s, const Masking& m, int64_t b, int64_t row0, int64_t rows) {
@@ -494,9 +547,9 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
     std::memcpy(w.queries.data() + i * w.depth, q + (b * s.sq + row0 + i) * q_stride + h * s.dim, s.dim * 2);
   // c (tile_rows x 32) = a (tile_rows x depth) x a packed panel: on the tiles 32 rows at a time, or in
   // VDPBF16PS.
-  const auto product = [&](const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
-                           int64_t ldc) {
-    if (s.avx512) return dpbf16_product(a, lda, panel, depth, c, ldc, tile_rows);
+  const auto block_product = [&](const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
+                                 int64_t ldc) {
+    if (s.avx512) return product(a, lda, panel, depth, c, ldc, tile_rows);
     for (int64_t r = 0; r < tile_rows; r += 32) tile_product(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
   };
   // A masked block's products stop at the panel of the last key any of its rows may see: the keys past it
@@ -505,7 +558,7 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
   const int64_t seen = std::min(keys, s.sk);
   if (!s.avx512) configure_tiles();
   for (int64_t p = 0; p < keys; p += kPanel)
-    product(w.queries.data(), w.depth, w.packed_keys.data() + p * w.depth, w.depth, w.scores.data() + p, w.keys);
+    block_product(w.queries.data(), w.depth, w.packed_keys.data() + p * w.depth, w.depth, w.scores.data() + p, w.keys);
   // Per row: the divisor of its P @ V (1 where the weights are normalised already, 0 for no key).
   std::vector<float> divisors(tile_rows, 1.0f);
   for (int64_t i = 0; i < tile_rows; ++i) {
@@ -521,7 +574,7 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
     std::fill(weights + (filled ? seen : 0), weights + w.keys, 0);
   }
   for (int64_t p = 0; p < w.dims; p += kPanel)
-    product(w.weights.data(), w.keys, w.packed_values.data() + p * w.keys, keys, w.acc.data() + p, w.dims);
+    block_product(w.weights.data(), w.keys, w.packed_values.data() + p * w.keys, keys, w.acc.data() + p, w.dims);
   if (!s.avx512) _tile_release();
   for (int64_t i = 0; i < rows; ++i) {
     uint16_t* o = out + (b * s.sq + row0 + i) * q_stride + h * s.dim;
@@ -611,19 +664,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_masked_attention, MaskedAttentio
                               FLUX2KLEIN_MASKED_ATTENTION_BINDING);
 
 // Which products a convolution's tiles run on: the AMX tiles, MKL's GEMM, or VDPBF16PS.
-enum class ConvProducts { kAmx, kMkl, kDpbf16 };
+enum class ConvProducts { kAmx, kMkl, kPanels };
 
 struct ConvShape {
   int64_t batch, h, w, c_in, c_out;
-  bool avx512 = false;  // the AVX-512 bf16 plugin's call: VDPBF16PS, no AMX or MKL
+  bool avx512 = false;  // the AVX-512 bf16 plugin's call: VDPBF16PS (or FMAs in float32), no AMX or MKL
   // A nearest 2x upsample first (the AVX-512 bf16 plugin's only): h and w are the input's, the output is
-  // (2h, 2w), and the kernel is packed as the sixteen merged taps of upsample_conv_tile_dpbf16.
+  // (2h, 2w), and the kernel is packed as the sixteen merged taps of upsample_conv_tile_panels.
   bool upsample = false;
+  bool f32 = false;  // float32 input, kernel and output (the AVX-512 plugin's FMA form)
   int64_t wp() const { return w + 2; }
   int64_t scale() const { return upsample ? 2 : 1; }
   // The tiles take whole A tiles of input channels; other widths take MKL's products.
   ConvProducts products() const {
-    if (avx512) return ConvProducts::kDpbf16;
+    if (avx512) return ConvProducts::kPanels;
     return c_in % 32 == 0 ? ConvProducts::kAmx : ConvProducts::kMkl;
   }
   // The kernel packed in panels of 32 output channels (the tiles' and VDPBF16PS's layout).
@@ -651,34 +705,59 @@ static inline void store_conv_outputs(const float* sums, const float* bias, int6
   }
 }
 
+// As nnx.Conv in float32: the sums plus the bias.
+static inline void store_conv_outputs(const float* sums, const float* bias, int64_t channels, float* out) {
+  for (int64_t c = 0; c < channels; c += 16) {
+    const __mmask16 lanes = lanes_left(channels - c);
+    _mm512_mask_storeu_ps(out + c, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums + c),
+                                                        _mm512_maskz_loadu_ps(lanes, bias + c)));
+  }
+}
+
+// Sixteen values of either element type as float32 lanes, and back (bf16: rounded to nearest even).
+static inline __m512 load16(const uint16_t* x, __mmask16 lanes) { return from_bf16x16(_mm256_maskz_loadu_epi16(lanes, x)); }
+static inline __m512 load16(const float* x, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, x); }
+static inline void store16(uint16_t* out, __mmask16 lanes, __m512 v) { _mm256_mask_storeu_epi16(out, lanes, to_bf16x16(v)); }
+static inline void store16(float* out, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(out, lanes, v); }
+
+// A bias in float32, zero-padded to a whole panel (the epilogues read whole panels' worth).
+template <typename T>
+static std::vector<float> widened_bias(const T* bias, int64_t count) {
+  std::vector<float> wide(round_up(count, kPanel), 0.0f);
+  for (int64_t c = 0; c < count; c += 16) _mm512_mask_storeu_ps(wide.data() + c, lanes_left(count - c), load16(bias + c, lanes_left(count - c)));
+  return wide;
+}
+
 // The kernel (3, 3, Cin, Cout) (or (1, 1, Cin, Cout): one tap) for the tiles: panels of 32 output
-// channels, each [tap][Cin pair][32][2];
-// output channels zero-padded to a whole panel.
-static std::vector<uint16_t> pack_conv_kernel(const uint16_t* kernel, int64_t c_in, int64_t c_out, int64_t taps = 9) {
-  std::vector<uint16_t> packed(round_up(c_out, kPanel) * taps * c_in);
-  uint16_t* out = packed.data();
+// channels, each [tap][Cin pair][32][2] in bf16 (VDPBF16PS's pairs), [tap][Cin][32] in float32; output
+// channels zero-padded to a whole panel.
+template <typename T>
+static std::vector<T> pack_conv_kernel(const T* kernel, int64_t c_in, int64_t c_out, int64_t taps = 9) {
+  constexpr int64_t pair = sizeof(T) == 2 ? 2 : 1;
+  std::vector<T> packed(round_up(c_out, kPanel) * taps * c_in);
+  T* out = packed.data();
   for (int64_t p = 0; p < c_out; p += kPanel)
     for (int64_t tap = 0; tap < taps; ++tap)
-      for (int64_t c = 0; c < c_in; c += 2)
-        for (int64_t col = 0; col < kPanel; ++col, out += 2) {
+      for (int64_t c = 0; c < c_in; c += pair)
+        for (int64_t col = 0; col < kPanel; ++col, out += pair) {
           const bool real = p + col < c_out;
-          const uint16_t* k = kernel + (tap * c_in + c) * c_out + p + col;
-          out[0] = real ? k[0] : 0;
-          out[1] = real ? k[c_out] : 0;
+          const T* k = kernel + (tap * c_in + c) * c_out + p + col;
+          for (int64_t i = 0; i < pair; ++i) out[i] = real ? k[i * c_out] : T{0};
         }
   return packed;
 }
 
 // A 3x3 kernel (3, 3, Cin, Cout) as the sixteen taps of a nearest 2x upsample then that convolution
-// (upsample_conv_tile_dpbf16), packed as pack_conv_kernel packs nine: tap (dy, dx) of phase (a, b) is the
-// sum of the kernel's rows kRows[a][dy] and columns kRows[b][dx], in float32, rounded to bf16 once (the
-// one rounding this form adds to nnx.Conv's). Output row 2r + a reads input rows r - 1 + a and r + a:
+// (upsample_conv_tile_panels), packed as pack_conv_kernel packs nine: tap (dy, dx) of phase (a, b) is the
+// sum of the kernel's rows kRows[a][dy] and columns kRows[b][dx], in float32, rounded to bf16 once in
+// bf16 (the one rounding this form adds to nnx.Conv's). Output row 2r + a reads input rows r - 1 + a and r + a:
 // for a = 0, kernel row 0 falls on the first and rows 1 and 2 on the second; for a = 1, rows 0 and 1 on
 // the first and row 2 on the second.
-static std::vector<uint16_t> pack_upsample_kernel(const uint16_t* kernel, int64_t c_in, int64_t c_out) {
+template <typename T>
+static std::vector<T> pack_upsample_kernel(const T* kernel, int64_t c_in, int64_t c_out) {
   static constexpr int kRows[2][2][2] = {{{0, 0}, {1, 2}}, {{0, 1}, {2, 2}}};  // [phase][tap]: first, last
   const int64_t size = c_in * c_out;
-  std::vector<uint16_t> merged(16 * size);
+  std::vector<T> merged(16 * size);
   for (int tap = 0; tap < 16; ++tap) {
     const int a = tap / 8, b = tap / 4 % 2, dy = tap / 2 % 2, dx = tap % 2;
     for (int64_t i = 0; i < size; i += 16) {  // sixteen weights at a time: this runs on every call
@@ -686,8 +765,8 @@ static std::vector<uint16_t> pack_upsample_kernel(const uint16_t* kernel, int64_
       __m512 sum = _mm512_setzero_ps();
       for (int ky = kRows[a][dy][0]; ky <= kRows[a][dy][1]; ++ky)
         for (int kx = kRows[b][dx][0]; kx <= kRows[b][dx][1]; ++kx)
-          sum = _mm512_add_ps(sum, from_bf16x16(_mm256_maskz_loadu_epi16(lanes, kernel + (ky * 3 + kx) * size + i)));
-      _mm256_mask_storeu_epi16(merged.data() + tap * size + i, lanes, to_bf16x16(sum));
+          sum = _mm512_add_ps(sum, load16(kernel + (ky * 3 + kx) * size + i, lanes));
+      store16(merged.data() + tap * size + i, lanes, sum);
     }
   }
   return pack_conv_kernel(merged.data(), c_in, c_out, 16);
@@ -734,19 +813,20 @@ static void conv_tile_mkl(const ConvShape& s, const uint16_t* padded, const uint
       store_conv_outputs(sums + (r * wp + col) * s.c_out, bias, s.c_out, out + (r * s.w + col) * s.c_out);
 }
 
-// One tile in VDPBF16PS: per panel of 32 output channels and block of kDotRows consecutive positions,
-// the nine taps and all input channels accumulate in float32 (`dpbf16_accumulate`). Positions run along
-// the padded width, as on the tiles: the two columns past W are computed and dropped.
-static void conv_tile_dpbf16(const ConvShape& s, const uint16_t* padded, const uint16_t* packed, const float* bias,
-                             int64_t rows, uint16_t* out) {
+// One tile in VDPBF16PS (or float32 FMAs): per panel of 32 output channels and block of kDotRows
+// consecutive positions, the nine taps and all input channels accumulate in float32 (`accumulate`).
+// Positions run along the padded width, as on the tiles: the two columns past W are computed and dropped.
+template <typename T>
+static void conv_tile_panels(const ConvShape& s, const T* padded, const T* packed, const float* bias, int64_t rows,
+                             T* out) {
   const int64_t wp = s.wp(), positions = rows * wp;
   alignas(64) float block[kDotRows * kPanel];
   for (int64_t p = 0; p < s.c_out; p += kPanel) {
-    const uint16_t* panel = packed + p * 9 * s.c_in;
+    const T* panel = packed + p * 9 * s.c_in;
     for (int64_t p0 = 0; p0 < positions; p0 += kDotRows) {
       std::fill(block, block + kDotRows * kPanel, 0.0f);
       for (int64_t tap = 0; tap < 9; ++tap)
-        dpbf16_accumulate<kDotRows>(padded + (p0 + (tap / 3) * wp + tap % 3) * s.c_in, s.c_in,
+        accumulate<kDotRows>(padded + (p0 + (tap / 3) * wp + tap % 3) * s.c_in, s.c_in,
                                     panel + tap * s.c_in * kPanel, s.c_in, block, kPanel);
       for (int64_t i = 0; i < kDotRows && p0 + i < positions; ++i) {
         const int64_t r = (p0 + i) / wp, col = (p0 + i) % wp;
@@ -764,18 +844,19 @@ static void conv_tile_dpbf16(const ConvShape& s, const uint16_t* padded, const u
 // taps that fall on the same input pixel (pack_upsample_kernel): 4 x 4 products per input pixel instead of
 // 9 per output pixel (2.25x fewer), and no upsampled copy of the input. The sixteen taps are packed
 // [a][b][dy][dx]; tap (dy, dx) of phase (a, b) reads padded row r + a + dy, column c + b + dx.
-static void upsample_conv_tile_dpbf16(const ConvShape& s, const uint16_t* padded, const uint16_t* packed,
-                                      const float* bias, int64_t rows, uint16_t* out) {
+template <typename T>
+static void upsample_conv_tile_panels(const ConvShape& s, const T* padded, const T* packed, const float* bias,
+                                      int64_t rows, T* out) {
   const int64_t wp = s.wp(), positions = rows * wp, out_w = 2 * s.w;
   alignas(64) float block[kDotRows * kPanel];
   for (int64_t p = 0; p < s.c_out; p += kPanel) {
-    const uint16_t* panel = packed + p * 16 * s.c_in;
+    const T* panel = packed + p * 16 * s.c_in;
     for (int64_t p0 = 0; p0 < positions; p0 += kDotRows)
       for (int phase = 0; phase < 4; ++phase) {  // the block's input rows stay in L1 for all four
         const int a = phase / 2, b = phase % 2;
         std::fill(block, block + kDotRows * kPanel, 0.0f);
         for (int tap = 0; tap < 4; ++tap)
-          dpbf16_accumulate<kDotRows>(padded + (p0 + (a + tap / 2) * wp + b + tap % 2) * s.c_in, s.c_in,
+          accumulate<kDotRows>(padded + (p0 + (a + tap / 2) * wp + b + tap % 2) * s.c_in, s.c_in,
                                       panel + (phase * 4 + tap) * s.c_in * kPanel, s.c_in, block, kPanel);
         for (int64_t i = 0; i < kDotRows && p0 + i < positions; ++i) {
           const int64_t r = (p0 + i) / wp, col = (p0 + i) % wp;
@@ -787,13 +868,14 @@ static void upsample_conv_tile_dpbf16(const ConvShape& s, const uint16_t* padded
   }
 }
 
-// Output rows per task. On the tiles and in VDPBF16PS: a tile's padded input within about 1 MB (the rows
+// Output rows per task. On the tiles and in panels: a tile's padded input within about 1 MB (the rows
 // above and below are made again by the next tile). On MKL: its float32 sums within about 512 KB. The
 // image's rows are then split evenly into a whole number of tiles per core where they allow it, so
 // that no core waits on another's last, longer tile.
 static int64_t conv_tile_rows(const ConvShape& s) {
   const int64_t least = s.packed() ? 4 : 1;
-  const int64_t most = std::max(least, s.packed() ? (1 << 19) / (s.wp() * s.c_in) - 3 : (128 << 10) / (s.wp() * s.c_out));
+  const int64_t padded_row_bytes = s.wp() * s.c_in * (s.f32 ? 4 : 2);
+  const int64_t most = std::max(least, s.packed() ? (1 << 20) / padded_row_bytes - 3 : (128 << 10) / (s.wp() * s.c_out));
   const int64_t cores = worker_count(), tiles = (s.h + most - 1) / most;
   const int64_t even = s.batch % cores == 0 ? tiles : round_up(tiles, cores);  // a batch of whole images evens out
   return std::max(least, std::min(s.h, (s.h + even - 1) / even));
@@ -801,18 +883,16 @@ static int64_t conv_tile_rows(const ConvShape& s) {
 
 // For every tile of output rows, the tiles shared between the cores: fill(b, y, dst) writes padded row y
 // of batch b (y from -1 to H + 1; zeros outside the image), then the tile's products and epilogue.
-template <typename Fill>
-static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_t* bias, uint16_t* out, Fill fill) {
+template <typename T, typename Fill>
+static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* out, Fill fill) {
   const int64_t tile_rows = conv_tile_rows(s), tiles = (s.h + tile_rows - 1) / tile_rows, row = s.wp() * s.c_in;
-  std::vector<float> bias32(round_up(s.c_out, kPanel), 0.0f);
-  for (int64_t c = 0; c < s.c_out; ++c) bias32[c] = from_bf16(bias[c]);
-  const std::vector<uint16_t> packed =
-      s.upsample ? pack_upsample_kernel(kernel, s.c_in, s.c_out)
-      : s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<uint16_t>();
+  const std::vector<float> bias32 = widened_bias(bias, s.c_out);
+  const std::vector<T> packed = s.upsample ? pack_upsample_kernel(kernel, s.c_in, s.c_out)
+                                : s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<T>();
   const int workers = workers_for(s.batch * tiles);
   struct Scratch {
     std::vector<float> sums;
-    std::vector<uint16_t> padded;
+    std::vector<T> padded;
   };
   std::vector<Scratch> scratch(workers);
   for (auto& w : scratch) {
@@ -821,22 +901,20 @@ static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_
   }
   parallel_tasks(s.batch * tiles, workers, [&](int64_t t, int worker) {
     const int64_t b = t / tiles, y0 = (t % tiles) * tile_rows, rows = std::min(tile_rows, s.h - y0);
-    uint16_t* padded = scratch[worker].padded.data();
+    T* padded = scratch[worker].padded.data();
     for (int64_t j = 0; j < rows + 2; ++j) fill(b, y0 - 1 + j, padded + j * row);
     // The second row below and the slack are read for dropped positions only.
-    std::fill(padded + (rows + 2) * row, padded + padded_size(s, rows), 0);
-    uint16_t* tile_out = out + (b * s.h + y0) * s.scale() * s.scale() * s.w * s.c_out;
-    switch (s.products()) {
-      case ConvProducts::kAmx:
+    std::fill(padded + (rows + 2) * row, padded + padded_size(s, rows), T{0});
+    T* tile_out = out + (b * s.h + y0) * s.scale() * s.scale() * s.w * s.c_out;
+    if (s.products() == ConvProducts::kPanels) {
+      if (s.upsample)
+        upsample_conv_tile_panels(s, padded, packed.data(), bias32.data(), rows, tile_out);
+      else
+        conv_tile_panels(s, padded, packed.data(), bias32.data(), rows, tile_out);
+    } else if constexpr (std::is_same_v<T, uint16_t>) {  // the AMX plugin's, bf16 only
+      if (s.products() == ConvProducts::kAmx)
         conv_tile_amx(s, padded, packed.data(), bias32.data(), rows, tile_out);
-        break;
-      case ConvProducts::kDpbf16:
-        if (s.upsample)
-          upsample_conv_tile_dpbf16(s, padded, packed.data(), bias32.data(), rows, tile_out);
-        else
-          conv_tile_dpbf16(s, padded, packed.data(), bias32.data(), rows, tile_out);
-        break;
-      case ConvProducts::kMkl:
+      else
         conv_tile_mkl(s, padded, kernel, bias32.data(), rows, scratch[worker].sums.data(), tile_out);
     }
   });
@@ -844,15 +922,25 @@ static void conv_tiles(const ConvShape& s, const uint16_t* kernel, const uint16_
 
 // Padded row y of the (B, H, W, Cin) input x into dst: the row with a zero column each side, or zeros
 // above and below the image.
-static void padded_row(const ConvShape& s, const uint16_t* x, int64_t b, int64_t y, uint16_t* dst) {
+template <typename T>
+static void padded_row(const ConvShape& s, const T* x, int64_t b, int64_t y, T* dst) {
   if (y < 0 || y >= s.h) {
-    std::fill(dst, dst + s.wp() * s.c_in, 0);
+    std::fill(dst, dst + s.wp() * s.c_in, T{0});
     return;
   }
-  std::fill(dst, dst + s.c_in, 0);
-  std::memcpy(dst + s.c_in, x + (b * s.h + y) * s.w * s.c_in, s.w * s.c_in * 2);
-  std::fill(dst + (s.w + 1) * s.c_in, dst + s.wp() * s.c_in, 0);
+  std::fill(dst, dst + s.c_in, T{0});
+  std::memcpy(dst + s.c_in, x + (b * s.h + y) * s.w * s.c_in, s.w * s.c_in * sizeof(T));
+  std::fill(dst + (s.w + 1) * s.c_in, dst + s.wp() * s.c_in, T{0});
 }
+
+// A convolution handler's buffers: input, kernel, bias and output, all of one dtype.
+#define FLUX2KLEIN_CONV_BINDING(D)                                                                          \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>() \
+      .Ret<ffi::Buffer<D>>()
+
+// The element type of a handler's buffers: float32, or bf16 as its 16-bit pattern.
+template <ffi::DataType D>
+using Element = std::conditional_t<D == ffi::DataType::F32, float, uint16_t>;
 
 static bool conv_shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> od,
                         int64_t bias_count, ConvShape* s) {
@@ -863,64 +951,70 @@ static bool conv_shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd
   return true;
 }
 
-// The shapes of a convolution call, for the AMX plugin (MKL loaded) or the AVX-512 bf16 one (input
-// channels in pairs); an error when the call cannot run.
-template <bool Avx512>
+// The shapes of a convolution call, for the AMX plugin (MKL loaded) or the AVX-512 one (bf16: input
+// channels in pairs; or float32); an error when the call cannot run.
+template <bool Avx512, ffi::DataType D>
 static ffi::Error conv_call(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> od,
                             int64_t bias_count, ConvShape* s) {
+  constexpr bool pairs = Avx512 && D == ffi::DataType::BF16;
   if (!Avx512 && gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
-  if (!conv_shapes(xd, kd, od, bias_count, s) || (Avx512 && s->c_in % 2 != 0))
+  if (!conv_shapes(xd, kd, od, bias_count, s) || (pairs && s->c_in % 2 != 0))
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      Avx512 ? "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,), Cin even"
-                             : "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,)");
+                      pairs ? "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,), Cin even"
+                            : "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,)");
   s->avx512 = Avx512;
+  s->f32 = D == ffi::DataType::F32;
   return ffi::Error::Success();
 }
 
-template <bool Avx512>
-static ffi::Error Conv3x3(ffi::ThreadPool pool,
-                          ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
-                          ffi::ResultBuffer<ffi::BF16> out) {
+template <bool Avx512, ffi::DataType D = ffi::DataType::BF16>
+static ffi::Error Conv3x3(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D> kernel, ffi::Buffer<D> bias,
+                          ffi::ResultBuffer<D> out) {
+  using T = Element<D>;
   PoolScope scope(pool);
   ConvShape s;
-  ffi::Error shapes = conv_call<Avx512>(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s);
+  ffi::Error shapes =
+      conv_call<Avx512, D>(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s);
   if (shapes.failure()) return shapes;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  conv_tiles(s, reinterpret_cast<const uint16_t*>(kernel.untyped_data()),
-             reinterpret_cast<const uint16_t*>(bias.untyped_data()), reinterpret_cast<uint16_t*>(out->untyped_data()),
-             [&](int64_t b, int64_t y, uint16_t* dst) { padded_row(s, xp, b, y, dst); });
+  const auto* xp = reinterpret_cast<const T*>(x.untyped_data());
+  conv_tiles(s, reinterpret_cast<const T*>(kernel.untyped_data()), reinterpret_cast<const T*>(bias.untyped_data()),
+             reinterpret_cast<T*>(out->untyped_data()), [&](int64_t b, int64_t y, T* dst) { padded_row(s, xp, b, y, dst); });
   return ffi::Error::Success();
 }
 
-#define FLUX2KLEIN_CONV_BINDING                                                           \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() \
-      .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
-      .Ret<ffi::Buffer<ffi::BF16>>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_conv3x3, Conv3x3<false>, FLUX2KLEIN_CONV_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv3x3, Conv3x3<true>, FLUX2KLEIN_CONV_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_conv3x3, Conv3x3<false>, FLUX2KLEIN_CONV_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv3x3, Conv3x3<true>, FLUX2KLEIN_CONV_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv3x3_f32, (Conv3x3<true, ffi::DataType::F32>),
+                              FLUX2KLEIN_CONV_BINDING(ffi::F32));
 
-// A nearest 2x upsample then a 3x3 'same' convolution with bias, bf16 NHWC (B, H, W, Cin) x (3, 3, Cin,
-// Cout) -> (B, 2H, 2W, Cout), in VDPBF16PS (upsample_conv_tile_dpbf16).
-static ffi::Error UpsampleConv3x3(ffi::ThreadPool pool,
-                                  ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
-                                  ffi::ResultBuffer<ffi::BF16> out) {
+// A nearest 2x upsample then a 3x3 'same' convolution with bias, NHWC (B, H, W, Cin) x (3, 3, Cin, Cout)
+// -> (B, 2H, 2W, Cout), bf16 or float32, in panels (upsample_conv_tile_panels).
+template <ffi::DataType D>
+static ffi::Error UpsampleConv3x3(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D> kernel, ffi::Buffer<D> bias,
+                                  ffi::ResultBuffer<D> out) {
+  using T = Element<D>;
+  constexpr bool pairs = D == ffi::DataType::BF16;
   PoolScope scope(pool);
   auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
   if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
-      xd[3] % 2 != 0 || od[0] != xd[0] || od[1] != 2 * xd[1] || od[2] != 2 * xd[2] || od[3] != kd[3] ||
+      (pairs && xd[3] % 2 != 0) || od[0] != xd[0] || od[1] != 2 * xd[1] || od[2] != 2 * xd[2] || od[3] != kd[3] ||
       static_cast<int64_t>(bias.element_count()) != kd[3])
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,), Cin even; out (B, 2H, 2W, Cout)");
+                      pairs ? "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,), Cin even; out (B, 2H, 2W, Cout)"
+                            : "expected (B, H, W, Cin), (3, 3, Cin, Cout), (Cout,); out (B, 2H, 2W, Cout)");
   ConvShape s{xd[0], xd[1], xd[2], xd[3], kd[3]};
   s.avx512 = s.upsample = true;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  conv_tiles(s, reinterpret_cast<const uint16_t*>(kernel.untyped_data()),
-             reinterpret_cast<const uint16_t*>(bias.untyped_data()), reinterpret_cast<uint16_t*>(out->untyped_data()),
-             [&](int64_t b, int64_t y, uint16_t* dst) { padded_row(s, xp, b, y, dst); });
+  s.f32 = !pairs;
+  const auto* xp = reinterpret_cast<const T*>(x.untyped_data());
+  conv_tiles(s, reinterpret_cast<const T*>(kernel.untyped_data()), reinterpret_cast<const T*>(bias.untyped_data()),
+             reinterpret_cast<T*>(out->untyped_data()), [&](int64_t b, int64_t y, T* dst) { padded_row(s, xp, b, y, dst); });
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_upsample_conv3x3, UpsampleConv3x3, FLUX2KLEIN_CONV_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_upsample_conv3x3, UpsampleConv3x3<ffi::DataType::BF16>,
+                              FLUX2KLEIN_CONV_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_upsample_conv3x3_f32, UpsampleConv3x3<ffi::DataType::F32>,
+                              FLUX2KLEIN_CONV_BINDING(ffi::F32));
 
 // silu(y) = y * sigmoid(y) on sixteen lanes, with e = exp(-|y|) only: sigmoid(y) = 1 / (1 + e) for
 // y >= 0, e / (1 + e) below. A NaN stays NaN, and -inf gives NaN as XLA's form does (-inf * 0).
@@ -934,63 +1028,68 @@ static inline __m512 silu16(__m512 y) {
 }
 
 // The VAE's GroupNorm then SiLU, applied to the input rows as a tile reads them instead of in a pass of
-// its own: y = (x - mean) * scale + shift per (batch, channel), in float32, SiLU, rounded to bf16 (the
-// numerics of GroupNorm(x, silu=True) in core/models/vae.py).
+// its own: y = (x - mean) * scale + shift per (batch, channel), in float32, SiLU, rounded to bf16 in bf16
+// (the numerics of GroupNorm(x, silu=True) in core/models/vae.py).
+template <typename T>
 struct Normalisation {
-  const uint16_t* x;                  // (B, H, W, Cin)
+  const T* x;                         // (B, H, W, Cin)
   const float *mean, *scale, *shift;  // (B, Cin), (B, Cin), (Cin)
 };
 
-static void normalised_row(const ConvShape& s, const Normalisation& n, int64_t b, int64_t y, uint16_t* dst) {
+template <typename T>
+static void normalised_row(const ConvShape& s, const Normalisation<T>& n, int64_t b, int64_t y, T* dst) {
   const int64_t cin = s.c_in;
   if (y < 0 || y >= s.h) {
-    std::fill(dst, dst + s.wp() * cin, 0);
+    std::fill(dst, dst + s.wp() * cin, T{0});
     return;
   }
-  std::fill(dst, dst + cin, 0);
-  std::fill(dst + (s.w + 1) * cin, dst + s.wp() * cin, 0);
-  const uint16_t* src = n.x + (b * s.h + y) * s.w * cin;
+  std::fill(dst, dst + cin, T{0});
+  std::fill(dst + (s.w + 1) * cin, dst + s.wp() * cin, T{0});
+  const T* src = n.x + (b * s.h + y) * s.w * cin;
   for (int64_t col = 0; col < s.w; ++col)
     for (int64_t c = 0; c < cin; c += 16) {
       const __mmask16 lanes = lanes_left(cin - c);
-      const __m512 x = from_bf16x16(_mm256_maskz_loadu_epi16(lanes, src + col * cin + c));
+      const __m512 x = load16(src + col * cin + c, lanes);
       const __m512 centred = _mm512_sub_ps(x, _mm512_maskz_loadu_ps(lanes, n.mean + b * cin + c));
       const __m512 y = _mm512_add_ps(_mm512_mul_ps(centred, _mm512_maskz_loadu_ps(lanes, n.scale + b * cin + c)),
                                      _mm512_maskz_loadu_ps(lanes, n.shift + c));
-      _mm256_mask_storeu_epi16(dst + (col + 1) * cin + c, lanes, to_bf16x16(silu16(y)));
+      store16(dst + (col + 1) * cin + c, lanes, silu16(y));
     }
 }
 
-template <bool Avx512>
-static ffi::Error NormSiluConv3x3(ffi::ThreadPool pool,
-                                  ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::F32> mean, ffi::Buffer<ffi::F32> scale,
-                                  ffi::Buffer<ffi::F32> shift, ffi::Buffer<ffi::BF16> kernel,
-                                  ffi::Buffer<ffi::BF16> bias, ffi::ResultBuffer<ffi::BF16> out) {
+template <bool Avx512, ffi::DataType D = ffi::DataType::BF16>
+static ffi::Error NormSiluConv3x3(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<ffi::F32> mean,
+                                  ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> shift, ffi::Buffer<D> kernel,
+                                  ffi::Buffer<D> bias, ffi::ResultBuffer<D> out) {
+  using T = Element<D>;
   PoolScope scope(pool);
   ConvShape s;
-  ffi::Error shapes = conv_call<Avx512>(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s);
+  ffi::Error shapes =
+      conv_call<Avx512, D>(x.dimensions(), kernel.dimensions(), out->dimensions(), bias.element_count(), &s);
   if (shapes.failure()) return shapes;
   if (static_cast<int64_t>(mean.element_count()) != s.batch * s.c_in ||
       static_cast<int64_t>(scale.element_count()) != s.batch * s.c_in ||
       static_cast<int64_t>(shift.element_count()) != s.c_in)
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "expected (B, H, W, Cin), (B, Cin), (B, Cin), (Cin,), (3, 3, Cin, Cout), (Cout,)");
-  const Normalisation n{reinterpret_cast<const uint16_t*>(x.untyped_data()), mean.typed_data(), scale.typed_data(),
-                        shift.typed_data()};
-  conv_tiles(s, reinterpret_cast<const uint16_t*>(kernel.untyped_data()),
-             reinterpret_cast<const uint16_t*>(bias.untyped_data()), reinterpret_cast<uint16_t*>(out->untyped_data()),
-             [&](int64_t b, int64_t y, uint16_t* dst) { normalised_row(s, n, b, y, dst); });
+  const Normalisation<T> n{reinterpret_cast<const T*>(x.untyped_data()), mean.typed_data(), scale.typed_data(),
+                           shift.typed_data()};
+  conv_tiles(s, reinterpret_cast<const T*>(kernel.untyped_data()), reinterpret_cast<const T*>(bias.untyped_data()),
+             reinterpret_cast<T*>(out->untyped_data()),
+             [&](int64_t b, int64_t y, T* dst) { normalised_row(s, n, b, y, dst); });
   return ffi::Error::Success();
 }
 
-#define FLUX2KLEIN_NORM_CONV_BINDING                                                                           \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() \
-      .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>() \
-      .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()           \
-      .Ret<ffi::Buffer<ffi::BF16>>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3<false>, FLUX2KLEIN_NORM_CONV_BINDING);
+#define FLUX2KLEIN_NORM_CONV_BINDING(D)                                                                    \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()                                                                  \
+      .Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()                      \
+      .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Ret<ffi::Buffer<D>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3<false>,
+                              FLUX2KLEIN_NORM_CONV_BINDING(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3, NormSiluConv3x3<true>,
-                              FLUX2KLEIN_NORM_CONV_BINDING);
+                              FLUX2KLEIN_NORM_CONV_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3_f32, (NormSiluConv3x3<true, ffi::DataType::F32>),
+                              FLUX2KLEIN_NORM_CONV_BINDING(ffi::F32));
 
 // The transformer's SwiGLU in bf16, joined after another bf16 array when that has columns (the single
 // block's attention output, which the output projection takes side by side with it): row t of the out
@@ -1113,39 +1212,52 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_qkv_heads, QkvHeads,
 
 // A Linear layer's product, bf16 (M, K) x bf16 (K, N) -> bf16 (M, N): float32 sums of VDPBF16PS pairs,
 // rounded once (XLA's bf16 dot with a float32 result, then the convert). XLA's own ran these at 83-87% of
-// the unit's rate, and its float32 result took a pass of its own to round. A task is a block of
-// kGemmRows rows against a block of columns; each worker packs a block of columns of the weight into
-// VDPBF16PS panels once (the tasks come in column-block order, so a worker's share is mostly whole
-// blocks), and each kDotRows rows' products against a panel run in registers, then round to bf16 as
-// they are stored.
+// the unit's rate, and its float32 result took a pass of its own to round. The same loop in float32 FMAs
+// runs the VAE's float32 1x1 convolutions (XLA's float32 Linear products are as fast as it: not taken).
+// A task is a block of kGemmRows rows against a block of columns; each worker packs a block of columns
+// of the weight into panels once (the tasks come in column-block order, so a worker's share is mostly
+// whole blocks), and each kDotRows rows' products against a panel run in registers, then are stored
+// (bf16: rounded).
 constexpr int64_t kGemmRows = 16 * kDotRows;
 
 // Columns per packed block: the packed weight block fits in half a core's L2, a whole panel at least.
+template <typename T>
 static int64_t gemm_block_columns(int64_t k) {
-  return std::clamp<int64_t>((256 * 1024 / (2 * round_up(k, kPanel))) / kPanel * kPanel, kPanel, 8 * kPanel);
+  return std::clamp<int64_t>((256 * 1024 / (sizeof(T) * round_up(k, kPanel))) / kPanel * kPanel, kPanel, 8 * kPanel);
 }
 
-// y (m, n) = bf16(x (m, k) x w (k, n)), all row-major, k even; with a float32 `bias` (n, padded to a whole
-// panel), that rounded product plus the bias, rounded again (store_conv_outputs: nnx.Conv's numerics).
-static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, const float* bias, uint16_t* yp, int64_t m, int64_t k,
-                        int64_t n) {
+// A row of a product's float32 sums as the output holds them: rounded to bf16, or as they are.
+static inline void store_sums(const float* sums, int64_t count, uint16_t* out) {
+  for (int64_t c = 0; c < count; c += 16)
+    _mm256_mask_storeu_epi16(out + c, lanes_left(count - c), to_bf16x16(_mm512_load_ps(sums + c)));
+}
+
+static inline void store_sums(const float* sums, int64_t count, float* out) {
+  for (int64_t c = 0; c < count; c += 16) _mm512_mask_storeu_ps(out + c, lanes_left(count - c), _mm512_load_ps(sums + c));
+}
+
+// y (m, n) = x (m, k) x w (k, n), all row-major, bf16 (k even; the sums rounded) or float32; with a
+// float32 `bias` (n, padded to a whole panel), that product plus the bias as store_conv_outputs adds it
+// (nnx.Conv's numerics).
+template <typename T>
+static void panel_gemm(const T* xp, const T* wp, const float* bias, T* yp, int64_t m, int64_t k, int64_t n) {
   if (k == 0) {  // empty sums: +0
-    std::fill(yp, yp + m * n, 0);
+    std::fill(yp, yp + m * n, T{0});
     return;
   }
-  const int64_t depth = round_up(k, kPanel), columns = gemm_block_columns(k);
+  const int64_t depth = round_up(k, kPanel), columns = gemm_block_columns<T>(k);
   const int64_t column_blocks = (n + columns - 1) / columns;
   const int64_t row_blocks = (m + kGemmRows - 1) / kGemmRows, tasks = column_blocks * row_blocks;
   const int workers = workers_for(tasks);
   struct Packed {
-    std::vector<uint16_t> panels;
+    std::vector<T> panels;
     int64_t block = -1;
   };
   std::vector<Packed> packed(workers);
   parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
     const int64_t block = t / row_blocks, col0 = block * columns, cols = std::min(columns, n - col0);
     Packed& mine = packed[worker];
-    if (mine.block != block) {  // the weight's columns [col0, col0 + cols) as panels of [pair][column][2]
+    if (mine.block != block) {  // the weight's columns [col0, col0 + cols) as panels
       mine.panels.resize(depth * round_up(cols, kPanel));
       pack_values(wp + col0, n, k, cols, mine.panels.data());
       mine.block = block;
@@ -1156,18 +1268,16 @@ static void dpbf16_gemm(const uint16_t* xp, const uint16_t* wp, const float* bia
       const int64_t rows = std::min<int64_t>(kDotRows, row_end - r);
       for (int64_t p = 0; p < cols; p += kPanel) {
         if (rows == kDotRows)
-          dpbf16_accumulate<kDotRows, false>(xp + r * k, k, mine.panels.data() + p * depth, k, sums, kPanel);
+          accumulate<kDotRows, false>(xp + r * k, k, mine.panels.data() + p * depth, k, sums, kPanel);
         else
-          dpbf16_product(xp + r * k, k, mine.panels.data() + p * depth, k, sums, kPanel, rows);
-        const __mmask16 low = lanes_left(cols - p), high = lanes_left(std::max<int64_t>(0, cols - p - 16));
+          product(xp + r * k, k, mine.panels.data() + p * depth, k, sums, kPanel, rows);
+        const int64_t count = std::min(kPanel, cols - p);
         for (int64_t i = 0; i < rows; ++i) {
-          uint16_t* out = yp + (r + i) * n + col0 + p;
-          if (bias != nullptr) {
-            store_conv_outputs(sums + i * kPanel, bias + col0 + p, std::min(kPanel, cols - p), out);
-            continue;
-          }
-          _mm256_mask_storeu_epi16(out, low, to_bf16x16(_mm512_load_ps(sums + i * kPanel)));
-          _mm256_mask_storeu_epi16(out + 16, high, to_bf16x16(_mm512_load_ps(sums + i * kPanel + 16)));
+          T* out = yp + (r + i) * n + col0 + p;
+          if (bias != nullptr)
+            store_conv_outputs(sums + i * kPanel, bias + col0 + p, count, out);
+          else
+            store_sums(sums + i * kPanel, count, out);
         }
       }
     }
@@ -1181,8 +1291,8 @@ static ffi::Error Gemm16(ffi::ThreadPool pool,
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[0] || xd[1] % 2 != 0 || yd[0] != xd[0] ||
       yd[1] != wd[1])
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (M, K) x (K, N) -> (M, N), K even");
-  dpbf16_gemm(reinterpret_cast<const uint16_t*>(x.untyped_data()), reinterpret_cast<const uint16_t*>(w.untyped_data()),
-              nullptr, reinterpret_cast<uint16_t*>(y->untyped_data()), xd[0], xd[1], wd[1]);
+  panel_gemm(reinterpret_cast<const uint16_t*>(x.untyped_data()), reinterpret_cast<const uint16_t*>(w.untyped_data()),
+             nullptr, reinterpret_cast<uint16_t*>(y->untyped_data()), xd[0], xd[1], wd[1]);
   return ffi::Error::Success();
 }
 
@@ -1191,30 +1301,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_gemm, Gemm16,
                                   .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
 
-// A 1x1 convolution with bias, NHWC bf16 -> bf16 (the VAE's shortcuts): the Linear layers' product over
-// every position's channels, the bias added as nnx.Conv adds it. XLA's bf16 dot ran these narrow
-// products (64 -> 32 channels at 512x512) far below the unit's rate.
-static ffi::Error Conv1x1(ffi::ThreadPool pool,
-                          ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> kernel, ffi::Buffer<ffi::BF16> bias,
-                          ffi::ResultBuffer<ffi::BF16> out) {
+// A 1x1 convolution with bias, NHWC -> NHWC in bf16 or float32 (the VAE's shortcuts): the Linear layers'
+// product over every position's channels, the bias added as nnx.Conv adds it. XLA's bf16 dot ran these
+// narrow products (64 -> 32 channels at 512x512) far below the unit's rate.
+template <ffi::DataType D>
+static ffi::Error Conv1x1(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D> kernel, ffi::Buffer<D> bias,
+                          ffi::ResultBuffer<D> out) {
   PoolScope scope(pool);
+  constexpr bool pairs = D == ffi::DataType::BF16;
   auto xd = x.dimensions(), kd = kernel.dimensions(), od = out->dimensions();
   if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 1 || kd[1] != 1 || kd[2] != xd[3] ||
-      xd[3] % 2 != 0 || !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] ||
+      (pairs && xd[3] % 2 != 0) || !std::equal(xd.begin(), xd.begin() + 3, od.begin()) || od[3] != kd[3] ||
       static_cast<int64_t>(bias.element_count()) != kd[3])
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (B, H, W, Cin), (1, 1, Cin, Cout), (Cout,), Cin even");
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      pairs ? "expected (B, H, W, Cin), (1, 1, Cin, Cout), (Cout,), Cin even"
+                            : "expected (B, H, W, Cin), (1, 1, Cin, Cout), (Cout,)");
+  using T = Element<D>;
   const int64_t c_out = kd[3];
-  const auto* bp = reinterpret_cast<const uint16_t*>(bias.untyped_data());
-  std::vector<float> bias32(round_up(c_out, kPanel), 0.0f);
-  for (int64_t c = 0; c < c_out; ++c) bias32[c] = from_bf16(bp[c]);
+  const std::vector<float> bias32 = widened_bias(reinterpret_cast<const T*>(bias.untyped_data()), c_out);
   // The (1, 1, Cin, Cout) kernel is a (Cin, Cout) weight, row-major.
-  dpbf16_gemm(reinterpret_cast<const uint16_t*>(x.untyped_data()),
-              reinterpret_cast<const uint16_t*>(kernel.untyped_data()), bias32.data(),
-              reinterpret_cast<uint16_t*>(out->untyped_data()), xd[0] * xd[1] * xd[2], xd[3], c_out);
+  panel_gemm(reinterpret_cast<const T*>(x.untyped_data()), reinterpret_cast<const T*>(kernel.untyped_data()),
+             bias32.data(), reinterpret_cast<T*>(out->untyped_data()), xd[0] * xd[1] * xd[2], xd[3], c_out);
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1, Conv1x1, FLUX2KLEIN_CONV_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1, Conv1x1<ffi::DataType::BF16>,
+                              FLUX2KLEIN_CONV_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1_f32, Conv1x1<ffi::DataType::F32>,
+                              FLUX2KLEIN_CONV_BINDING(ffi::F32));
 
 // The loader's transposing copy (core/weights/loader.py, copy_into): a torch (out, in) weight into the
 // (in, out) array JAX takes, converted on the way. numpy moves a transposed view one element at a time,

@@ -127,8 +127,9 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     return jax.lax.platform_dependent(q, k, v, mask, cpu=amx, default=fallback)
 
 
-def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool) -> bool:
-    """Whether the VAE's convolutions of module dtype `dtype` take the shim on `x`: bf16 NHWC with a bias."""
+def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool, c_out: int) -> bool:
+    """Whether the VAE's convolutions of module dtype `dtype` take the shim on `x`: bf16 NHWC with a
+    bias (any `c_out`, its output width)."""
     return dtype == jnp.bfloat16 and has_bias and x.ndim == 4 and single_cpu_device()
 
 
@@ -151,7 +152,7 @@ def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any, tar
     nnx.Conv in bf16: float32 sums rounded to bf16, then the bias added."""
 
     def amx(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), x.dtype),
                                 vmap_method="sequential")
         return call(x, kernel, bias)
 
@@ -168,7 +169,7 @@ def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: ja
 
     def amx(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: jax.Array, kernel: jax.Array,
             bias: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), jnp.bfloat16),
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), x.dtype),
                                 vmap_method="sequential")
         return call(x, mean, scale, shift, kernel, bias)
 

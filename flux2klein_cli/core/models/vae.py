@@ -50,10 +50,15 @@ class Conv(nnx.Conv):
         return self.kernel_size == (3, 3) and self.strides in (1, (1, 1)) and self.padding == ((1, 1), (1, 1))
 
     def _plugin(self, x: jax.Array) -> Any:
-        """The kernel plugin this call takes (an AMX CPU, bf16), or None."""
+        """The kernel plugin this call takes (bf16 on an AMX CPU; bf16 or float32 on AVX-512 bf16), or None."""
         kernels = trace.plugin()
-        eligible = kernels is not None and kernels.conv_eligible(x, self.dtype, self.bias is not None)
+        eligible = kernels is not None and kernels.conv_eligible(x, self.dtype, self.bias is not None,
+                                                                 self.out_features)
         return kernels if eligible else None
+
+    def _call_weights(self) -> tuple[jax.Array, jax.Array]:
+        """The kernel and bias in the dtype the plugin's call takes for all its buffers (the module's)."""
+        return self.kernel[...].astype(self.dtype), self.bias[...].astype(self.dtype)
 
     def after_norm_silu(self, norm: GroupNorm, x: jax.Array) -> jax.Array:
         """self(norm(x, silu=True)); on the oneMKL path as one shim call that normalises and
@@ -63,8 +68,9 @@ class Conv(nnx.Conv):
         if not (kernels and self._same_3x3() and not trace.current().convs_as_matmuls):
             return self(norm(x, silu=True))
         mean, scale = (a.reshape(x.shape[0], -1) for a in norm.statistics(x))
-        return kernels.norm_silu_conv3x3(x.astype(jnp.bfloat16), mean, scale, norm.bias[...].astype(jnp.float32),
-                                            self.kernel[...], self.bias[...], lambda x: self(norm(x, silu=True)))
+        kernel, bias = self._call_weights()
+        return kernels.norm_silu_conv3x3(x.astype(self.dtype), mean, scale, norm.bias[...].astype(jnp.float32),
+                                         kernel, bias, lambda x: self(norm(x, silu=True)))
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         same_3x3 = self._same_3x3()
@@ -72,10 +78,10 @@ class Conv(nnx.Conv):
             return self.as_matmul(x)
         kernels = self._plugin(x)  # the AMX plugin
         if kernels and same_3x3:
-            return kernels.conv3x3(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
-                                      lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
+            return kernels.conv3x3(x.astype(self.dtype), *self._call_weights(),
+                                   lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
         if kernels and self.kernel_size == (1, 1) and self.strides in (1, (1, 1)) and self.padding == ((0, 0),) * 2:
-            return kernels.conv1x1(x.astype(jnp.bfloat16), self.kernel[...], self.bias[...],
+            return kernels.conv1x1(x.astype(self.dtype), *self._call_weights(),
                                    lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
         return super().__call__(x, out_sharding=out_sharding)
 
@@ -232,8 +238,8 @@ class Upsample(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernels = None if trace.current().convs_as_matmuls else self.conv._plugin(x)
-        if kernels is not None and hasattr(kernels, "upsample_conv3x3"):  # the AVX-512 bf16 plugin's
-            return kernels.upsample_conv3x3(x.astype(jnp.bfloat16), self.conv.kernel[...], self.conv.bias[...],
+        if kernels is not None and hasattr(kernels, "upsample_conv3x3"):  # the AVX-512 plugin's
+            return kernels.upsample_conv3x3(x.astype(self.conv.dtype), *self.conv._call_weights(),
                                             self._upsampled_conv)
         return self._upsampled_conv(x)
 

@@ -1,0 +1,148 @@
+"""The AVX-512 plugin's float32 forms (core/models/avx512_bf16.py, the `*_f32` targets): a float32 VAE's
+3x3 and 1x1 convolutions, the decoder's upsample convolution and the fused GroupNorm + SiLU +
+convolution in float32 FMAs, checked against float64 from the same values and against XLA's forms."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from flux2klein_cli.core.models import avx512_bf16
+from flux2klein_cli.core.models.layers import linear
+from flux2klein_cli.core.models.trace import traced_under
+from flux2klein_cli.core.models.vae import ResnetBlock, Upsample, conv
+from tests.test_cpu_matmul import avx512, conv_under, hlo, plugin_options, upsampled_conv_exact
+
+pytestmark = pytest.mark.slow
+
+F32 = avx512_bf16.F32
+
+
+def f32_conv(c_in: int, c_out: int, seed: int = 0, size: int = 3) -> nnx.Module:
+    module = conv(c_in, c_out, size, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(seed)
+    module.kernel[...] = jnp.asarray(0.2 * rng.standard_normal((size, size, c_in, c_out)), jnp.float32)
+    module.bias[...] = jnp.asarray(rng.standard_normal(c_out), jnp.float32)
+    return module
+
+
+def f32_upsample(c_in: int, c_out: int, seed: int = 0) -> nnx.Module:
+    module = Upsample(c_in, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    module.conv = f32_conv(c_in, c_out, seed)
+    return module
+
+
+def f32_resnet(c_in: int, c_out: int, groups: int, seed: int = 0) -> nnx.Module:
+    block = ResnetBlock(c_in, c_out, groups, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(seed)
+    for path, var in nnx.to_flat_state(nnx.state(block)):
+        offset = 1.0 if "norm" in str(path[0]) and path[-1] == "weight" else 0.0  # norm weights near one
+        var.set_value(jnp.asarray(offset + 0.2 * rng.standard_normal(var.get_value().shape), jnp.float32))
+    return block
+
+
+def conv_exact(module: nnx.Module, x: jax.Array) -> np.ndarray:
+    """The 'same' convolution with bias in float64 from the same float32 values."""
+    kernel, bias = (np.asarray(a, np.float64) for a in (module.kernel[...], module.bias[...]))
+    size = kernel.shape[0]
+    pad = size // 2
+    padded = np.pad(np.asarray(x, np.float64), ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    h, w = x.shape[1:3]
+    return sum(padded[:, dy : dy + h, dx : dx + w] @ kernel[dy, dx] for dy in range(size) for dx in range(size)) + bias
+
+
+def test_a_float32_vae_takes_the_float32_targets_and_its_narrow_convolutions_stay_xlas() -> None:
+    """Lowering only (no CPU needed): which calls a float32 model's programs hold under the plugin."""
+    options = plugin_options("avx512-bf16")
+
+    def traced(module: nnx.Module, x: jax.Array, platform: str = "cpu") -> str:
+        graphdef, state = nnx.split(module)
+        return hlo(traced_under(lambda s, x: nnx.merge(graphdef, s)(x), options), state, x, platform=platform)
+
+    x = jnp.ones((1, 8, 8, 16), jnp.float32)
+    held = traced(f32_conv(16, 20), x)
+    assert f"@{avx512_bf16.CONV_TARGET}{F32}(" in held and f"@{avx512_bf16.CONV_TARGET}(" not in held
+    assert "custom_call" not in traced(f32_conv(16, 20), x, platform="tpu")
+    assert "custom_call" not in traced(f32_conv(16, 3), x)  # the decoder's RGB output: XLA's was faster
+    assert "custom_call" not in traced(f32_conv(3, 32), jnp.ones((1, 8, 8, 3), jnp.float32))  # the encoder's input
+    assert f"@{avx512_bf16.CONV1X1_TARGET}{F32}(" in traced(f32_conv(16, 20, size=1), x)
+    assert traced(f32_resnet(16, 16, 4), x).count(f"@{avx512_bf16.NORM_CONV_TARGET}{F32}(") == 2
+    upsampled = traced(f32_upsample(16, 16), x)
+    assert f"@{avx512_bf16.UPSAMPLE_CONV_TARGET}{F32}(" in upsampled and avx512_bf16.CONV_TARGET not in upsampled
+    # XLA's float32 Linear products ran as fast as the shim's loop: they keep XLA's dot.
+    wide = linear(512, 640, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert "custom_call" not in traced(wide, jax.ShapeDtypeStruct((2, 320, 512), jnp.float32))
+    # The AMX plugin has no float32 forms.
+    graphdef, state = nnx.split(f32_conv(16, 20))
+    assert "custom_call" not in hlo(traced_under(lambda s, x: nnx.merge(graphdef, s)(x), plugin_options("amx")),
+                                    state, x)
+
+
+def assert_as_close_as_xla(ours: np.ndarray, xla: np.ndarray, exact: np.ndarray) -> None:
+    """float32 sums in another order: errors against float64 of XLA's size (a wrong tap, panel or
+    bias would be off by the size of the outputs themselves)."""
+    assert ours.shape == xla.shape == exact.shape
+    ours_err, xla_err = np.abs(ours - exact), np.abs(xla - exact)
+    assert ours_err.max() <= 1e-5 * np.abs(exact).max()
+    assert ours_err.mean() <= 2 * xla_err.mean(), (ours_err.mean(), xla_err.mean())
+
+
+@avx512
+@pytest.mark.parametrize("shape, size", [((1, 20, 13, 16, 20), 3), ((2, 9, 30, 48, 32), 3), ((1, 16, 16, 64, 128), 3),
+                                         ((1, 5, 40, 17, 33), 3), ((2, 7, 5, 24, 40), 1), ((1, 33, 12, 128, 64), 1)])
+def test_float32_convolutions_in_the_shim_are_as_close_to_float64_as_xlas(shape: tuple[int, ...], size: int) -> None:
+    b, h, w, c_in, c_out = shape
+    module = f32_conv(c_in, c_out, size=size)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.float32)
+    ours, xla = (np.asarray(conv_under(form)(module, x), np.float64) for form in ("avx512-bf16", None))
+    assert_as_close_as_xla(ours, xla, conv_exact(module, x))
+
+
+@avx512
+@pytest.mark.parametrize("shape", [(1, 16, 12, 64, 32), (2, 9, 5, 16, 20), (1, 30, 33, 128, 128)])
+def test_the_float32_upsample_convolution_is_as_close_to_float64_as_xlas(shape: tuple[int, ...]) -> None:
+    """The four merged-tap 2x2 convolutions in float32: the merged taps are float32 sums, no rounding
+    to bf16, so the result stays at XLA's float32 error."""
+    b, h, w, c_in, c_out = shape
+    module = f32_upsample(c_in, c_out)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.float32)
+    ours, xla = (np.asarray(conv_under(form)(module, x), np.float64) for form in ("avx512-bf16", None))
+    assert_as_close_as_xla(ours, xla, upsampled_conv_exact(module, x))
+
+
+@avx512
+@pytest.mark.parametrize("shape", [(1, 40, 24, 32, 32, 8), (2, 17, 9, 16, 48, 4)])
+def test_the_float32_fused_norm_silu_conv_matches_xlas_forms(shape: tuple[int, ...]) -> None:
+    """GroupNorm, SiLU and the convolution in one float32 call: XLA's forms to float32 rounding."""
+    b, h, w, c_in, c_out, groups = shape
+    block = f32_resnet(c_in, c_out, groups)
+    x = jnp.asarray(3 * np.random.default_rng(1).standard_normal((b, h, w, c_in)) + 1, jnp.float32)
+
+    def first_conv(plugin: str | None) -> np.ndarray:
+        fn = traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), plugin_options(plugin))
+        return np.asarray(nnx.jit(fn)(block, x), np.float64)
+
+    ours, xla = first_conv("avx512-bf16"), first_conv(None)
+    assert ours.shape == (b, h, w, c_out)
+    np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
+    whole = [np.asarray(conv_under(form)(block, x), np.float64) for form in ("avx512-bf16", None)]
+    np.testing.assert_allclose(whole[0], whole[1], rtol=1e-5, atol=1e-5 * np.abs(whole[1]).max())
+
+
+@avx512
+def test_in_the_float32_shim_non_finite_values_stay_non_finite() -> None:
+    x = np.random.default_rng(2).standard_normal((1, 12, 10, 16)).astype(np.float32)
+    x[0, 3, 4, 1], x[0, 8, 2, 5] = np.nan, np.inf
+    x = jnp.asarray(x)
+    for module in (f32_conv(16, 16), f32_conv(16, 16, size=1), f32_resnet(16, 16, 4)):
+        ours, xla = (np.asarray(conv_under(form)(module, x)) for form in ("avx512-bf16", None))
+        np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
+        np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
+        assert not np.isfinite(ours).all()
+    # The merged taps turn inf * w1 + inf * w2 into inf * (w1 + w2): the same outputs are non-finite.
+    upsampled = [np.asarray(conv_under(form)(f32_upsample(16, 16), x)) for form in ("avx512-bf16", None)]
+    np.testing.assert_array_equal(np.isfinite(upsampled[0]), np.isfinite(upsampled[1]))
+    assert not np.isfinite(upsampled[0]).all()
