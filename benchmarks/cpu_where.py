@@ -9,6 +9,7 @@ ml_dtypes pin"):
     python benchmarks/cpu_where.py first-touch                         # fresh memory, 256 MB
     python benchmarks/cpu_where.py ops --dtype bf16                    # our XLA ops' time, from a profile
     python benchmarks/cpu_where.py single-tail                         # the single block's SwiGLU + concat
+    python benchmarks/cpu_where.py vae-f32                             # a float32 decoder's convolutions
 
 Our own phases come from `flux2klein bench --json` on the same checkpoint. Each study prints one
 line per figure; medians of interleaved rounds where forms are compared.
@@ -364,10 +365,61 @@ def single_tail(rounds: int) -> None:
         print(f"{name}: {statistics.median(times[name]) * 1e3:.2f} ms (same bits: {same})")
 
 
+def vae_f32(rounds: int) -> None:
+    """A float32 decoder's convolutions with the AVX-512 plugin's float32 forms against XLA's, interleaved,
+    at the medium decoder's shapes: 3x3 convolutions, the fused GroupNorm + SiLU + 3x3 convolution (a
+    resnet's), the nearest 2x upsample and its convolution, the 1x1 shortcuts, and the 32 -> 3 output
+    convolution (which stays XLA's). GFLOP/s count the plain form's products."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from flux2klein_cli.core.models import kernels
+    from flux2klein_cli.core.models.trace import TraceOptions, traced_under
+    from flux2klein_cli.core.models.vae import GroupNorm, Upsample, conv
+
+    if kernels.plugin_status().name != "avx512-bf16":
+        raise SystemExit(f"the AVX-512 bf16 plugin does not run here: {kernels.plugin_status().reason}")
+    forms = {plugin or "XLA": nnx.jit(traced_under(lambda m, x: m(x), TraceOptions("cpu", "blocked", kernels=plugin)))
+             for plugin in ("avx512-bf16", None)}
+
+    class NormConv(nnx.Module):
+        def __init__(self, c_in: int, c_out: int) -> None:
+            self.norm = GroupNorm(c_in, 32, dtype=jnp.float32)
+            self.conv = conv(c_in, c_out, 3, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.conv.after_norm_silu(self.norm, x)
+
+    rng = np.random.default_rng(0)
+    shapes = (("conv", 512, 32, 32), ("conv", 256, 64, 64), ("conv", 128, 128, 128), ("norm+conv", 512, 32, 32),
+              ("norm+conv", 512, 64, 32), ("norm+conv", 256, 128, 64), ("norm+conv", 128, 128, 128),
+              ("upsample", 256, 64, 64), ("upsample", 128, 128, 128), ("1x1", 512, 64, 32), ("1x1", 256, 128, 64),
+              ("conv", 512, 32, 3))
+    for kind, side, c_in, c_out in shapes:
+        module: Any = (NormConv(c_in, c_out) if kind == "norm+conv" else Upsample(c_in, dtype=jnp.float32,
+                       rngs=nnx.Rngs(0)) if kind == "upsample" else conv(c_in, c_out, 1 if kind == "1x1" else 3,
+                                                                        dtype=jnp.float32, rngs=nnx.Rngs(0)))
+        layer = module.conv if kind in ("norm+conv", "upsample") else module
+        layer.kernel[...] = jnp.asarray(rng.standard_normal(layer.kernel[...].shape) * 0.05, jnp.float32)
+        out_side = 2 * side if kind == "upsample" else side
+        flops = 2 * (1 if kind == "1x1" else 9) * c_in * c_out * out_side ** 2
+        x = jnp.asarray(rng.standard_normal((1, side, side, c_in)), jnp.float32)
+        times: dict[str, list[float]] = {name: [] for name in forms}
+        for _ in range(rounds):
+            for name, form in forms.items():
+                times[name].append(median_s(lambda f=form, m=module, x=x: jax.block_until_ready(f(m, x)), calls=3))
+        medians = {name: statistics.median(t) for name, t in times.items()}
+        print(f"{kind} {side}x{side} {c_in} -> {c_out}: " + ", ".join(
+            f"{name} {t * 1e3:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s)" for name, t in medians.items())
+            + f", plugin / XLA {medians['avx512-bf16'] / medians['XLA']:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "upsample-plugin",
-                                          "first-touch", "ops", "single-tail", "linear-plugin"))
+                                          "first-touch", "ops", "single-tail", "linear-plugin", "vae-f32"))
     parser.add_argument("--model", default="/tmp/cmp/medium", help="phases, ops: a diffusers checkpoint folder")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
@@ -393,6 +445,8 @@ def main() -> None:
         single_tail(args.rounds)
     elif args.study == "linear-plugin":
         linear_plugin(args.rounds)
+    elif args.study == "vae-f32":
+        vae_f32(args.rounds)
     else:
         first_touch()
 

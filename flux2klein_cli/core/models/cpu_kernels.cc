@@ -1,4 +1,4 @@
-// XLA FFI handlers for bf16 work on x86 CPUs with AVX-512 bf16, for the two kernel plugins:
+// XLA FFI handlers for bf16 (and a float32 VAE's) work on x86 CPUs with AVX-512 bf16, for the two kernel plugins:
 //
 // The AMX plugin (core/models/cpu_matmul.py), on the AMX tiles through oneMKL's bf16 GEMM
 // (cblas_gemm_bf16bf16f32) or the tiles' intrinsics directly where MKL's products are too small to
@@ -24,7 +24,8 @@
 //   flux2klein_avx512_upsample_conv3x3 (the decoder's nearest 2x upsample and its convolution, in 2.25x
 //   fewer products), flux2klein_avx512_swiglu (the transformer's SwiGLU), flux2klein_avx512_qkv_heads (the
 //   single block's q/k norms and rotations), and flux2klein_avx512_gemm (the Linear layers' products,
-//   rounded to bf16 as they are stored).
+//   rounded to bf16 as they are stored). The convolutions have float32 forms too, the same loops in
+//   FMAs (flux2klein_avx512_conv3x3_f32, _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32).
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
 // Built with AVX-512, bf16 and AMX on: it is loaded on CPUs with AVX-512 bf16 only, and the AMX
 // instructions run only in the AMX plugin's handlers.
