@@ -13,12 +13,13 @@ It takes the VAE's 1x1 convolutions too (`conv1x1`), and the decoder's nearest 2
 single block's attention output (`swiglu`), and the larger Linear layers' products (`dot_general`:
 XLA's ran at 83-87% of the unit's rate, then rounded its float32 result in a pass of its own).
 
-A float32 model's VAE convolutions take the same loops in float32 FMAs (the `*_f32` targets): XLA ran
-the decoder's upsample convolutions and 1x1 shortcuts at 15-45% of the FMA rate, and its GroupNorm and
-SiLU in passes of their own (its float32 Linear products and plain 3x3 convolutions were as fast as the
-shim's loops: they stay XLA's). Chosen by
-the backend dispatch (core/models/kernels.py) and named `avx512-bf16` in the trace options, so it is
-part of every program's key.
+A float32 model's attention and VAE convolutions take the same loops in float32 FMAs (the `*_f32`
+targets): XLA ran float32 attention at 74% of the FMA rate, the decoder's upsample convolutions at
+about 60%, its 1x1 shortcuts at 6-14%, and its GroupNorm and SiLU in passes of their own (its float32
+Linear products and plain 3x3 convolutions were as fast as the shim's loops: they stay XLA's).
+
+Chosen by the backend dispatch (core/models/kernels.py) and named `avx512-bf16` in the trace options,
+so it is part of every program's key.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ GEMM_TARGET = "flux2klein_avx512_bf16_gemm"
 QKV_HEADS_TARGET = "flux2klein_avx512_bf16_qkv_heads"
 # The float32 forms of the products: each bf16 target's name with this suffix (and its handler's).
 F32 = "_f32"
-F32_FORMS = (CONV_TARGET, NORM_CONV_TARGET, CONV1X1_TARGET, UPSAMPLE_CONV_TARGET)
+F32_FORMS = (ATTENTION_TARGET, MASKED_ATTENTION_TARGET, CONV_TARGET, NORM_CONV_TARGET, CONV1X1_TARGET,
+             UPSAMPLE_CONV_TARGET)
 
 
 def load() -> str | None:
@@ -100,19 +102,33 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any, fal
     return jax.lax.platform_dependent(lhs, rhs, cpu=avx512, default=fallback)
 
 
-attention_eligible = cpu_matmul.attention_eligible
-masked_attention_eligible = cpu_matmul.masked_attention_eligible
+def _as_bf16(*arrays: Any) -> list[Any]:
+    """float32 operands as bf16 shapes: the float32 forms take what the bf16 ones take."""
+    if all(a.dtype == jnp.float32 for a in arrays):
+        return [jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in arrays]
+    return list(arrays)
+
+
+def attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
+    """cpu_matmul.attention_eligible, bf16 or float32."""
+    return cpu_matmul.attention_eligible(*_as_bf16(q, k, v))
+
+
+def masked_attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> bool:
+    """cpu_matmul.masked_attention_eligible, bf16 or float32."""
+    return cpu_matmul.masked_attention_eligible(*_as_bf16(q, k, v), mask)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any) -> jax.Array:
-    """cpu_matmul.attention, its products in VDPBF16PS."""
-    return cpu_matmul.attention(q, k, v, fallback, target=ATTENTION_TARGET)
+    """cpu_matmul.attention, its products in VDPBF16PS (float32: in FMAs, the weights unrounded)."""
+    return cpu_matmul.attention(q, k, v, fallback, target=_target(ATTENTION_TARGET, q.dtype))
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
                      fallback: Any) -> jax.Array:
-    """cpu_matmul.masked_attention, its products in VDPBF16PS."""
-    return cpu_matmul.masked_attention(q, k, v, mask, scale, fallback, target=MASKED_ATTENTION_TARGET)
+    """cpu_matmul.masked_attention, its products in VDPBF16PS (float32: in FMAs, the weights unrounded)."""
+    return cpu_matmul.masked_attention(q, k, v, mask, scale, fallback,
+                                       target=_target(MASKED_ATTENTION_TARGET, q.dtype))
 
 
 # A float32 convolution's least width, in and out: the decoder's 3-channel output convolution ran 3x

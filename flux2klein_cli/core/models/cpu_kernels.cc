@@ -1,4 +1,4 @@
-// XLA FFI handlers for bf16 (and a float32 VAE's) work on x86 CPUs with AVX-512 bf16, for the two kernel plugins:
+// XLA FFI handlers for bf16 (and some float32) work on x86 CPUs with AVX-512 bf16, for the two kernel plugins:
 //
 // The AMX plugin (core/models/cpu_matmul.py), on the AMX tiles through oneMKL's bf16 GEMM
 // (cblas_gemm_bf16bf16f32) or the tiles' intrinsics directly where MKL's products are too small to
@@ -24,8 +24,9 @@
 //   flux2klein_avx512_upsample_conv3x3 (the decoder's nearest 2x upsample and its convolution, in 2.25x
 //   fewer products), flux2klein_avx512_swiglu (the transformer's SwiGLU), flux2klein_avx512_qkv_heads (the
 //   single block's q/k norms and rotations), and flux2klein_avx512_gemm (the Linear layers' products,
-//   rounded to bf16 as they are stored). The convolutions have float32 forms too, the same loops in
-//   FMAs (flux2klein_avx512_conv3x3_f32, _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32).
+//   rounded to bf16 as they are stored). Attention and the convolutions have float32 forms too, the
+//   same loops in FMAs (flux2klein_avx512_attention_f32, _masked_attention_f32, _conv3x3_f32,
+//   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32).
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
 // Built with AVX-512, bf16 and AMX on: it is loaded on CPUs with AVX-512 bf16 only, and the AMX
 // instructions run only in the AMX plugin's handlers.
@@ -47,6 +48,10 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
+
+// The element type of a handler's buffers: float32, or bf16 as its 16-bit pattern.
+template <ffi::DataType D>
+using Element = std::conditional_t<D == ffi::DataType::F32, float, uint16_t>;
 
 using GemmBf16 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const void*, int64_t, const void*,
                           int64_t, float, float*, int64_t);
@@ -182,6 +187,16 @@ static inline __m512 from_bf16x16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
+// Sixteen values of either element type as float32 lanes, and back (bf16: rounded to nearest even).
+static inline __m512 load16(const uint16_t* x, __mmask16 lanes) {
+  return from_bf16x16(_mm256_maskz_loadu_epi16(lanes, x));
+}
+static inline __m512 load16(const float* x, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, x); }
+static inline void store16(uint16_t* out, __mmask16 lanes, __m512 v) {
+  _mm256_mask_storeu_epi16(out, lanes, to_bf16x16(v));
+}
+static inline void store16(float* out, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(out, lanes, v); }
+
 // exp(x) for x <= 0: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (relative error under
 // 2e-7). Below -87, where expf leaves the normal range, it gives exp(-87) (1.6e-38) instead of a
 // subnormal: nothing a softmax weight or its sum can tell apart. A NaN stays NaN (the clamp's max
@@ -218,14 +233,29 @@ static float exp_row(const float* x, int64_t n, float top, uint16_t* weights) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// The float32 form, in place: x[j] = exp(x[j] - top) (the row is then its own weights).
+static float exp_row(float* x, int64_t n, float top) {
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 lanes = lanes_left(n - j);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + j), shift));
+    sum = _mm512_mask_add_ps(sum, lanes, sum, e);
+    _mm512_mask_storeu_ps(x + j, lanes, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
 // The lanes of `lanes` whose key is allowed (mask bytes, nonzero for true).
 static inline __mmask16 allowed_lanes(const bool* allowed, __mmask16 lanes) {
   return _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed), _mm_setzero_si128());
 }
 
 // The masked form's softmax of one row, in place: x[j] = exp(scale * x[j] - top) where allowed, else
-// 0; weights[j] = bf16(x[j] / sum). Returns false when no key is allowed (the row's output is zero).
-static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* allowed, uint16_t* weights) {
+// 0; weights[j] = x[j] / sum (bf16: rounded; float32 weights may be x itself). Returns false when no key
+// is allowed (the row's output is zero).
+template <typename T>
+static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* allowed, T* weights) {
   const __m512 factor = _mm512_set1_ps(scale);
   __m512 top = _mm512_set1_ps(-INFINITY);
   bool any = false;
@@ -251,14 +281,14 @@ static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* all
   const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 lanes = lanes_left(n - j);
-    _mm256_mask_storeu_epi16(weights + j, lanes, to_bf16x16(_mm512_div_ps(_mm512_maskz_loadu_ps(lanes, x + j), total)));
+    store16(weights + j, lanes, _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, x + j), total));
   }
   return true;
 }
 
 struct AttentionShape {
   int64_t batch, sq, sk, heads, kv_heads, dim;
-  bool avx512 = false;  // the AVX-512 bf16 plugin's call: the products in VDPBF16PS, not on the tiles
+  bool avx512 = false;  // the AVX-512 bf16 plugin's call: the products in VDPBF16PS (FMAs in float32)
   int64_t group() const { return heads / kv_heads; }  // query heads per key/value head
 };
 
@@ -364,7 +394,7 @@ static inline void dpbf16_accumulate(const uint16_t* a, int64_t lda, const uint1
   }
 }
 
-// The same register block in float32 FMAs (the float32 plugin's products): c (Rows x 32) += a (Rows x
+// The same register block in float32 FMAs (the AVX-512 plugin's float32 forms): c (Rows x 32) += a (Rows x
 // depth float32) x one panel of [depth][32] float32; each step loads the panel's two vectors for one
 // index of the depth and broadcasts each row's value. A panel holds depth x 32 values in both forms.
 template <int Rows, bool Add = true>
@@ -407,7 +437,8 @@ static inline void accumulate(const float* a, int64_t lda, const float* panel, i
 template <typename T>
 static void product(const T* a, int64_t lda, const T* panel, int64_t depth, float* c, int64_t ldc, int64_t rows) {
   int64_t r = 0;
-  for (; r + kDotRows <= rows; r += kDotRows) accumulate<kDotRows, false>(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
+  for (; r + kDotRows <= rows; r += kDotRows)
+    accumulate<kDotRows, false>(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
   a += r * lda, c += r * ldc;
   switch (rows - r) {
     case 0: break;
@@ -451,6 +482,17 @@ static void pack_keys(const uint16_t* k, int64_t stride, int64_t sk, int64_t dim
         out[0] = real && d < dim ? k[(p + c) * stride + d] : 0;
         out[1] = real && d + 1 < dim ? k[(p + c) * stride + d + 1] : 0;
       }
+}
+
+// The float32 form (fma_accumulate's panels): panels of 32 keys, each [dim][key]; dims zero-padded to
+// `depth`, keys to a whole panel.
+static void pack_keys(const float* k, int64_t stride, int64_t sk, int64_t dim, int64_t depth, float* out) {
+  const int64_t keys = round_up(sk, kPanel);
+  for (int64_t p = 0; p < keys; p += kPanel, out += depth * kPanel)
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const bool real = p + c < sk;
+      for (int64_t d = 0; d < depth; ++d) out[d * kPanel + c] = real && d < dim ? k[(p + c) * stride + d] : 0.0f;
+    }
 }
 
 // A head's values as the right-hand side of P V: panels of 32 dims, each [key pair][dim][2]; keys
@@ -517,23 +559,30 @@ static int64_t last_allowed_key(const AttentionShape& s, const Masking& m, int64
   return last;
 }
 
-// A worker's scratch for one block of queries, and the keys and values of the head it last packed.
+// A worker's scratch for one block of queries, and the keys and values of the head it last packed. In
+// float32 the softmax weights overwrite the scores (no second array).
+template <typename T>
 struct AttentionScratch {
+  static constexpr bool kSeparateWeights = std::is_same_v<T, uint16_t>;
   int64_t depth, keys, dims;  // the head dim, the keys and the value dims, each padded for the tiles
-  std::vector<uint16_t> queries, packed_keys, packed_values, weights;
+  std::vector<T> queries, packed_keys, packed_values, weights;
   std::vector<float> scores, acc;
   int64_t packed_head = -1;
   explicit AttentionScratch(const AttentionShape& s)
       : depth(round_up(s.dim, 32)), keys(round_up(s.sk, kPanel)), dims(round_up(s.dim, kPanel)),
         queries(kQueryBlock * depth), packed_keys(keys * depth), packed_values(dims * keys),
-        weights(kQueryBlock * keys), scores(kQueryBlock * keys), acc(kQueryBlock * dims) {}
+        weights(kSeparateWeights ? kQueryBlock * keys : 0), scores(kQueryBlock * keys), acc(kQueryBlock * dims) {}
+  T* weight_rows() {
+    if constexpr (kSeparateWeights) return weights.data();
+    else return scores.data();
+  }
 };
 
 // One block of `rows` queries of head h in batch b: scores, softmax, P @ V, normalised. The keys and
 // values of a head are packed once per worker, not per block.
-static void attend_block(const AttentionShape& s, const Masking& m, const uint16_t* q, const uint16_t* k,
-                         const uint16_t* v, uint16_t* out, int64_t b, int64_t h, int64_t row0, int64_t rows,
-                         AttentionScratch& w) {
+template <typename T>
+static void attend_block(const AttentionShape& s, const Masking& m, const T* q, const T* k, const T* v, T* out,
+                         int64_t b, int64_t h, int64_t row0, int64_t rows, AttentionScratch<T>& w) {
   const int64_t q_stride = s.heads * s.dim, kv_stride = s.kv_heads * s.dim, kv_head = h / s.group();
   if (w.packed_head != b * s.kv_heads + kv_head) {
     const int64_t offset = b * s.sk * kv_stride + kv_head * s.dim;
@@ -543,15 +592,20 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
   }
   // The block's queries, contiguous and zero-padded to whole tiles (rows past the last stay zero).
   const int64_t tile_rows = round_up(rows, 32);
-  std::fill(w.queries.begin(), w.queries.begin() + tile_rows * w.depth, 0);
+  std::fill(w.queries.begin(), w.queries.begin() + tile_rows * w.depth, T{0});
   for (int64_t i = 0; i < rows; ++i)
-    std::memcpy(w.queries.data() + i * w.depth, q + (b * s.sq + row0 + i) * q_stride + h * s.dim, s.dim * 2);
+    std::memcpy(w.queries.data() + i * w.depth, q + (b * s.sq + row0 + i) * q_stride + h * s.dim,
+                s.dim * sizeof(T));
   // c (tile_rows x 32) = a (tile_rows x depth) x a packed panel: on the tiles 32 rows at a time, or in
-  // VDPBF16PS.
-  const auto block_product = [&](const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
-                                 int64_t ldc) {
-    if (s.avx512) return product(a, lda, panel, depth, c, ldc, tile_rows);
-    for (int64_t r = 0; r < tile_rows; r += 32) tile_product(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
+  // VDPBF16PS (FMAs in float32).
+  const auto block_product = [&](const T* a, int64_t lda, const T* panel, int64_t depth, float* c, int64_t ldc) {
+    if constexpr (std::is_same_v<T, uint16_t>) {
+      if (!s.avx512) {
+        for (int64_t r = 0; r < tile_rows; r += 32) tile_product(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
+        return;
+      }
+    }
+    product(a, lda, panel, depth, c, ldc, tile_rows);
   };
   // A masked block's products stop at the panel of the last key any of its rows may see: the keys past it
   // weigh zero (the text encoder's prompts are padded on the right to 512 tokens, most of them padding).
@@ -563,45 +617,50 @@ static void attend_block(const AttentionShape& s, const Masking& m, const uint16
   // Per row: the divisor of its P @ V (1 where the weights are normalised already, 0 for no key).
   std::vector<float> divisors(tile_rows, 1.0f);
   for (int64_t i = 0; i < tile_rows; ++i) {
-    uint16_t* weights = w.weights.data() + i * w.keys;
+    T* weights = w.weight_rows() + i * w.keys;
     float* row = w.scores.data() + i * w.keys;
     bool filled = i < rows;
     if (filled && m.allowed == nullptr) {
-      divisors[i] = exp_row(row, s.sk, row_max(row, s.sk), weights);
+      if constexpr (std::is_same_v<T, float>)
+        divisors[i] = exp_row(row, s.sk, row_max(row, s.sk));
+      else
+        divisors[i] = exp_row(row, s.sk, row_max(row, s.sk), weights);
     } else if (filled) {
       filled = masked_softmax_row(row, seen, m.scale, m.allowed + (b * s.sq + row0 + i) * s.sk, weights);
       if (!filled) divisors[i] = 0.0f;
     }
-    std::fill(weights + (filled ? seen : 0), weights + w.keys, 0);
+    std::fill(weights + (filled ? seen : 0), weights + w.keys, T{0});
   }
   for (int64_t p = 0; p < w.dims; p += kPanel)
-    block_product(w.weights.data(), w.keys, w.packed_values.data() + p * w.keys, keys, w.acc.data() + p, w.dims);
+    block_product(w.weight_rows(), w.keys, w.packed_values.data() + p * w.keys, keys, w.acc.data() + p, w.dims);
   if (!s.avx512) _tile_release();
   for (int64_t i = 0; i < rows; ++i) {
-    uint16_t* o = out + (b * s.sq + row0 + i) * q_stride + h * s.dim;
+    T* o = out + (b * s.sq + row0 + i) * q_stride + h * s.dim;
     const __m512 divisor = _mm512_set1_ps(divisors[i]);
     for (int64_t d = 0; d < s.dim; d += 16) {
       const __mmask16 lanes = lanes_left(s.dim - d);
       const __m512 sums = _mm512_maskz_loadu_ps(lanes, w.acc.data() + i * w.dims + d);
       // A row with no allowed key: its weights are all zero, and so is its output.
       const __m512 value = divisors[i] == 0.0f ? _mm512_setzero_ps() : _mm512_div_ps(sums, divisor);
-      _mm256_mask_storeu_epi16(o + d, lanes, to_bf16x16(value));
+      store16(o + d, lanes, value);
     }
   }
 }
 
-static ffi::Error attend(const AttentionShape& s, const Masking& m, ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k,
-                         ffi::Buffer<ffi::BF16> v, ffi::ResultBuffer<ffi::BF16> out) {
+template <ffi::DataType D>
+static ffi::Error attend(const AttentionShape& s, const Masking& m, ffi::Buffer<D> q, ffi::Buffer<D> k,
+                         ffi::Buffer<D> v, ffi::ResultBuffer<D> out) {
+  using T = Element<D>;
   const int64_t blocks = (s.sq + kQueryBlock - 1) / kQueryBlock;
   const int64_t tasks = s.batch * s.heads * blocks;
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.untyped_data());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k.untyped_data());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v.untyped_data());
-  auto* op = reinterpret_cast<uint16_t*>(out->untyped_data());
+  const auto* qp = reinterpret_cast<const T*>(q.untyped_data());
+  const auto* kp = reinterpret_cast<const T*>(k.untyped_data());
+  const auto* vp = reinterpret_cast<const T*>(v.untyped_data());
+  auto* op = reinterpret_cast<T*>(out->untyped_data());
   // Tasks are (batch, head, query block), in that order, so a worker's share is mostly whole heads:
   // it packs each of them once (and the heads of a group share it).
   const int workers = workers_for(tasks);
-  std::vector<AttentionScratch> scratch;
+  std::vector<AttentionScratch<T>> scratch;
   for (int i = 0; i < workers; ++i) scratch.emplace_back(s);
   parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
     const int64_t block = t % blocks, bh = t / blocks;
@@ -612,8 +671,8 @@ static ffi::Error attend(const AttentionShape& s, const Masking& m, ffi::Buffer<
 }
 
 // (B, Sq, H, D) queries against (B, Sk, Hkv, D) keys and values, H a multiple of Hkv.
-static bool attention_shapes(ffi::Buffer<ffi::BF16>& q, ffi::Buffer<ffi::BF16>& k, ffi::Buffer<ffi::BF16>& v,
-                             AttentionShape* s) {
+template <ffi::DataType D>
+static bool attention_shapes(ffi::Buffer<D>& q, ffi::Buffer<D>& k, ffi::Buffer<D>& v, AttentionShape* s) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] || qd[3] != kd[3] || kd[2] == 0 ||
       qd[2] % kd[2] != 0 || !std::equal(kd.begin(), kd.end(), vd.begin()))
@@ -622,10 +681,9 @@ static bool attention_shapes(ffi::Buffer<ffi::BF16>& q, ffi::Buffer<ffi::BF16>& 
   return true;
 }
 
-template <bool Avx512>
-static ffi::Error Attention(ffi::ThreadPool pool,
-                            ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
-                            ffi::ResultBuffer<ffi::BF16> out) {
+template <bool Avx512, ffi::DataType D = ffi::DataType::BF16>
+static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<D> q, ffi::Buffer<D> k, ffi::Buffer<D> v,
+                            ffi::ResultBuffer<D> out) {
   PoolScope scope(pool);
   AttentionShape s;
   if (!attention_shapes(q, k, v, &s) || s.kv_heads != s.heads)
@@ -634,17 +692,17 @@ static ffi::Error Attention(ffi::ThreadPool pool,
   return attend(s, Masking{}, q, k, v, out);
 }
 
-#define FLUX2KLEIN_ATTENTION_BINDING                                                                       \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() \
-      .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
-      .Ret<ffi::Buffer<ffi::BF16>>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_attention, Attention<false>, FLUX2KLEIN_ATTENTION_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_attention, Attention<true>, FLUX2KLEIN_ATTENTION_BINDING);
+#define FLUX2KLEIN_ATTENTION_BINDING(D)                                                                        \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>() \
+      .Ret<ffi::Buffer<D>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_attention, Attention<false>, FLUX2KLEIN_ATTENTION_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_attention, Attention<true>, FLUX2KLEIN_ATTENTION_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_attention_f32, (Attention<true, ffi::DataType::F32>),
+                              FLUX2KLEIN_ATTENTION_BINDING(ffi::F32));
 
-template <bool Avx512>
-static ffi::Error MaskedAttention(ffi::ThreadPool pool,
-                                  ffi::Buffer<ffi::BF16> q, ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
-                                  ffi::Buffer<ffi::PRED> allowed, float scale, ffi::ResultBuffer<ffi::BF16> out) {
+template <bool Avx512, ffi::DataType D = ffi::DataType::BF16>
+static ffi::Error MaskedAttention(ffi::ThreadPool pool, ffi::Buffer<D> q, ffi::Buffer<D> k, ffi::Buffer<D> v,
+                                  ffi::Buffer<ffi::PRED> allowed, float scale, ffi::ResultBuffer<D> out) {
   PoolScope scope(pool);
   AttentionShape s;
   auto md = allowed.dimensions();
@@ -655,16 +713,18 @@ static ffi::Error MaskedAttention(ffi::ThreadPool pool,
   return attend(s, Masking{allowed.typed_data(), scale}, q, k, v, out);
 }
 
-#define FLUX2KLEIN_MASKED_ATTENTION_BINDING                                                                \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() \
-      .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>() \
-      .Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale").Ret<ffi::Buffer<ffi::BF16>>()
+#define FLUX2KLEIN_MASKED_ATTENTION_BINDING(D)                                                                 \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>() \
+      .Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale").Ret<ffi::Buffer<D>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention<false>,
-                              FLUX2KLEIN_MASKED_ATTENTION_BINDING);
+                              FLUX2KLEIN_MASKED_ATTENTION_BINDING(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_masked_attention, MaskedAttention<true>,
-                              FLUX2KLEIN_MASKED_ATTENTION_BINDING);
+                              FLUX2KLEIN_MASKED_ATTENTION_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_masked_attention_f32, (MaskedAttention<true, ffi::DataType::F32>),
+                              FLUX2KLEIN_MASKED_ATTENTION_BINDING(ffi::F32));
 
-// Which products a convolution's tiles run on: the AMX tiles, MKL's GEMM, or VDPBF16PS.
+// Which products a convolution's tiles run on: the AMX tiles, MKL's GEMM, or the panels' register block
+// (VDPBF16PS; FMAs in float32).
 enum class ConvProducts { kAmx, kMkl, kPanels };
 
 struct ConvShape {
@@ -715,17 +775,14 @@ static inline void store_conv_outputs(const float* sums, const float* bias, int6
   }
 }
 
-// Sixteen values of either element type as float32 lanes, and back (bf16: rounded to nearest even).
-static inline __m512 load16(const uint16_t* x, __mmask16 lanes) { return from_bf16x16(_mm256_maskz_loadu_epi16(lanes, x)); }
-static inline __m512 load16(const float* x, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, x); }
-static inline void store16(uint16_t* out, __mmask16 lanes, __m512 v) { _mm256_mask_storeu_epi16(out, lanes, to_bf16x16(v)); }
-static inline void store16(float* out, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(out, lanes, v); }
-
 // A bias in float32, zero-padded to a whole panel (the epilogues read whole panels' worth).
 template <typename T>
 static std::vector<float> widened_bias(const T* bias, int64_t count) {
   std::vector<float> wide(round_up(count, kPanel), 0.0f);
-  for (int64_t c = 0; c < count; c += 16) _mm512_mask_storeu_ps(wide.data() + c, lanes_left(count - c), load16(bias + c, lanes_left(count - c)));
+  for (int64_t c = 0; c < count; c += 16) {
+    const __mmask16 lanes = lanes_left(count - c);
+    _mm512_mask_storeu_ps(wide.data() + c, lanes, load16(bias + c, lanes));
+  }
   return wide;
 }
 
@@ -750,10 +807,10 @@ static std::vector<T> pack_conv_kernel(const T* kernel, int64_t c_in, int64_t c_
 
 // A 3x3 kernel (3, 3, Cin, Cout) as the sixteen taps of a nearest 2x upsample then that convolution
 // (upsample_conv_tile_panels), packed as pack_conv_kernel packs nine: tap (dy, dx) of phase (a, b) is the
-// sum of the kernel's rows kRows[a][dy] and columns kRows[b][dx], in float32, rounded to bf16 once in
-// bf16 (the one rounding this form adds to nnx.Conv's). Output row 2r + a reads input rows r - 1 + a and r + a:
-// for a = 0, kernel row 0 falls on the first and rows 1 and 2 on the second; for a = 1, rows 0 and 1 on
-// the first and row 2 on the second.
+// sum of the kernel's rows kRows[a][dy] and columns kRows[b][dx], in float32; a bf16 kernel's is rounded
+// to bf16 once (the one rounding this form adds to nnx.Conv's). Output row 2r + a reads input rows
+// r - 1 + a and r + a: for a = 0, kernel row 0 falls on the first and rows 1 and 2 on the second; for
+// a = 1, rows 0 and 1 on the first and row 2 on the second.
 template <typename T>
 static std::vector<T> pack_upsample_kernel(const T* kernel, int64_t c_in, int64_t c_out) {
   static constexpr int kRows[2][2][2] = {{{0, 0}, {1, 2}}, {{0, 1}, {2, 2}}};  // [phase][tap]: first, last
@@ -828,7 +885,7 @@ static void conv_tile_panels(const ConvShape& s, const T* padded, const T* packe
       std::fill(block, block + kDotRows * kPanel, 0.0f);
       for (int64_t tap = 0; tap < 9; ++tap)
         accumulate<kDotRows>(padded + (p0 + (tap / 3) * wp + tap % 3) * s.c_in, s.c_in,
-                                    panel + tap * s.c_in * kPanel, s.c_in, block, kPanel);
+                             panel + tap * s.c_in * kPanel, s.c_in, block, kPanel);
       for (int64_t i = 0; i < kDotRows && p0 + i < positions; ++i) {
         const int64_t r = (p0 + i) / wp, col = (p0 + i) % wp;
         if (col < s.w)
@@ -858,7 +915,7 @@ static void upsample_conv_tile_panels(const ConvShape& s, const T* padded, const
         std::fill(block, block + kDotRows * kPanel, 0.0f);
         for (int tap = 0; tap < 4; ++tap)
           accumulate<kDotRows>(padded + (p0 + (a + tap / 2) * wp + b + tap % 2) * s.c_in, s.c_in,
-                                      panel + (phase * 4 + tap) * s.c_in * kPanel, s.c_in, block, kPanel);
+                               panel + (phase * 4 + tap) * s.c_in * kPanel, s.c_in, block, kPanel);
         for (int64_t i = 0; i < kDotRows && p0 + i < positions; ++i) {
           const int64_t r = (p0 + i) / wp, col = (p0 + i) % wp;
           if (col < s.w)
@@ -876,7 +933,8 @@ static void upsample_conv_tile_panels(const ConvShape& s, const T* padded, const
 static int64_t conv_tile_rows(const ConvShape& s) {
   const int64_t least = s.packed() ? 4 : 1;
   const int64_t padded_row_bytes = s.wp() * s.c_in * (s.f32 ? 4 : 2);
-  const int64_t most = std::max(least, s.packed() ? (1 << 20) / padded_row_bytes - 3 : (128 << 10) / (s.wp() * s.c_out));
+  const int64_t most =
+      std::max(least, s.packed() ? (1 << 20) / padded_row_bytes - 3 : (128 << 10) / (s.wp() * s.c_out));
   const int64_t cores = worker_count(), tiles = (s.h + most - 1) / most;
   const int64_t even = s.batch % cores == 0 ? tiles : round_up(tiles, cores);  // a batch of whole images evens out
   return std::max(least, std::min(s.h, (s.h + even - 1) / even));
@@ -939,10 +997,6 @@ static void padded_row(const ConvShape& s, const T* x, int64_t b, int64_t y, T* 
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>() \
       .Ret<ffi::Buffer<D>>()
 
-// The element type of a handler's buffers: float32, or bf16 as its 16-bit pattern.
-template <ffi::DataType D>
-using Element = std::conditional_t<D == ffi::DataType::F32, float, uint16_t>;
-
 static bool conv_shapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> od,
                         int64_t bias_count, ConvShape* s) {
   if (xd.size() != 4 || kd.size() != 4 || od.size() != 4 || kd[0] != 3 || kd[1] != 3 || kd[2] != xd[3] ||
@@ -979,7 +1033,8 @@ static ffi::Error Conv3x3(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D>
   if (shapes.failure()) return shapes;
   const auto* xp = reinterpret_cast<const T*>(x.untyped_data());
   conv_tiles(s, reinterpret_cast<const T*>(kernel.untyped_data()), reinterpret_cast<const T*>(bias.untyped_data()),
-             reinterpret_cast<T*>(out->untyped_data()), [&](int64_t b, int64_t y, T* dst) { padded_row(s, xp, b, y, dst); });
+             reinterpret_cast<T*>(out->untyped_data()),
+             [&](int64_t b, int64_t y, T* dst) { padded_row(s, xp, b, y, dst); });
   return ffi::Error::Success();
 }
 
@@ -1008,7 +1063,8 @@ static ffi::Error UpsampleConv3x3(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::B
   s.f32 = !pairs;
   const auto* xp = reinterpret_cast<const T*>(x.untyped_data());
   conv_tiles(s, reinterpret_cast<const T*>(kernel.untyped_data()), reinterpret_cast<const T*>(bias.untyped_data()),
-             reinterpret_cast<T*>(out->untyped_data()), [&](int64_t b, int64_t y, T* dst) { padded_row(s, xp, b, y, dst); });
+             reinterpret_cast<T*>(out->untyped_data()),
+             [&](int64_t b, int64_t y, T* dst) { padded_row(s, xp, b, y, dst); });
   return ffi::Error::Success();
 }
 
@@ -1234,7 +1290,8 @@ static inline void store_sums(const float* sums, int64_t count, uint16_t* out) {
 }
 
 static inline void store_sums(const float* sums, int64_t count, float* out) {
-  for (int64_t c = 0; c < count; c += 16) _mm512_mask_storeu_ps(out + c, lanes_left(count - c), _mm512_load_ps(sums + c));
+  for (int64_t c = 0; c < count; c += 16)
+    _mm512_mask_storeu_ps(out + c, lanes_left(count - c), _mm512_load_ps(sums + c));
 }
 
 // y (m, n) = x (m, k) x w (k, n), all row-major, bf16 (k even; the sums rounded) or float32; with a

@@ -96,8 +96,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any, target: s
     everywhere else: float32 scores and softmax sum, bf16 weights for P @ V, normalised after."""
 
     def amx(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
-                                vmap_method="sequential")
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
         return call(q, k, v)
 
     return jax.lax.platform_dependent(q, k, v, cpu=amx, default=fallback)
@@ -120,8 +119,7 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, 
     before P @ V. A query with no allowed key gets a zero output."""
 
     def amx(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.bfloat16),
-                                vmap_method="sequential")
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
         return call(q, k, v, mask, scale=np.float32(scale))
 
     return jax.lax.platform_dependent(q, k, v, mask, cpu=amx, default=fallback)
