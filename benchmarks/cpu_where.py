@@ -9,7 +9,7 @@ ml_dtypes pin"):
     python benchmarks/cpu_where.py first-touch                         # fresh memory, 256 MB
     python benchmarks/cpu_where.py ops --dtype bf16                    # our XLA ops' time, from a profile
     python benchmarks/cpu_where.py single-tail                         # the single block's SwiGLU + concat
-    python benchmarks/cpu_where.py vae-f32                             # a float32 decoder's convolutions
+    python benchmarks/cpu_where.py f32-plugin                          # float32 attention and decoder convolutions
 
 Our own phases come from `flux2klein bench --json` on the same checkpoint. Each study prints one
 line per figure; medians of interleaved rounds where forms are compared.
@@ -365,24 +365,40 @@ def single_tail(rounds: int) -> None:
         print(f"{name}: {statistics.median(times[name]) * 1e3:.2f} ms (same bits: {same})")
 
 
-def vae_f32(rounds: int) -> None:
-    """A float32 decoder's convolutions with the AVX-512 plugin's float32 forms against XLA's, interleaved,
-    at the medium decoder's shapes: 3x3 convolutions, the fused GroupNorm + SiLU + 3x3 convolution (a
-    resnet's), the nearest 2x upsample and its convolution, the 1x1 shortcuts, and the 32 -> 3 output
-    convolution (which stays XLA's). GFLOP/s count the plain form's products."""
+def f32_plugin(rounds: int) -> None:
+    """float32 work with the AVX-512 plugin's float32 forms against XLA's, interleaved: the medium
+    transformer's attention (1536 tokens, 4 heads of 128), then the medium decoder's convolutions: 3x3,
+    the fused GroupNorm + SiLU + 3x3 (a resnet's), the nearest 2x upsample and its convolution, the 1x1
+    shortcuts, and the 32 -> 3 output convolution (which stays XLA's). GFLOP/s count the plain form's
+    products."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from flux2klein_cli.core.models import kernels
+    from flux2klein_cli.core.models import kernels, layers
     from flux2klein_cli.core.models.trace import TraceOptions, traced_under
     from flux2klein_cli.core.models.vae import GroupNorm, Upsample, conv
 
     if kernels.plugin_status().name != "avx512-bf16":
         raise SystemExit(f"the AVX-512 bf16 plugin does not run here: {kernels.plugin_status().reason}")
+    plugins = ("avx512-bf16", None)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 1536, 4, 128)), jnp.float32) for _ in range(3))
+    attention = {plugin or "XLA": jax.jit(traced_under(layers.dot_product_attention,
+                                                       TraceOptions("cpu", "blocked", kernels=plugin)))
+                 for plugin in plugins}
+    spent: dict[str, list[float]] = {name: [] for name in attention}
+    for _ in range(rounds):
+        for name, form in attention.items():
+            spent[name].append(median_s(lambda f=form: jax.block_until_ready(f(q, k, v)), calls=3))
+    medians = {name: statistics.median(t) for name, t in spent.items()}
+    flops = 4 * 1536 * 1536 * 128 * 4
+    print("attention 1536 x 4 x 128: " + ", ".join(f"{name} {t * 1e3:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s)"
+                                                   for name, t in medians.items())
+          + f", plugin / XLA {medians['avx512-bf16'] / medians['XLA']:.2f}")
     forms = {plugin or "XLA": nnx.jit(traced_under(lambda m, x: m(x), TraceOptions("cpu", "blocked", kernels=plugin)))
-             for plugin in ("avx512-bf16", None)}
+             for plugin in plugins}
 
     class NormConv(nnx.Module):
         def __init__(self, c_in: int, c_out: int) -> None:
@@ -392,7 +408,6 @@ def vae_f32(rounds: int) -> None:
         def __call__(self, x: jax.Array) -> jax.Array:
             return self.conv.after_norm_silu(self.norm, x)
 
-    rng = np.random.default_rng(0)
     shapes = (("conv", 512, 32, 32), ("conv", 256, 64, 64), ("conv", 128, 128, 128), ("norm+conv", 512, 32, 32),
               ("norm+conv", 512, 64, 32), ("norm+conv", 256, 128, 64), ("norm+conv", 128, 128, 128),
               ("upsample", 256, 64, 64), ("upsample", 128, 128, 128), ("1x1", 512, 64, 32), ("1x1", 256, 128, 64),
@@ -419,7 +434,7 @@ def vae_f32(rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "upsample-plugin",
-                                          "first-touch", "ops", "single-tail", "linear-plugin", "vae-f32"))
+                                          "first-touch", "ops", "single-tail", "linear-plugin", "f32-plugin"))
     parser.add_argument("--model", default="/tmp/cmp/medium", help="phases, ops: a diffusers checkpoint folder")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
@@ -445,8 +460,8 @@ def main() -> None:
         single_tail(args.rounds)
     elif args.study == "linear-plugin":
         linear_plugin(args.rounds)
-    elif args.study == "vae-f32":
-        vae_f32(args.rounds)
+    elif args.study == "f32-plugin":
+        f32_plugin(args.rounds)
     else:
         first_touch()
 
