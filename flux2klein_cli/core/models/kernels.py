@@ -61,7 +61,8 @@ def detect(flags: frozenset[str], build: bool = True) -> Status:
     amx = _amx(flags, build)
     if amx.name is not None:
         return amx
-    chosen = f"{amx.reason}: attention and the VAE's convolutions in AVX-512 bf16 (VDPBF16PS)"
+    chosen = (f"{amx.reason}: bf16 attention, Linear layers and VAE convolutions in AVX-512 bf16 (VDPBF16PS), "
+              "float32 attention and VAE convolutions in AVX-512 FMAs")
     unbuilt = None if build else _unbuilt("avx512-bf16", chosen, refused=f"{amx.reason}; ")
     if unbuilt is not None:
         return unbuilt
