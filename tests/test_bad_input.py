@@ -57,8 +57,8 @@ ROWS = {
     "five references": (["edit", "x"] + ["-i", "{tmp}/a.png"] * 5, 2, "at most 4 are supported"),
     "reference over 16384x16384": (["edit", "x", "-i", "{tmp}/huge.png"], 2,
                                    "is 17000x17000 (289 megapixels); the limit is 67 megapixels"),
-    "size past the position range": (["generate", "x", "--height", "1048576", "--width", "1048576"], 2,
-                                     "is above this model's limit of"),
+    "size past every limit": (["generate", "x", "--height", "1048576", "--width", "1048576"], 2,
+                              "--height must be at most 16384 px, got 1048576"),
     "more images than a run takes": (["generate", "x", "-n", "1000000"], 2, "--num-images must be at most 1024"),
 }
 

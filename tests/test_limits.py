@@ -69,6 +69,8 @@ def test_check_int_refuses_non_integers() -> None:
     (65, 64, None, "height 65 is not a multiple of 16; use 64 or 80"),
     (LIMITS.max_side, LIMITS.max_side, None, "width x height is 16384x16384"),
     (64, 176, 160, r"width 176 is above this model's limit of 160 px \(its position encoding tells 10 tokens"),
+    # A model whose position range reaches past the table's side: the table's side is the limit to name.
+    (99_984, 64, 30_064, "height must be at most 16384 px, got 99984"),
 ])
 def test_size(height: int, width: int, model_side: int | None, words: str) -> None:
     with pytest.raises(UserInputError, match=words):

@@ -121,7 +121,8 @@ def check_size(height: int, width: int, multiple: int = LIMITS.size_multiple, mo
     pair within the table's pixel count."""
     for field, value in (("height", height), ("width", width)):
         check_int(field, value, multiple, 2**31, "px")
-        if model_side is not None and value > model_side:
+        # The tighter of the two bounds names the refusal: a limit the user can reach.
+        if model_side is not None and model_side < LIMITS.max_side and value > model_side:
             raise FieldError(field, f"{value} is above this model's limit of {model_side} px (its position encoding "
                              f"tells {model_side // multiple} tokens apart per side)")
         check_int(field, value, multiple, LIMITS.max_side, "px")
