@@ -79,8 +79,12 @@ def test_kernel_path_is_taken_only_when_asked_off_tpu(monkeypatch: pytest.Monkey
     monkeypatch.setattr(tpu_attention, "splash_attention", lambda q, k, v: calls.append(q.shape) or splash(q, k, v))
     q, k, v = qkv(1, 40, 40, 2, 16, jnp.float32)
     assert jax.default_backend() == "cpu" and not kernel_taken()
-    # Off TPU, by default: exactly the query-blocked CPU form, as before the kernel existed.
-    np.testing.assert_array_equal(np.asarray(dot_product_attention(q, k, v)), np.asarray(_blocked_attention(q, k, v)))
+    # Off TPU, by default: the CPU's form (the kernel plugin's where one loaded), never the TPU kernel;
+    # with XLA's own CPU forms, exactly the query-blocked one, as before the kernel existed.
+    jax.block_until_ready(dot_product_attention(q, k, v))
+    with trace.tracing(dataclasses.replace(trace.current(), kernels=None)):
+        np.testing.assert_array_equal(np.asarray(dot_product_attention(q, k, v)),
+                                      np.asarray(_blocked_attention(q, k, v)))
     assert calls == []
     with kernel_everywhere():
         jax.jit(dot_product_attention)(q, k, v)
