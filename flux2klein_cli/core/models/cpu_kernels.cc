@@ -362,26 +362,38 @@ static void tile_product(const uint16_t* a, int64_t lda, const uint16_t* panel, 
   tiles_store(c, ldc);
 }
 
-// The same products in VDPBF16PS, for CPUs with AVX-512 bf16 and no AMX: each instruction sums a pair
-// of bf16 products into each of sixteen float32 lanes. c (Rows x 32 float32, row stride ldc) += a (Rows
-// x depth bf16, row stride lda) x one packed panel; depth even. Rows x 2 accumulators stay in registers;
-// each step loads the panel's two vectors for one pair of the depth and broadcasts each row's pair.
-// With Add false, c = the product instead (the same bits: the sums start at +0).
+// The same products in registers, for CPUs with AVX-512 and no AMX: c (Rows x 32 float32, row stride
+// ldc) += a (Rows x depth, row stride lda) x one packed panel, Rows x 2 accumulators kept in registers.
+// bf16 (uint16_t bits): each VDPBF16PS sums a pair of bf16 products into each of sixteen float32 lanes;
+// a step loads the panel's two vectors for one pair of the depth and broadcasts each row's pair (depth
+// even). float32: a step loads the panel's two vectors for one index of the depth, broadcasts each row's
+// value and runs two FMAs. A panel holds depth x 32 values in both forms. With Add false, c = the
+// product instead (the same bits: the sums start at +0).
 constexpr int kDotRows = 12;  // 24 accumulators, 2 panel vectors and a broadcast: within 32 registers
 
-template <int Rows, bool Add = true>
-static inline void dpbf16_accumulate(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
-                                     int64_t ldc) {
+template <int Rows, bool Add = true, typename T>
+static inline void accumulate(const T* a, int64_t lda, const T* panel, int64_t depth, float* c, int64_t ldc) {
   __m512 acc[Rows][2];
   for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < depth; k += 2, panel += 2 * kPanel) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel), w1 = (__m512bh)_mm512_loadu_si512(panel + kPanel);
-    for (int i = 0; i < Rows; ++i) {
-      int32_t pair;
-      std::memcpy(&pair, a + i * lda + k, 4);
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    for (int64_t k = 0; k < depth; k += 2, panel += 2 * kPanel) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel), w1 = (__m512bh)_mm512_loadu_si512(panel + kPanel);
+      for (int i = 0; i < Rows; ++i) {
+        int32_t pair;
+        std::memcpy(&pair, a + i * lda + k, 4);
+        const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+        acc[i][0] = _mm512_dpbf16_ps(acc[i][0], x, w0);
+        acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < depth; ++k, panel += kPanel) {
+      const __m512 w0 = _mm512_loadu_ps(panel), w1 = _mm512_loadu_ps(panel + 16);
+      for (int i = 0; i < Rows; ++i) {
+        const __m512 x = _mm512_set1_ps(a[i * lda + k]);
+        acc[i][0] = _mm512_fmadd_ps(x, w0, acc[i][0]);
+        acc[i][1] = _mm512_fmadd_ps(x, w1, acc[i][1]);
+      }
     }
   }
   for (int i = 0; i < Rows; ++i) {
@@ -392,44 +404,6 @@ static inline void dpbf16_accumulate(const uint16_t* a, int64_t lda, const uint1
     _mm512_storeu_ps(c + i * ldc, acc[i][0]);
     _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
   }
-}
-
-// The same register block in float32 FMAs (the AVX-512 plugin's float32 forms): c (Rows x 32) += a (Rows x
-// depth float32) x one panel of [depth][32] float32; each step loads the panel's two vectors for one
-// index of the depth and broadcasts each row's value. A panel holds depth x 32 values in both forms.
-template <int Rows, bool Add = true>
-static inline void fma_accumulate(const float* a, int64_t lda, const float* panel, int64_t depth, float* c,
-                                  int64_t ldc) {
-  __m512 acc[Rows][2];
-  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < depth; ++k, panel += kPanel) {
-    const __m512 w0 = _mm512_loadu_ps(panel), w1 = _mm512_loadu_ps(panel + 16);
-    for (int i = 0; i < Rows; ++i) {
-      const __m512 x = _mm512_set1_ps(a[i * lda + k]);
-      acc[i][0] = _mm512_fmadd_ps(x, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(x, w1, acc[i][1]);
-    }
-  }
-  for (int i = 0; i < Rows; ++i) {
-    if (Add) {
-      acc[i][0] = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc), acc[i][0]);
-      acc[i][1] = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + 16), acc[i][1]);
-    }
-    _mm512_storeu_ps(c + i * ldc, acc[i][0]);
-    _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
-  }
-}
-
-// One name for both register blocks, chosen by the element type (uint16_t: bf16 bits, VDPBF16PS).
-template <int Rows, bool Add = true>
-static inline void accumulate(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t depth, float* c,
-                              int64_t ldc) {
-  dpbf16_accumulate<Rows, Add>(a, lda, panel, depth, c, ldc);
-}
-
-template <int Rows, bool Add = true>
-static inline void accumulate(const float* a, int64_t lda, const float* panel, int64_t depth, float* c, int64_t ldc) {
-  fma_accumulate<Rows, Add>(a, lda, panel, depth, c, ldc);
 }
 
 // c (rows x 32 float32, row stride ldc) = a (rows x depth) x one packed panel, the rows kDotRows at a
@@ -484,7 +458,7 @@ static void pack_keys(const uint16_t* k, int64_t stride, int64_t sk, int64_t dim
       }
 }
 
-// The float32 form (fma_accumulate's panels): panels of 32 keys, each [dim][key]; dims zero-padded to
+// The float32 form (accumulate's float32 panels): panels of 32 keys, each [dim][key]; dims zero-padded to
 // `depth`, keys to a whole panel.
 static void pack_keys(const float* k, int64_t stride, int64_t sk, int64_t dim, int64_t depth, float* out) {
   const int64_t keys = round_up(sk, kPanel);
@@ -523,7 +497,7 @@ static void pack_values(const uint16_t* v, int64_t stride, int64_t sk, int64_t d
       }
 }
 
-// The float32 form (fma_accumulate's panels): panels of 32 dims, each [key][dim]; keys zero-padded to a
+// The float32 form (accumulate's float32 panels): panels of 32 dims, each [key][dim]; keys zero-padded to a
 // whole panel, dims to a whole panel.
 static void pack_values(const float* v, int64_t stride, int64_t sk, int64_t dim, float* out) {
   const int64_t keys = round_up(sk, kPanel);
