@@ -5,6 +5,8 @@ against float64 from the same values and against XLA's forms."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +16,6 @@ from flax import nnx
 from flux2klein_cli.core.models import avx512_bf16
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import traced_under
-from flux2klein_cli.core.models.vae import ResnetBlock, Upsample, conv
 from tests.test_cpu_matmul import (
     attention_under,
     avx512,
@@ -25,6 +26,9 @@ from tests.test_cpu_matmul import (
     text_attention_inputs,
     text_attention_under,
     upsampled_conv_exact,
+    vae_conv,
+    vae_resnet,
+    vae_upsample,
 )
 
 pytestmark = pytest.mark.slow
@@ -32,27 +36,10 @@ pytestmark = pytest.mark.slow
 F32 = avx512_bf16.F32
 
 
-def f32_conv(c_in: int, c_out: int, seed: int = 0, size: int = 3) -> nnx.Module:
-    module = conv(c_in, c_out, size, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(seed)
-    module.kernel[...] = jnp.asarray(0.2 * rng.standard_normal((size, size, c_in, c_out)), jnp.float32)
-    module.bias[...] = jnp.asarray(rng.standard_normal(c_out), jnp.float32)
-    return module
-
-
-def f32_upsample(c_in: int, c_out: int, seed: int = 0) -> nnx.Module:
-    module = Upsample(c_in, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    module.conv = f32_conv(c_in, c_out, seed)
-    return module
-
-
-def f32_resnet(c_in: int, c_out: int, groups: int, seed: int = 0) -> nnx.Module:
-    block = ResnetBlock(c_in, c_out, groups, dtype=jnp.float32, rngs=nnx.Rngs(0))
-    rng = np.random.default_rng(seed)
-    for path, var in nnx.to_flat_state(nnx.state(block)):
-        offset = 1.0 if "norm" in str(path[0]) and path[-1] == "weight" else 0.0  # norm weights near one
-        var.set_value(jnp.asarray(offset + 0.2 * rng.standard_normal(var.get_value().shape), jnp.float32))
-    return block
+# The VAE modules of tests/test_cpu_matmul.py, in float32.
+f32_conv = functools.partial(vae_conv, dtype=jnp.float32)
+f32_upsample = functools.partial(vae_upsample, dtype=jnp.float32)
+f32_resnet = functools.partial(vae_resnet, dtype=jnp.float32)
 
 
 def conv_exact(module: nnx.Module, x: jax.Array) -> np.ndarray:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -191,22 +192,23 @@ def test_the_text_encoders_attention_takes_the_shim_only_on_the_onemkl_path() ->
     assert cpu_matmul.MASKED_ATTENTION_TARGET not in text_attention_under(True).trace(*f32).lower().as_text()
 
 
-def bf16_conv(c_in: int, c_out: int, seed: int = 0, size: int = 3) -> nnx.Module:
+def vae_conv(c_in: int, c_out: int, seed: int = 0, size: int = 3, dtype: Any = jnp.bfloat16) -> nnx.Module:
+    """The VAE's conv with random weights (bf16 unless `dtype` says otherwise)."""
     from flux2klein_cli.core.models.vae import conv
 
-    module = conv(c_in, c_out, size, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    module = conv(c_in, c_out, size, dtype=dtype, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(seed)
-    module.kernel[...] = jnp.asarray(0.2 * rng.standard_normal((size, size, c_in, c_out)), jnp.bfloat16)
-    module.bias[...] = jnp.asarray(rng.standard_normal(c_out), jnp.bfloat16)
+    module.kernel[...] = jnp.asarray(0.2 * rng.standard_normal((size, size, c_in, c_out)), dtype)
+    module.bias[...] = jnp.asarray(rng.standard_normal(c_out), dtype)
     return module
 
 
-def bf16_upsample(c_in: int, c_out: int, seed: int = 0) -> nnx.Module:
+def vae_upsample(c_in: int, c_out: int, seed: int = 0, dtype: Any = jnp.bfloat16) -> nnx.Module:
     """The decoder's Upsample (nearest 2x, then a 3x3 convolution) from c_in to c_out channels."""
     from flux2klein_cli.core.models.vae import Upsample
 
-    module = Upsample(c_in, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    module.conv = bf16_conv(c_in, c_out, seed)
+    module = Upsample(c_in, dtype=dtype, rngs=nnx.Rngs(0))
+    module.conv = vae_conv(c_in, c_out, seed, dtype=dtype)
     return module
 
 
@@ -216,7 +218,7 @@ def conv_under(plugin: str | None) -> object:
 
 
 def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path() -> None:
-    module, x = bf16_conv(4, 6), jnp.ones((1, 8, 8, 4), jnp.bfloat16)
+    module, x = vae_conv(4, 6), jnp.ones((1, 8, 8, 4), jnp.bfloat16)
 
     def traced(onemkl: bool, module: nnx.Module = module, platform: str = "cpu") -> str:
         graphdef, state = nnx.split(module)
@@ -225,27 +227,27 @@ def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path() -> No
 
     assert cpu_matmul.CONV_TARGET not in traced(False)
     assert cpu_matmul.CONV_TARGET in traced(True)
-    assert cpu_matmul.TARGET in traced(True, bf16_conv(4, 6, size=1))  # 1x1: the Linear layers' dot
-    assert cpu_matmul.TARGET not in traced(False, bf16_conv(4, 6, size=1))
+    assert cpu_matmul.TARGET in traced(True, vae_conv(4, 6, size=1))  # 1x1: the Linear layers' dot
+    assert cpu_matmul.TARGET not in traced(False, vae_conv(4, 6, size=1))
     assert cpu_matmul.CONV_TARGET not in traced(True, platform="tpu")
-    in_float32 = bf16_conv(4, 6)
+    in_float32 = vae_conv(4, 6)
     in_float32.dtype = jnp.float32  # an fp32 run's VAE
     assert cpu_matmul.CONV_TARGET not in traced(True, in_float32)
 
 
-def bf16_resnet(c_in: int, c_out: int, groups: int, seed: int = 0) -> nnx.Module:
+def vae_resnet(c_in: int, c_out: int, groups: int, seed: int = 0, dtype: Any = jnp.bfloat16) -> nnx.Module:
     from flux2klein_cli.core.models.vae import ResnetBlock
 
-    block = ResnetBlock(c_in, c_out, groups, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    block = ResnetBlock(c_in, c_out, groups, dtype=dtype, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(seed)
     for path, var in nnx.to_flat_state(nnx.state(block)):
         offset = 1.0 if "norm" in str(path[0]) and path[-1] == "weight" else 0.0  # norm weights near one
-        var.set_value(jnp.asarray(offset + 0.2 * rng.standard_normal(var.get_value().shape), jnp.bfloat16))
+        var.set_value(jnp.asarray(offset + 0.2 * rng.standard_normal(var.get_value().shape), dtype))
     return block
 
 
 def test_the_vaes_norm_silu_conv_takes_one_shim_call_only_on_the_onemkl_path() -> None:
-    block, x = bf16_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)
+    block, x = vae_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)
 
     def traced(onemkl: bool, block: nnx.Module = block, platform: str = "cpu") -> str:
         graphdef, state = nnx.split(block)
@@ -267,11 +269,11 @@ def test_the_avx512_plugin_takes_attention_the_vaes_convolutions_and_the_larger_
         return hlo(traced_under(lambda s, x: nnx.merge(graphdef, s)(x), options), state, x, platform=platform)
 
     x = jnp.ones((1, 8, 8, 4), jnp.bfloat16)
-    assert f"@{avx512_bf16.CONV_TARGET}(" in traced(bf16_conv(4, 6), x)
-    assert avx512_bf16.CONV_TARGET not in traced(bf16_conv(4, 6), x, platform="tpu")
-    assert avx512_bf16.CONV_TARGET not in traced(bf16_conv(3, 6), jnp.ones((1, 8, 8, 3), jnp.bfloat16))  # RGB in
-    assert f"@{avx512_bf16.CONV1X1_TARGET}(" in traced(bf16_conv(4, 6, size=1), x)  # the VAE's shortcuts
-    assert traced(bf16_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)).count(
+    assert f"@{avx512_bf16.CONV_TARGET}(" in traced(vae_conv(4, 6), x)
+    assert avx512_bf16.CONV_TARGET not in traced(vae_conv(4, 6), x, platform="tpu")
+    assert avx512_bf16.CONV_TARGET not in traced(vae_conv(3, 6), jnp.ones((1, 8, 8, 3), jnp.bfloat16))  # RGB in
+    assert f"@{avx512_bf16.CONV1X1_TARGET}(" in traced(vae_conv(4, 6, size=1), x)  # the VAE's shortcuts
+    assert traced(vae_resnet(8, 8, 4), jnp.ones((1, 8, 8, 8), jnp.bfloat16)).count(
         f"@{avx512_bf16.NORM_CONV_TARGET}(") == 2
     assert "custom_call" not in traced(bf16_linear(), jnp.ones((3, 64), jnp.bfloat16))  # too small to pay
     big = linear(512, 640, dtype=jnp.bfloat16, rngs=nnx.Rngs(0), bias=True)  # 2 x 320 x 512 x 640 products
@@ -290,9 +292,9 @@ def test_the_avx512_plugin_takes_attention_the_vaes_convolutions_and_the_larger_
     assert f"@{avx512_bf16.SWIGLU_TARGET}(" in hlo(joined, proj, attended)
     assert avx512_bf16.SWIGLU_TARGET not in hlo(joined, proj, attended, platform="tpu")
     assert avx512_bf16.SWIGLU_TARGET not in hlo(joined, proj.astype(jnp.float32), attended.astype(jnp.float32))
-    upsampled = traced(bf16_upsample(4, 6), x)  # the decoder's upsample and its convolution: one call
+    upsampled = traced(vae_upsample(4, 6), x)  # the decoder's upsample and its convolution: one call
     assert f"@{avx512_bf16.UPSAMPLE_CONV_TARGET}(" in upsampled and avx512_bf16.CONV_TARGET not in upsampled
-    assert avx512_bf16.UPSAMPLE_CONV_TARGET not in traced(bf16_upsample(4, 6), x, platform="tpu")
+    assert avx512_bf16.UPSAMPLE_CONV_TARGET not in traced(vae_upsample(4, 6), x, platform="tpu")
     q, k, v = qkv(1, 8, 12, 2, 16)
     assert avx512_bf16.ATTENTION_TARGET in hlo(traced_under(layers.dot_product_attention, options), q, k, v)
     masked = text_attention_under("avx512-bf16").trace(*text_attention_inputs(2, 9, 4, 2, 16)).lower().as_text()
@@ -500,7 +502,7 @@ def test_the_vaes_conv_in_the_shim_matches_nnx_conv(plugin: str, shape: tuple[in
     (multiples of 32) take the shim's tile kernel, others MKL's products; in VDPBF16PS input
     channels go in pairs (an odd count keeps XLA's form) and any output width takes the kernel."""
     b, h, w, c_in, c_out = shape
-    module = bf16_conv(c_in, c_out, size=size)
+    module = vae_conv(c_in, c_out, size=size)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.bfloat16)
     ours, xla = (np.asarray(conv_under(form)(module, x), np.float32) for form in (plugin, None))
     assert ours.shape == (b, h, w, c_out)
@@ -639,7 +641,7 @@ def test_the_decoders_upsample_and_conv_in_one_shim_call_stay_as_close_as_xlas_f
     form (upsample, then the convolution; measured 1.4x), and no further than XLA's at its worst.
     A wrong phase or tap would be off by the size of the outputs themselves."""
     b, h, w, c_in, c_out = shape
-    module = bf16_upsample(c_in, c_out)
+    module = vae_upsample(c_in, c_out)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.bfloat16)
     ours, xla = (np.asarray(conv_under(form)(module, x), np.float64) for form in ("avx512-bf16", None))
     exact = upsampled_conv_exact(module, x)
@@ -655,7 +657,7 @@ def test_the_fused_norm_silu_conv_in_the_shim_matches_xlas_forms(plugin: str, sh
     """GroupNorm, SiLU and the 3x3 convolution in one shim call: the XLA forms' numerics (float32
     norm and SiLU rounded to bf16, then nnx.Conv's), equal but for rare one-ulp roundings."""
     b, h, w, c_in, c_out, groups = shape
-    block = bf16_resnet(c_in, c_out, groups)
+    block = vae_resnet(c_in, c_out, groups)
     x = jnp.asarray(3 * np.random.default_rng(1).standard_normal((b, h, w, c_in)) + 1, jnp.bfloat16)
 
     def first_conv(plugin: str | None) -> np.ndarray:
@@ -672,20 +674,20 @@ def test_the_fused_norm_silu_conv_in_the_shim_matches_xlas_forms(plugin: str, sh
 def test_in_the_shim_non_finite_values_stay_non_finite(plugin: str) -> None:
     """A NaN or an infinity in the input reaches the same outputs as in XLA's forms (the image
     checks then name the stage), never a finite value."""
-    module = bf16_conv(8, 8)
+    module = vae_conv(8, 8)
     x = np.random.default_rng(2).standard_normal((1, 12, 10, 8)).astype(np.float32)
     x[0, 3, 4, 1], x[0, 8, 2, 5] = np.nan, np.inf
     x = jnp.asarray(x, jnp.bfloat16)
     ours, xla = (np.asarray(conv_under(form)(module, x), np.float32) for form in (plugin, None))
     np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
     np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
-    block = bf16_resnet(8, 8, 4)
+    block = vae_resnet(8, 8, 4)
     resnet = [np.asarray(conv_under(form)(block, x), np.float32) for form in (plugin, None)]
     np.testing.assert_array_equal(np.isnan(resnet[0]), np.isnan(resnet[1]))
     assert np.isnan(resnet[0]).any()
     # The upsample's merged taps turn inf * w1 + inf * w2 into inf * (w1 + w2): the same outputs are
     # non-finite, though one may be an infinity where XLA's is a NaN.
-    upsampled = [np.asarray(conv_under(form)(bf16_upsample(8, 8), x), np.float32) for form in (plugin, None)]
+    upsampled = [np.asarray(conv_under(form)(vae_upsample(8, 8), x), np.float32) for form in (plugin, None)]
     np.testing.assert_array_equal(np.isfinite(upsampled[0]), np.isfinite(upsampled[1]))
     assert not np.isfinite(upsampled[0]).all()
     q, k, v = qkv(1, 20, 30, 2, 16)
@@ -699,7 +701,7 @@ def conv_spec() -> target.ProgramSpec:
     """A bf16 3x3 convolution as a stored program of this host (its kernel an argument, as the
     pipeline's are): it holds this host's plugin's custom call, and a fused kernel of XLA's (a
     program of custom calls alone has no machine code to store)."""
-    module = bf16_conv(32, 32)
+    module = vae_conv(32, 32)
     graphdef, _ = nnx.split(module)
     fn = jax.jit(lambda state, x: jnp.tanh(nnx.merge(graphdef, state)(x).astype(jnp.float32)))
     args = (jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), nnx.state(module)),
@@ -720,16 +722,16 @@ def test_a_stored_executable_with_the_custom_call_loads_in_a_new_process(tmp_pat
     assert kernels.plugin_module(kernels.plugin_status().name).CONV_TARGET in compiled.as_text()
     code = (
         "import sys, numpy as np, jax.numpy as jnp; from flax import nnx;"
-        "from tests.test_cpu_matmul import conv_spec, bf16_conv;"
+        "from tests.test_cpu_matmul import conv_spec, vae_conv;"
         "from flux2klein_cli.core.compile.store import ExecutableStore;"
         "c, info = ExecutableStore(sys.argv[1]).load_or_compile(conv_spec());"
         "x = jnp.ones((1, 8, 8, 32), jnp.bfloat16);"
-        "print(info.status, info.key, float(np.asarray(c(nnx.state(bf16_conv(32, 32)), x), np.float32).sum()))"
+        "print(info.status, info.key, float(np.asarray(c(nnx.state(vae_conv(32, 32)), x), np.float32).sum()))"
     )
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=root, capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=str(root)), timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     status, key, total = done.stdout.split()
     x = jnp.ones((1, 8, 8, 32), jnp.bfloat16)
-    expected = float(np.asarray(compiled(nnx.state(bf16_conv(32, 32)), x), np.float32).sum())
+    expected = float(np.asarray(compiled(nnx.state(vae_conv(32, 32)), x), np.float32).sum())
     assert status == "hit" and key == info.key and float(total) == expected
