@@ -1,11 +1,17 @@
-"""The AVX-512 plugin's float32 forms (core/models/avx512_bf16.py, the `*_f32` targets): attention (the
-transformer's and the text encoder's masked form), a float32 VAE's 3x3 and 1x1 convolutions, the
-decoder's upsample convolution and the fused GroupNorm + SiLU + convolution in float32 FMAs, checked
-against float64 from the same values and against XLA's forms."""
+"""The float32 kernels: the AVX-512 bf16 plugin's float32 forms (core/models/avx512_bf16.py, the `*_f32`
+targets) and the AVX-512 float32 plugin (core/models/avx512_f32.py, the same handlers from the shim's
+float32-only build): attention (the transformer's and the text encoder's masked form), a float32 VAE's
+3x3 and 1x1 convolutions, the decoder's upsample convolution and the fused GroupNorm + SiLU +
+convolution in float32 FMAs, checked against float64 from the same values and against XLA's forms;
+and what the float32-only build holds."""
 
 from __future__ import annotations
 
 import functools
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,14 +19,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flux2klein_cli.core.models import avx512_bf16
+from flux2klein_cli.core.devices import cpu
+from flux2klein_cli.core.models import avx512_bf16, avx512_f32, cpu_shim, kernels
 from flux2klein_cli.core.models.layers import linear
-from flux2klein_cli.core.models.trace import traced_under
+from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from tests.test_cpu_matmul import (
+    CPUINFO_AVX512,
     attention_under,
-    avx512,
     conv_under,
+    fresh_status,  # noqa: F401 (a fixture the detection test uses)
     hlo,
+    plugin_missing,
     plugin_options,
     qkv,
     text_attention_inputs,
@@ -34,6 +43,16 @@ from tests.test_cpu_matmul import (
 pytestmark = pytest.mark.slow
 
 F32 = avx512_bf16.F32
+
+# The plugins with float32 kernels, each test skipped where this host cannot load it.
+F32_PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) is not None,
+                                                          reason=str(plugin_missing(name))))
+               for name in ("avx512-bf16", "avx512-f32")]
+
+
+def f32_target(plugin: str, name: str) -> str:
+    """The float32 target `plugin` registers for `name` (a *_TARGET of the plugin modules)."""
+    return getattr(avx512_f32, name) if plugin == "avx512-f32" else getattr(avx512_bf16, name) + F32
 
 
 # The VAE modules of tests/test_cpu_matmul.py, in float32.
@@ -52,9 +71,10 @@ def conv_exact(module: nnx.Module, x: jax.Array) -> np.ndarray:
     return sum(padded[:, dy : dy + h, dx : dx + w] @ kernel[dy, dx] for dy in range(size) for dx in range(size)) + bias
 
 
-def test_a_float32_vae_takes_the_float32_targets_and_its_narrow_convolutions_stay_xlas() -> None:
+@pytest.mark.parametrize("plugin", ["avx512-bf16", "avx512-f32"])
+def test_a_float32_vae_takes_the_float32_targets_and_its_narrow_convolutions_stay_xlas(plugin: str) -> None:
     """Lowering only (no CPU needed): which calls a float32 model's programs hold under the plugin."""
-    options = plugin_options("avx512-bf16")
+    options = plugin_options(plugin)
 
     def traced(module: nnx.Module, x: jax.Array, platform: str = "cpu") -> str:
         graphdef, state = nnx.split(module)
@@ -62,14 +82,15 @@ def test_a_float32_vae_takes_the_float32_targets_and_its_narrow_convolutions_sta
 
     x = jnp.ones((1, 8, 8, 16), jnp.float32)
     held = traced(f32_conv(16, 20), x)
-    assert f"@{avx512_bf16.CONV_TARGET}{F32}(" in held and f"@{avx512_bf16.CONV_TARGET}(" not in held
+    assert f"@{f32_target(plugin, 'CONV_TARGET')}(" in held and f"@{avx512_bf16.CONV_TARGET}(" not in held
     assert "custom_call" not in traced(f32_conv(16, 20), x, platform="tpu")
     assert "custom_call" not in traced(f32_conv(16, 3), x)  # the decoder's RGB output: XLA's was faster
     assert "custom_call" not in traced(f32_conv(3, 32), jnp.ones((1, 8, 8, 3), jnp.float32))  # the encoder's input
-    assert f"@{avx512_bf16.CONV1X1_TARGET}{F32}(" in traced(f32_conv(16, 20, size=1), x)
-    assert traced(f32_resnet(16, 16, 4), x).count(f"@{avx512_bf16.NORM_CONV_TARGET}{F32}(") == 2
+    assert f"@{f32_target(plugin, 'CONV1X1_TARGET')}(" in traced(f32_conv(16, 20, size=1), x)
+    assert traced(f32_resnet(16, 16, 4), x).count(f"@{f32_target(plugin, 'NORM_CONV_TARGET')}(") == 2
     upsampled = traced(f32_upsample(16, 16), x)
-    assert f"@{avx512_bf16.UPSAMPLE_CONV_TARGET}{F32}(" in upsampled and avx512_bf16.CONV_TARGET not in upsampled
+    assert f"@{f32_target(plugin, 'UPSAMPLE_CONV_TARGET')}(" in upsampled and "conv3x3" not in upsampled.replace(
+        f32_target(plugin, "UPSAMPLE_CONV_TARGET"), "")
     # XLA's float32 Linear products ran as fast as the shim's loop: they keep XLA's dot.
     wide = linear(512, 640, dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert "custom_call" not in traced(wide, jax.ShapeDtypeStruct((2, 320, 512), jnp.float32))
@@ -88,32 +109,34 @@ def assert_as_close_as_xla(ours: np.ndarray, xla: np.ndarray, exact: np.ndarray,
     assert ours_err.mean() <= times * xla_err.mean(), (ours_err.mean(), xla_err.mean())
 
 
-@avx512
+@pytest.mark.parametrize("plugin", F32_PLUGINS)
 @pytest.mark.parametrize("shape, size", [((1, 20, 13, 16, 20), 3), ((2, 9, 30, 48, 32), 3), ((1, 16, 16, 64, 128), 3),
                                          ((1, 5, 40, 17, 33), 3), ((2, 7, 5, 24, 40), 1), ((1, 33, 12, 128, 64), 1)])
-def test_float32_convolutions_in_the_shim_are_as_close_to_float64_as_xlas(shape: tuple[int, ...], size: int) -> None:
+def test_float32_convolutions_in_the_shim_are_as_close_to_float64_as_xlas(plugin: str, shape: tuple[int, ...],
+                                                                           size: int) -> None:
     b, h, w, c_in, c_out = shape
     module = f32_conv(c_in, c_out, size=size)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.float32)
-    ours, xla = (np.asarray(conv_under(form)(module, x), np.float64) for form in ("avx512-bf16", None))
+    ours, xla = (np.asarray(conv_under(form)(module, x), np.float64) for form in (plugin, None))
     assert_as_close_as_xla(ours, xla, conv_exact(module, x))
 
 
-@avx512
+@pytest.mark.parametrize("plugin", F32_PLUGINS)
 @pytest.mark.parametrize("shape", [(1, 16, 12, 64, 32), (2, 9, 5, 16, 20), (1, 30, 33, 128, 128)])
-def test_the_float32_upsample_convolution_is_as_close_to_float64_as_xlas(shape: tuple[int, ...]) -> None:
+def test_the_float32_upsample_convolution_is_as_close_to_float64_as_xlas(plugin: str,
+                                                                         shape: tuple[int, ...]) -> None:
     """The four merged-tap 2x2 convolutions in float32: the merged taps are float32 sums, no rounding
     to bf16, so the result stays at XLA's float32 error."""
     b, h, w, c_in, c_out = shape
     module = f32_upsample(c_in, c_out)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.float32)
-    ours, xla = (np.asarray(conv_under(form)(module, x), np.float64) for form in ("avx512-bf16", None))
+    ours, xla = (np.asarray(conv_under(form)(module, x), np.float64) for form in (plugin, None))
     assert_as_close_as_xla(ours, xla, upsampled_conv_exact(module, x))
 
 
-@avx512
+@pytest.mark.parametrize("plugin", F32_PLUGINS)
 @pytest.mark.parametrize("shape", [(1, 40, 24, 32, 32, 8), (2, 17, 9, 16, 48, 4)])
-def test_the_float32_fused_norm_silu_conv_matches_xlas_forms(shape: tuple[int, ...]) -> None:
+def test_the_float32_fused_norm_silu_conv_matches_xlas_forms(plugin: str, shape: tuple[int, ...]) -> None:
     """GroupNorm, SiLU and the convolution in one float32 call: XLA's forms to float32 rounding."""
     b, h, w, c_in, c_out, groups = shape
     block = f32_resnet(c_in, c_out, groups)
@@ -123,25 +146,25 @@ def test_the_float32_fused_norm_silu_conv_matches_xlas_forms(shape: tuple[int, .
         fn = traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), plugin_options(plugin))
         return np.asarray(nnx.jit(fn)(block, x), np.float64)
 
-    ours, xla = first_conv("avx512-bf16"), first_conv(None)
+    ours, xla = first_conv(plugin), first_conv(None)
     assert ours.shape == (b, h, w, c_out)
     np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
-    whole = [np.asarray(conv_under(form)(block, x), np.float64) for form in ("avx512-bf16", None)]
+    whole = [np.asarray(conv_under(form)(block, x), np.float64) for form in (plugin, None)]
     np.testing.assert_allclose(whole[0], whole[1], rtol=1e-5, atol=1e-5 * np.abs(whole[1]).max())
 
 
-@avx512
-def test_in_the_float32_shim_non_finite_values_stay_non_finite() -> None:
+@pytest.mark.parametrize("plugin", F32_PLUGINS)
+def test_in_the_float32_shim_non_finite_values_stay_non_finite(plugin: str) -> None:
     x = np.random.default_rng(2).standard_normal((1, 12, 10, 16)).astype(np.float32)
     x[0, 3, 4, 1], x[0, 8, 2, 5] = np.nan, np.inf
     x = jnp.asarray(x)
     for module in (f32_conv(16, 16), f32_conv(16, 16, size=1), f32_resnet(16, 16, 4)):
-        ours, xla = (np.asarray(conv_under(form)(module, x)) for form in ("avx512-bf16", None))
+        ours, xla = (np.asarray(conv_under(form)(module, x)) for form in (plugin, None))
         np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
         np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
         assert not np.isfinite(ours).all()
     # The merged taps turn inf * w1 + inf * w2 into inf * (w1 + w2): the same outputs are non-finite.
-    upsampled = [np.asarray(conv_under(form)(f32_upsample(16, 16), x)) for form in ("avx512-bf16", None)]
+    upsampled = [np.asarray(conv_under(form)(f32_upsample(16, 16), x)) for form in (plugin, None)]
     np.testing.assert_array_equal(np.isfinite(upsampled[0]), np.isfinite(upsampled[1]))
     assert not np.isfinite(upsampled[0]).all()
 
@@ -160,29 +183,131 @@ def attention_exact(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | 
     return np.einsum("bhqk,bkhd->bqhd", weights, vf)
 
 
-@avx512
+@pytest.mark.parametrize("plugin", F32_PLUGINS)
 @pytest.mark.parametrize("shape", [(1, 300, 300, 4, 128), (2, 100, 260, 3, 64), (1, 1, 7, 1, 16)])
-def test_float32_attention_in_the_shim_is_as_close_to_float64_as_xlas(shape: tuple[int, ...]) -> None:
+def test_float32_attention_in_the_shim_is_as_close_to_float64_as_xlas(plugin: str, shape: tuple[int, ...]) -> None:
     """float32 scores, weights and P @ V (nothing rounded to bf16), normalised after. The shim's exp
     (a degree-6 polynomial, relative error under 2e-7: about two float32 ulps) puts its error at 2-2.5x
     XLA's, still about 1e-7 of the outputs."""
     q, k, v = (a.astype(jnp.float32) for a in qkv(*shape))
-    held = attention_under("avx512-bf16").trace(q, k, v).lower().as_text()
-    assert f"@{avx512_bf16.ATTENTION_TARGET}{F32}(" in held
-    ours, xla = (np.asarray(attention_under(form)(q, k, v), np.float64) for form in ("avx512-bf16", None))
+    held = attention_under(plugin).trace(q, k, v).lower().as_text()
+    assert f"@{f32_target(plugin, 'ATTENTION_TARGET')}(" in held
+    ours, xla = (np.asarray(attention_under(form)(q, k, v), np.float64) for form in (plugin, None))
     assert_as_close_as_xla(ours, xla, attention_exact(q, k, v), times=3)
 
 
-@avx512
+@pytest.mark.parametrize("plugin", F32_PLUGINS)
 @pytest.mark.parametrize("shape", [(2, 300, 8, 2, 64), (2, 37, 6, 3, 16), (2, 130, 4, 4, 128)])
 def test_the_text_encoders_float32_attention_in_the_shim_is_as_close_to_float64_as_xlas(
-        shape: tuple[int, ...]) -> None:
+        plugin: str, shape: tuple[int, ...]) -> None:
     """The masked, grouped-query form in float32: masked keys left out, a query with no allowed key
     zero (the second prompt's first two); the exp as above."""
     q, k, v, mask = text_attention_inputs(*shape)
     q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
-    held = text_attention_under("avx512-bf16").trace(q, k, v, mask).lower().as_text()
-    assert f"@{avx512_bf16.MASKED_ATTENTION_TARGET}{F32}(" in held
-    ours, xla = (np.asarray(text_attention_under(form)(q, k, v, mask), np.float64) for form in ("avx512-bf16", None))
+    held = text_attention_under(plugin).trace(q, k, v, mask).lower().as_text()
+    assert f"@{f32_target(plugin, 'MASKED_ATTENTION_TARGET')}(" in held
+    ours, xla = (np.asarray(text_attention_under(form)(q, k, v, mask), np.float64) for form in (plugin, None))
     assert not np.any(ours[1, :2])
     assert_as_close_as_xla(ours, xla, attention_exact(q, k, v, mask), times=3)
+
+
+def test_a_bf16_model_on_a_cpu_without_bf16_takes_the_float32_kernels() -> None:
+    """Such a CPU computes a bf16 model with float32 activations (bf16_compute `f32`): its VAE's
+    convolutions take the float32 plugin's calls with the weights widened, as close to XLA's float32
+    form of the same model as float32 sums in another order are. Where the CPU has bf16 (the plugin
+    forced, bf16 activations) they keep XLA's forms."""
+    widened = TraceOptions("cpu", "blocked", kernels="avx512-f32", bf16_compute="f32")
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 12, 10, 16)), jnp.float32)
+    modules = {"NORM_CONV_TARGET": vae_resnet(16, 16, 4, dtype=jnp.bfloat16),
+               "UPSAMPLE_CONV_TARGET": vae_upsample(16, 16, dtype=jnp.bfloat16),
+               "CONV1X1_TARGET": vae_conv(16, 20, size=1, dtype=jnp.bfloat16)}
+    for target, module in modules.items():
+        graphdef, state = nnx.split(module)
+        held = hlo(traced_under(lambda s, x, g=graphdef: nnx.merge(g, s)(x), widened), state, x)
+        assert f"@{getattr(avx512_f32, target)}(" in held
+        bf16_cpu = TraceOptions("cpu", "blocked", kernels="avx512-f32", bf16_compute="f32-accumulate")
+        assert "custom_call" not in hlo(traced_under(lambda s, x, g=graphdef: nnx.merge(g, s)(x), bf16_cpu), state,
+                                        x.astype(jnp.bfloat16))
+        if plugin_missing("avx512-f32") is None:  # this host runs the float32 kernels
+            ours, xla = (np.asarray(nnx.jit(traced_under(lambda m, x: m(x), options))(module, x), np.float64)
+                         for options in (widened, TraceOptions("cpu", "blocked", bf16_compute="f32")))
+            assert ours.dtype == xla.dtype and ours.shape == xla.shape
+            np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
+
+
+# Instructions past Skylake-SP's AVX-512 (F, CD, BW, DQ, VL): bf16, AMX, VNNI, VBMI and VBMI2, IFMA,
+# BITALG and VPOPCNTDQ, VP2INTERSECT, GFNI, VAES, VPCLMULQDQ.
+NEWER_THAN_SKYLAKE = re.compile(
+    r"^(vdpbf16ps|vcvtne2?ps2bf16|tdp\w+|tile\w+|ldtilecfg|sttilecfg|vpdpbu?s[sd]s?|vpdpwss[sd]s?|vpermb|vpermi2b|"
+    r"vpermt2b|vpmultishiftqb|vpcompress[bw]|vpexpand[bw]|vpsh[lr]dv?[wdq]|vpmadd52[lh]uq|vpopcnt[bwdq]|"
+    r"vpshufbitqmb|vp2intersect[dq]|gf2p8\w+|vaes\w+|vpclmulqdq)$")
+
+
+def mnemonics(shim: str) -> set[str]:
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", shim], capture_output=True, text=True,
+                             check=True).stdout
+    return {line.split("\t")[1].split()[0] for line in listing.splitlines() if line.count("\t") >= 1
+            and re.match(r"^\s+[0-9a-f]+:\t\S", line)}
+
+
+def exported(shim: str) -> set[str]:
+    table = subprocess.run(["nm", "-D", "--defined-only", shim], capture_output=True, text=True, check=True).stdout
+    return {line.split()[-1] for line in table.splitlines() if line.split()[-1].startswith("flux2klein_")}
+
+
+@pytest.mark.skipif(cpu_shim.compiler() is None or shutil.which("objdump") is None or shutil.which("nm") is None,
+                    reason="no C++ compiler or binutils")
+def test_the_float32_build_runs_on_skylake_avx512_and_holds_only_float32_handlers(tmp_path: Path) -> None:
+    """The float32-only build holds no instruction a CPU with AVX-512 and no bf16 lacks, and only the
+    float32 handlers (with the transposing copy); the bf16 build, checked the same way, holds bf16."""
+    shims = {build: tmp_path / "native" / f"{build}.so" for build in cpu_shim.BUILDS}
+    for build, shim in shims.items():
+        assert cpu_shim.build_shim(shim, build) is None
+    f32 = mnemonics(str(shims["f32"]))
+    assert "vfmadd231ps" in f32 and not {m for m in f32 if NEWER_THAN_SKYLAKE.match(m)}
+    assert "vdpbf16ps" in {m for m in mnemonics(str(shims["bf16"])) if NEWER_THAN_SKYLAKE.match(m)}
+    handlers = {"flux2klein_avx512_" + name + "_f32" for name in (
+        "attention", "masked_attention", "conv3x3", "norm_silu_conv3x3", "conv1x1", "upsample_conv3x3")}
+    assert exported(str(shims["f32"])) == handlers | {"flux2klein_transpose_copy"}
+    assert handlers | {"flux2klein_avx512_gemm", "flux2klein_amx_attention"} <= exported(str(shims["bf16"]))
+
+
+# A Skylake-SP server's flags: AVX-512 without bf16.
+CPUINFO_SKYLAKE = ("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512dq "
+                   "avx512cd avx512bw avx512vl\n")
+
+
+@pytest.mark.usefixtures("fresh_status")
+def test_a_cpu_with_avx512_and_no_bf16_takes_the_float32_plugin(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """Named in reports with what its first run will do (nothing built); without a compiler, XLA's
+    forms and nothing half-built; AVX2 alone keeps XLA's forms; FLUX2KLEIN_CPU_MATMUL=avx512-f32 makes
+    programs as for such a CPU on one with bf16 too; where this host can run it, detection loads it."""
+    skylake = cpu.cpu_flags(CPUINFO_SKYLAKE)
+    monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+    monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened a shim yet
+    monkeypatch.setenv("CXX", "/usr/bin/true")
+    report = kernels.detect(skylake, build=False)
+    assert report.name == "avx512-f32" and "built on the first run" in report.reason
+    assert "no AVX-512 bf16" in report.reason and "float32 activations" in report.reason
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
+    status = kernels.detect(skylake)
+    assert status.name is None and "no C++ compiler" in status.reason
+    assert not any((tmp_path / "native").iterdir())
+    avx2 = kernels.detect(frozenset({"avx", "avx2", "fma"}))
+    assert avx2.name is None and "neither AMX nor AVX-512" in avx2.reason
+    monkeypatch.setenv("FLUX2KLEIN_CPU_MATMUL", "avx512-f32")
+    monkeypatch.setenv("CXX", "/usr/bin/true")
+    forced = kernels.detect(skylake | {"avx512_bf16"}, build=False)  # a Zen 4's
+    assert kernels.detect(cpu.cpu_flags(CPUINFO_AVX512), build=False).name is None  # AVX-512F alone: not enough
+    assert forced.name == "avx512-f32" and "FLUX2KLEIN_CPU_MATMUL=avx512-f32" in forced.reason
+    assert "float32 activations" in forced.reason and kernels.cpu_bf16_compute() == "f32"  # as such a CPU
+    assert TraceOptions.for_platform("cpu", build=False).as_key()["kernels"] == "avx512-f32"
+    if plugin_missing("avx512-f32") is None:  # this host builds and runs it
+        monkeypatch.undo()
+        monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+        monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+        assert kernels.detect(skylake).name == "avx512-f32"

@@ -20,7 +20,7 @@ from flax import nnx
 from flux2klein_cli.core.compile import keys as store_keys
 from flux2klein_cli.core.compile import store, target
 from flux2klein_cli.core.devices import cpu
-from flux2klein_cli.core.models import avx512_bf16, cpu_matmul, cpu_shim, kernels, layers, trace
+from flux2klein_cli.core.models import avx512_bf16, avx512_f32, cpu_matmul, cpu_shim, kernels, layers, trace
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 
@@ -68,15 +68,20 @@ def plugin_missing(plugin: str) -> str | None:
     if plugin == "amx":
         status = kernels.plugin_status()
         return None if status.name == "amx" else f"no oneMKL AMX path: {status.reason}"
+    if plugin == "avx512-f32":
+        if not (cpu.is_x86() and cpu.has_avx512(cpu.cpu_flags())):
+            return "the CPU has no AVX-512"
+        return avx512_f32.load()
     if not (cpu.is_x86() and "avx512_bf16" in cpu.cpu_flags()):
         return "the CPU has no AVX-512 bf16"
     return avx512_bf16.load()
 
 
-# Every plugin, each test skipped where this host cannot load it.
+# Every bf16 plugin, each test skipped where this host cannot load it (the float32 one:
+# tests/test_avx512_f32.py).
 PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) is not None,
                                                       reason=str(plugin_missing(name))))
-           for name in kernels.PLUGINS]
+           for name in kernels.PLUGINS if name != "avx512-f32"]
 # Tests of what only the AVX-512 bf16 plugin has (the upsample convolution, SwiGLU).
 avx512 = pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
 
@@ -117,7 +122,7 @@ def test_opt_out_and_missing_pieces_fall_back(monkeypatch: pytest.MonkeyPatch, f
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
-    monkeypatch.setattr(cpu_shim, "_opened", [])  # as in a process that has not opened the shim yet
+    monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened the shim yet
     status = kernels.detect(flags)
     assert status.name is None and "no C++ compiler" in status.reason
     assert not list((tmp_path / "native").iterdir())  # nothing half-built left
@@ -309,11 +314,11 @@ def test_an_avx512_bf16_cpu_takes_the_avx512_plugin(monkeypatch: pytest.MonkeyPa
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
     monkeypatch.setattr(kernels, "find_mkl", lambda: None)
     avx2 = kernels.detect(frozenset({"avx2", "fma"}))
-    assert avx2.name is None and "neither AMX nor AVX-512 bf16" in avx2.reason
+    assert avx2.name is None and "neither AMX nor AVX-512" in avx2.reason
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
-    monkeypatch.setattr(cpu_shim, "_opened", [])  # as in a process that has not opened the shim yet
+    monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened the shim yet
     for flags in (CPUINFO_AVX512, CPUINFO_AMX):
         status = kernels.detect(cpu.cpu_flags(flags))
         assert status.name is None and "no C++ compiler" in status.reason
@@ -335,7 +340,7 @@ def test_a_report_names_the_plugin_without_building_its_shim(monkeypatch: pytest
     monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_shim, "_opened", [])  # as in a process that has not opened the shim yet
+    monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened the shim yet
     monkeypatch.setattr(cpu_shim, "build_shim", lambda out: pytest.fail("a report built the shim"))
     monkeypatch.setattr(cpu_shim.ctypes, "CDLL", lambda path: pytest.fail("a report loaded the shim"))
     monkeypatch.setenv("CXX", "/usr/bin/true")  # a compiler on the PATH or not, this one is named

@@ -42,6 +42,15 @@ def has_amx_bf16(flags: frozenset[str]) -> bool:
     return {"amx_bf16", "amx_tile", "avx512_bf16"} <= flags
 
 
+# The AVX-512 the shim's float32 build is compiled for (core/models/cpu_shim.py): Skylake-SP's set.
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"})
+
+
+def has_avx512(flags: frozenset[str]) -> bool:
+    """AVX-512 F, BW, VL and DQ with FMA: Intel Skylake-SP and later servers, AMD Zen 4 and later."""
+    return AVX512_FLAGS <= flags
+
+
 def has_bf16_dot(flags: frozenset[str]) -> bool:
     """A bf16 dot-product instruction (AVX-512 bf16, or Arm's bf16): XLA's bf16 x bf16 -> float32 dot
     runs on it faster than on widened operands; without one it runs slower (docs/benchmarks.md)."""

@@ -145,13 +145,13 @@ def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool, c_out: int) -> bool:
     return cpu_matmul.conv_eligible(x, dtype, has_bias, c_out) and x.shape[-1] % 2 == 0
 
 
-def conv1x1(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+def conv1x1(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any, target: str | None = None) -> jax.Array:
     """A 1x1 convolution with bias, NHWC (B, H, W, Cin) x (1, 1, Cin, Cout), bf16 or float32, in the
     shim, with nnx.Conv's numerics (XLA's dot ran the VAE's narrow shortcuts far below the unit's
-    rate); `fallback(x)` on other platforms."""
+    rate); `fallback(x)` on other platforms. `target`: another plugin's name for the handler."""
 
     def avx512(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
-        call = jax.ffi.ffi_call(_target(CONV1X1_TARGET, x.dtype),
+        call = jax.ffi.ffi_call(target or _target(CONV1X1_TARGET, x.dtype),
                                 jax.ShapeDtypeStruct((*x.shape[:3], kernel.shape[-1]), x.dtype),
                                 vmap_method="sequential")
         return call(x, kernel, bias)
@@ -171,18 +171,19 @@ def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: ja
                                         target=_target(NORM_CONV_TARGET, x.dtype))
 
 
-def upsample_conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+def upsample_conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any,
+                     target: str | None = None) -> jax.Array:
     """A nearest 2x upsample then a 3x3 'same' convolution with bias, NHWC (B, H, W, Cin) x
     (3, 3, Cin, Cout) -> (B, 2H, 2W, Cout), bf16 or float32, in the shim: four 2x2 convolutions of the
     input, one per output phase, so 2.25x fewer products and no upsampled copy. A phase's taps that
     read the same input pixel are summed in float32 (in bf16: rounded to bf16 once, the one rounding
     this form adds to nnx.Conv's numerics: float32 sums rounded, then the bias). `fallback(x)`
-    (upsample, then the convolution) on other platforms."""
+    (upsample, then the convolution) on other platforms. `target`: another plugin's name for the handler."""
 
     def avx512(x: jax.Array, kernel: jax.Array, bias: jax.Array) -> jax.Array:
         b, h, w, _ = x.shape
         out = jax.ShapeDtypeStruct((b, 2 * h, 2 * w, kernel.shape[-1]), x.dtype)
-        call = jax.ffi.ffi_call(_target(UPSAMPLE_CONV_TARGET, x.dtype), out, vmap_method="sequential")
+        call = jax.ffi.ffi_call(target or _target(UPSAMPLE_CONV_TARGET, x.dtype), out, vmap_method="sequential")
         return call(x, kernel, bias)
 
     return jax.lax.platform_dependent(x, kernel, bias, cpu=avx512, default=lambda x, kernel, bias: fallback(x))

@@ -28,8 +28,10 @@
 //   same loops in FMAs (flux2klein_avx512_attention_f32, _masked_attention_f32, _conv3x3_f32,
 //   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32).
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
-// Built with AVX-512, bf16 and AMX on: it is loaded on CPUs with AVX-512 bf16 only, and the AMX
-// instructions run only in the AMX plugin's handlers.
+// Built two ways (core/models/cpu_shim.py): with AVX-512, bf16 and AMX on, for CPUs with AVX-512 bf16
+// (the AMX instructions run only in the AMX plugin's handlers); and with AVX-512 alone (F, BW, VL, DQ,
+// FMA: Skylake-SP's set) for the float32 plugin (core/models/avx512_f32.py) on CPUs without bf16, where
+// only the float32 handlers and the transposing copy are compiled in (FLUX2KLEIN_BF16 0).
 #include <dlfcn.h>
 #include <immintrin.h>
 #include <sched.h>
@@ -47,6 +49,12 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FLUX2KLEIN_BF16 1
+#else
+#define FLUX2KLEIN_BF16 0
+#endif
+
 namespace ffi = xla::ffi;
 
 // The element type of a handler's buffers: float32, or bf16 as its 16-bit pattern.
@@ -61,6 +69,7 @@ static SetThreadsLocal set_threads_local = nullptr;
 constexpr int kRowMajor = 101, kNoTrans = 111;
 constexpr int64_t kQueryBlock = 128;  // 128 x 1536 float32 scores: 768 KB, inside a core's L2
 
+#if FLUX2KLEIN_BF16
 extern "C" int flux2klein_amx_open(const char* path) {
   void* lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
   if (lib == nullptr) return 1;
@@ -71,6 +80,7 @@ extern "C" int flux2klein_amx_open(const char* path) {
   // first tile instruction. MKL asks too; the attention's own tile code needs it granted here.
   return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 3;
 }
+#endif
 
 static int worker_count() {
   cpu_set_t set;
@@ -142,6 +152,7 @@ static void parallel_tasks(int64_t tasks, int workers, Work work) {
   for (auto& t : threads) t.join();
 }
 
+#if FLUX2KLEIN_BF16
 static ffi::Error Gemm(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
   auto xd = x.dimensions(), wd = w.dimensions();
@@ -159,6 +170,7 @@ static ffi::Error Gemm(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_gemm, Gemm,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+#endif
 
 static inline float from_bf16(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
@@ -219,6 +231,7 @@ static float row_max(const float* x, int64_t n) {
   return _mm512_reduce_max_ps(top);
 }
 
+#if FLUX2KLEIN_BF16
 // weights[j] = bf16(exp(x[j] - top)); returns the sum of the float32 exponentials.
 static float exp_row(const float* x, int64_t n, float top, uint16_t* weights) {
   const __m512 shift = _mm512_set1_ps(top);
@@ -232,6 +245,7 @@ static float exp_row(const float* x, int64_t n, float top, uint16_t* weights) {
   }
   return _mm512_reduce_add_ps(sum);
 }
+#endif
 
 // The float32 form, in place: x[j] = exp(x[j] - top) (the row is then its own weights).
 static float exp_row(float* x, int64_t n, float top) {
@@ -301,6 +315,11 @@ struct Masking {
   float scale = 1.0f;
 };
 
+constexpr int64_t kPanel = 32;  // columns of a packed right-hand panel: two B tiles side by side
+
+static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+#if FLUX2KLEIN_BF16
 // The attention's products on the AMX tiles directly. MKL's bf16 GEMM on blocks this small (128 queries
 // by a head's keys) ran at a fifth of the tiles' rate; here the queries of a block and one packed panel
 // of keys stay in L1 while the tiles work through them.
@@ -318,10 +337,6 @@ static void configure_tiles() {
   for (int i = 0; i < 8; ++i) config.rows[i] = 16, config.colsb[i] = 64;
   _tile_loadconfig(&config);
 }
-
-constexpr int64_t kPanel = 32;  // columns of a packed right-hand panel: two B tiles side by side
-
-static int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // C (tiles 4-7: 32 x 32 float32) += a (32 x depth bf16, row stride lda) x one packed panel (depth / 2
 // pairs x 32 columns x 2); depth a multiple of 32. Each A and B tile is loaded just before its first
@@ -361,6 +376,18 @@ static void tile_product(const uint16_t* a, int64_t lda, const uint16_t* panel, 
   tiles_accumulate(a, lda, panel, depth);
   tiles_store(c, ldc);
 }
+
+// A thread's tiles around the AMX plugin's products (`amx`); the float32-only build has neither.
+static inline void tiles_begin(bool amx) {
+  if (amx) configure_tiles();
+}
+static inline void tiles_end(bool amx) {
+  if (amx) _tile_release();
+}
+#else
+static inline void tiles_begin(bool) {}
+static inline void tiles_end(bool) {}
+#endif
 
 // The same products in registers, for CPUs with AVX-512 and no AMX: c (Rows x 32 float32, row stride
 // ldc) += a (Rows x depth, row stride lda) x one packed panel, Rows x 2 accumulators kept in registers.
@@ -585,7 +612,7 @@ static void attend_block(const AttentionShape& s, const Masking& m, const T* q, 
   // weigh zero (the text encoder's prompts are padded on the right to 512 tokens, most of them padding).
   const int64_t keys = m.allowed == nullptr ? w.keys : round_up(last_allowed_key(s, m, b, row0, rows) + 1, kPanel);
   const int64_t seen = std::min(keys, s.sk);
-  if (!s.avx512) configure_tiles();
+  tiles_begin(!s.avx512);
   for (int64_t p = 0; p < keys; p += kPanel)
     block_product(w.queries.data(), w.depth, w.packed_keys.data() + p * w.depth, w.depth, w.scores.data() + p, w.keys);
   // Per row: the divisor of its P @ V (1 where the weights are normalised already, 0 for no key).
@@ -607,7 +634,7 @@ static void attend_block(const AttentionShape& s, const Masking& m, const T* q, 
   }
   for (int64_t p = 0; p < w.dims; p += kPanel)
     block_product(w.weight_rows(), w.keys, w.packed_values.data() + p * w.keys, keys, w.acc.data() + p, w.dims);
-  if (!s.avx512) _tile_release();
+  tiles_end(!s.avx512);
   for (int64_t i = 0; i < rows; ++i) {
     T* o = out + (b * s.sq + row0 + i) * q_stride + h * s.dim;
     const __m512 divisor = _mm512_set1_ps(divisors[i]);
@@ -669,8 +696,10 @@ static ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<D> q, ffi::Buffer<
 #define FLUX2KLEIN_ATTENTION_BINDING(D)                                                                        \
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>() \
       .Ret<ffi::Buffer<D>>()
+#if FLUX2KLEIN_BF16
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_attention, Attention<false>, FLUX2KLEIN_ATTENTION_BINDING(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_attention, Attention<true>, FLUX2KLEIN_ATTENTION_BINDING(ffi::BF16));
+#endif
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_attention_f32, (Attention<true, ffi::DataType::F32>),
                               FLUX2KLEIN_ATTENTION_BINDING(ffi::F32));
 
@@ -690,10 +719,12 @@ static ffi::Error MaskedAttention(ffi::ThreadPool pool, ffi::Buffer<D> q, ffi::B
 #define FLUX2KLEIN_MASKED_ATTENTION_BINDING(D)                                                                 \
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>() \
       .Arg<ffi::Buffer<ffi::PRED>>().Attr<float>("scale").Ret<ffi::Buffer<D>>()
+#if FLUX2KLEIN_BF16
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_masked_attention, MaskedAttention<false>,
                               FLUX2KLEIN_MASKED_ATTENTION_BINDING(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_masked_attention, MaskedAttention<true>,
                               FLUX2KLEIN_MASKED_ATTENTION_BINDING(ffi::BF16));
+#endif
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_masked_attention_f32, (MaskedAttention<true, ffi::DataType::F32>),
                               FLUX2KLEIN_MASKED_ATTENTION_BINDING(ffi::F32));
 
@@ -804,6 +835,7 @@ static std::vector<T> pack_upsample_kernel(const T* kernel, int64_t c_in, int64_
   return pack_conv_kernel(merged.data(), c_in, c_out, 16);
 }
 
+#if FLUX2KLEIN_BF16
 // One tile on the AMX tiles: per block of 32 positions and panel of 32 output channels, the nine taps
 // and all input channels accumulate in the tiles (A tiles are 16 consecutive positions x 32 channels,
 // contiguous in `padded`), so no float32 sums leave them until the block is done.
@@ -844,6 +876,7 @@ static void conv_tile_mkl(const ConvShape& s, const uint16_t* padded, const uint
     for (int64_t col = 0; col < s.w; ++col)
       store_conv_outputs(sums + (r * wp + col) * s.c_out, bias, s.c_out, out + (r * s.w + col) * s.c_out);
 }
+#endif
 
 // One tile in VDPBF16PS (or float32 FMAs): per panel of 32 output channels and block of kDotRows
 // consecutive positions, the nine taps and all input channels accumulate in float32 (`accumulate`).
@@ -944,12 +977,15 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
         upsample_conv_tile_panels(s, padded, packed.data(), bias32.data(), rows, tile_out);
       else
         conv_tile_panels(s, padded, packed.data(), bias32.data(), rows, tile_out);
-    } else if constexpr (std::is_same_v<T, uint16_t>) {  // the AMX plugin's, bf16 only
+    }
+#if FLUX2KLEIN_BF16
+    else if constexpr (std::is_same_v<T, uint16_t>) {  // the AMX plugin's, bf16 only
       if (s.products() == ConvProducts::kAmx)
         conv_tile_amx(s, padded, packed.data(), bias32.data(), rows, tile_out);
       else
         conv_tile_mkl(s, padded, kernel, bias32.data(), rows, scratch[worker].sums.data(), tile_out);
     }
+#endif
   });
 }
 
@@ -1012,8 +1048,10 @@ static ffi::Error Conv3x3(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D>
   return ffi::Error::Success();
 }
 
+#if FLUX2KLEIN_BF16
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_conv3x3, Conv3x3<false>, FLUX2KLEIN_CONV_BINDING(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv3x3, Conv3x3<true>, FLUX2KLEIN_CONV_BINDING(ffi::BF16));
+#endif
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv3x3_f32, (Conv3x3<true, ffi::DataType::F32>),
                               FLUX2KLEIN_CONV_BINDING(ffi::F32));
 
@@ -1042,8 +1080,10 @@ static ffi::Error UpsampleConv3x3(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::B
   return ffi::Error::Success();
 }
 
+#if FLUX2KLEIN_BF16
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_upsample_conv3x3, UpsampleConv3x3<ffi::DataType::BF16>,
                               FLUX2KLEIN_CONV_BINDING(ffi::BF16));
+#endif
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_upsample_conv3x3_f32, UpsampleConv3x3<ffi::DataType::F32>,
                               FLUX2KLEIN_CONV_BINDING(ffi::F32));
 
@@ -1115,13 +1155,16 @@ static ffi::Error NormSiluConv3x3(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::B
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()                                                                  \
       .Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()                      \
       .Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Ret<ffi::Buffer<D>>()
+#if FLUX2KLEIN_BF16
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_norm_silu_conv3x3, NormSiluConv3x3<false>,
                               FLUX2KLEIN_NORM_CONV_BINDING(ffi::BF16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3, NormSiluConv3x3<true>,
                               FLUX2KLEIN_NORM_CONV_BINDING(ffi::BF16));
+#endif
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_norm_silu_conv3x3_f32, (NormSiluConv3x3<true, ffi::DataType::F32>),
                               FLUX2KLEIN_NORM_CONV_BINDING(ffi::F32));
 
+#if FLUX2KLEIN_BF16
 // The transformer's SwiGLU in bf16, joined after another bf16 array when that has columns (the single
 // block's attention output, which the output projection takes side by side with it): row t of the out
 // is [after[t], bf16(bf16(silu(gate)) * value)], gate = x[t, start : start + H], value = x[t, start + H :
@@ -1240,6 +1283,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_qkv_heads, QkvHeads,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Ret<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>().Attr<float>("eps"));
+#endif
 
 // A Linear layer's product, bf16 (M, K) x bf16 (K, N) -> bf16 (M, N): float32 sums of VDPBF16PS pairs,
 // rounded once (XLA's bf16 dot with a float32 result, then the convert). XLA's own ran these at 83-87% of
@@ -1316,6 +1360,7 @@ static void panel_gemm(const T* xp, const T* wp, const float* bias, T* yp, int64
   });
 }
 
+#if FLUX2KLEIN_BF16
 static ffi::Error Gemm16(ffi::ThreadPool pool,
                          ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::BF16> y) {
   PoolScope scope(pool);
@@ -1332,6 +1377,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_gemm, Gemm16,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>());
+#endif
 
 // A 1x1 convolution with bias, NHWC -> NHWC in bf16 or float32 (the VAE's shortcuts): the Linear layers'
 // product over every position's channels, the bias added as nnx.Conv adds it. XLA's bf16 dot ran these
@@ -1357,8 +1403,10 @@ static ffi::Error Conv1x1(ffi::ThreadPool pool, ffi::Buffer<D> x, ffi::Buffer<D>
   return ffi::Error::Success();
 }
 
+#if FLUX2KLEIN_BF16
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1, Conv1x1<ffi::DataType::BF16>,
                               FLUX2KLEIN_CONV_BINDING(ffi::BF16));
+#endif
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1_f32, Conv1x1<ffi::DataType::F32>,
                               FLUX2KLEIN_CONV_BINDING(ffi::F32));
 

@@ -1,9 +1,12 @@
-"""The native shim both CPU kernel plugins load (cpu_kernels.cc): built on first use with the C++
+"""The native shim the CPU kernel plugins load (cpu_kernels.cc): built on first use with the C++
 compiler (`$CXX`, else g++ or c++) against jaxlib's FFI headers, into a private cache folder keyed by
 its source, jaxlib and the build flags, then opened into this process.
 
-The AMX plugin (cpu_matmul.py) and the AVX-512 bf16 plugin (avx512_bf16.py) register their own
-targets from it; only the CPUs they apply on ever load it (core/models/kernels.py)."""
+It is built two ways (BUILDS): `bf16`, with AVX-512 bf16 and AMX on, which the AMX plugin
+(cpu_matmul.py) and the AVX-512 bf16 plugin (avx512_bf16.py) register their targets from; and `f32`,
+with AVX-512 alone (Skylake-SP's F, BW, VL and DQ, and FMA), holding only the float32 handlers, for the
+AVX-512 float32 plugin (avx512_f32.py) on CPUs without bf16. Only the CPUs a build applies on ever load
+it (core/models/kernels.py)."""
 
 from __future__ import annotations
 
@@ -20,17 +23,23 @@ import jaxlib
 from flux2klein_cli.core import settings, temporaries, trust
 from flux2klein_cli.core.cache_paths import native_dir
 
-# AVX-512 (with bf16), FMA and AMX on: the shim is loaded on CPUs with AVX-512 bf16 only, and the AMX
-# instructions run only in the AMX plugin's handlers.
-BUILD_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno", "-mavx512f",
-               "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile", "-mamx-bf16",
-               "-mprefer-vector-width=512")
+_COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno")
+# bf16: AVX-512 with bf16, FMA and AMX on (the AMX instructions run only in the AMX plugin's handlers).
+# f32: nothing past Skylake-SP's AVX-512, so the CPUs without bf16 can run all of it; cpu_kernels.cc
+# leaves its bf16 and AMX code out of this build.
+BUILDS = {
+    "bf16": (*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
+             "-mamx-bf16", "-mprefer-vector-width=512"),
+    "f32": (*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+            "-mprefer-vector-width=512"),
+}
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 NO_COMPILER = "no C++ compiler to build the CPU kernel shim"
 
 
-def shim_path() -> Path:
-    built_from = SOURCE.read_bytes() + jaxlib.version.__version__.encode() + " ".join(BUILD_FLAGS).encode()
+def shim_path(build: str = "bf16") -> Path:
+    """Where `build` (one of BUILDS) of the shim is kept."""
+    built_from = SOURCE.read_bytes() + jaxlib.version.__version__.encode() + " ".join(BUILDS[build]).encode()
     tag = hashlib.sha256(built_from).hexdigest()[:16]
     return native_dir() / f"cpu_kernels-{tag}.so"
 
@@ -40,16 +49,16 @@ def compiler() -> str | None:
     return settings.cxx() or shutil.which("g++") or shutil.which("c++")
 
 
-def unbuilt_reason() -> str | None:
-    """Without building anything: None when this process opened the shim or its file is there,
-    else what the first run that needs it will do (build it, or fall back to XLA's path)."""
-    if _opened or shim_path().exists():
+def unbuilt_reason(build: str = "bf16") -> str | None:
+    """Without building anything: None when this process opened `build` of the shim or its file is
+    there, else what the first run that needs it will do (build it, or fall back to XLA's path)."""
+    if build in _opened or shim_path(build).exists():
         return None
     return NO_COMPILER if compiler() is None else "its shim is built on the first run that uses it"
 
 
-def build_shim(out: Path) -> str | None:
-    """Compile cpu_kernels.cc to `out` unless it is there; None when done, else why not."""
+def build_shim(out: Path, build: str = "bf16") -> str | None:
+    """Compile `build` of cpu_kernels.cc to `out` unless it is there; None when done, else why not."""
     try:
         trust.make_private_dir(out.parent)
         trust.check_private_dir(out.parent, "native code folder")
@@ -63,7 +72,7 @@ def build_shim(out: Path) -> str | None:
         return NO_COMPILER
     with temporaries.temporary_file(out.parent, out.name, 0o700) as (fd, tmp):
         os.close(fd)
-        cmd = [cxx, *BUILD_FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp), "-ldl"]
+        cmd = [cxx, *BUILDS[build], "-I", jax.ffi.include_dir(), str(SOURCE), "-o", str(tmp), "-ldl"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         except (OSError, subprocess.TimeoutExpired) as e:
@@ -75,24 +84,24 @@ def build_shim(out: Path) -> str | None:
     return None
 
 
-_opened: list[ctypes.CDLL] = []  # the shim this process opened, at most one
+_opened: dict[str, ctypes.CDLL] = {}  # the builds this process opened, each at most once
 
 
-def open_shim() -> tuple[ctypes.CDLL | None, str | None]:
-    """The shim opened in this process (built first when it is not there), or None and why not.
-    Opened once: its FFI targets register process-wide, and a second copy (from another cache
+def open_shim(build: str = "bf16") -> tuple[ctypes.CDLL | None, str | None]:
+    """`build` of the shim opened in this process (built first when it is not there), or None and why
+    not. Opened once: its FFI targets register process-wide, and a second copy (from another cache
     folder, after FLUX2KLEIN_CACHE changed) would register other addresses under the same names,
-    which XLA refuses."""
-    if _opened:
-        return _opened[0], None
-    shim = shim_path()
-    why = build_shim(shim)
+    which XLA refuses. (The two builds' plugins register under names of their own.)"""
+    if build in _opened:
+        return _opened[build], None
+    shim = shim_path(build)
+    why = build_shim(shim, build)
     if why is not None:
         return None, why
     try:
         trust.check_private_file(shim, "CPU kernel shim")
-        _opened.append(ctypes.CDLL(str(shim)))
-        return _opened[0], None
+        _opened[build] = ctypes.CDLL(str(shim))
+        return _opened[build], None
     except (trust.Untrusted, OSError) as e:  # a foreign or corrupt shim: XLA's path
         return None, f"the CPU kernel shim does not load: {e}"
 
@@ -109,12 +118,12 @@ def register(targets: dict[str, str], lib: ctypes.CDLL) -> str | None:
 
 
 def transposer() -> ctypes._CFuncPtr | None:
-    """The shim's transposing copy (`flux2klein_transpose_copy` in cpu_kernels.cc) when this process has
-    opened the shim (a CPU whose kernel plugin loaded), else None: the loader then keeps numpy's path.
-    ctypes releases the GIL for the call, so reader threads copy side by side."""
+    """The shim's transposing copy (`flux2klein_transpose_copy` in cpu_kernels.cc, in both builds) when
+    this process has opened the shim (a CPU whose kernel plugin loaded), else None: the loader then
+    keeps numpy's path. ctypes releases the GIL for the call, so reader threads copy side by side."""
     if not _opened:
         return None
-    copy = _opened[0].flux2klein_transpose_copy
+    copy = next(iter(_opened.values())).flux2klein_transpose_copy
     if copy.argtypes is None:
         copy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                          ctypes.c_int64, ctypes.c_int]

@@ -1,7 +1,7 @@
 """Which kernel plugin this host's CPU programs may use, and why (the backend dispatch,
 core/models/trace.py, asks here).
 
-Two plugins exist, both on the native shim cpu_kernels.cc (core/models/cpu_shim.py), which needs a C++
+Three plugins exist, all on the native shim cpu_kernels.cc (core/models/cpu_shim.py), which needs a C++
 compiler on first use:
   * `amx` (core/models/cpu_matmul.py): oneMKL's bf16 GEMM and the AMX tiles' intrinsics, for Intel
     CPUs with AMX: the Linear dots, attention and the VAE's 3x3 convolutions. It applies where the
@@ -9,8 +9,12 @@ compiler on first use:
     (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the environment's lib/);
   * `avx512-bf16` (core/models/avx512_bf16.py): attention and the VAE's 3x3 convolutions in
     VDPBF16PS, for other x86 CPUs with `avx512_bf16` (AMD Zen 4 and later, or an AMX CPU without
-    oneMKL), where XLA runs bf16 Linear dots on the bf16 unit but widens convolutions to float32.
-Neither applies under FLUX2KLEIN_CPU_MATMUL=xla (core/settings.py), and a plugin is imported only where
+    oneMKL), where XLA runs bf16 Linear dots on the bf16 unit but widens convolutions to float32;
+  * `avx512-f32` (core/models/avx512_f32.py): float32 attention and VAE convolutions in AVX-512 FMAs,
+    for x86 CPUs with AVX-512 and no bf16 (Intel Skylake-SP to Ice Lake), from the shim's float32-only
+    build. FLUX2KLEIN_CPU_MATMUL=avx512-f32 makes programs as for such a CPU on one with bf16 too (this
+    plugin, a bf16 model in float32 activations): to measure what those CPUs get.
+None applies under FLUX2KLEIN_CPU_MATMUL=xla (core/settings.py), and a plugin is imported only where
 it applies and used when its shim then builds and loads (the plugin's `load`). Everywhere else the
 programs keep XLA's own forms, with bf16 dots accumulated in float32 (`cpu_bf16_compute`).
 """
@@ -28,7 +32,7 @@ from types import ModuleType
 from flux2klein_cli.core import settings
 from flux2klein_cli.core.devices import cpu
 
-PLUGINS = ("amx", "avx512-bf16")
+PLUGINS = ("amx", "avx512-bf16", "avx512-f32")
 _MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 
 
@@ -54,10 +58,14 @@ def detect(flags: frozenset[str], build: bool = True) -> Status:
     """The plugin for a CPU with these feature flags; loads it (and builds its shim) when it applies.
     `build` False (a report, `flux2klein env`): a plugin whose shim is not built yet is named with
     what its first run will do, and nothing is built or loaded."""
-    if settings.cpu_matmul() == "xla":
+    choice = settings.cpu_matmul()
+    if choice == "xla":
         return Status(None, f"{settings.CPU_MATMUL}=xla")
-    if not cpu.is_x86() or not cpu.has_bf16_dot(flags):
-        return Status(None, "the CPU has neither AMX nor AVX-512 bf16")
+    if not cpu.is_x86() or not (cpu.has_bf16_dot(flags) or cpu.has_avx512(flags)):
+        return Status(None, "the CPU has neither AMX nor AVX-512")
+    if choice == "avx512-f32" or not cpu.has_bf16_dot(flags):
+        return _avx512_f32(flags, build, f"{settings.CPU_MATMUL}=avx512-f32" if choice == "avx512-f32"
+                           else "the CPU has no AVX-512 bf16 (avx512_bf16)")
     amx = _amx(flags, build)
     if amx.name is not None:
         return amx
@@ -91,11 +99,27 @@ def _amx(flags: frozenset[str], build: bool) -> Status:
     return Status(None, why) if why is not None else Status("amx", chosen)
 
 
-def _unbuilt(name: str, chosen: str, refused: str = "") -> Status | None:
-    """A report's status (nothing built) for a plugin whose shim is not built yet: what its first
-    run will do, as that run would say it (`refused` before the reason it falls back); None when
-    the shim is built or opened."""
-    reason = _shim().unbuilt_reason()
+def _avx512_f32(flags: frozenset[str], build: bool, why: str) -> Status:
+    """The float32 plugin (taken for `why`) where the CPU has the AVX-512 it is built for."""
+    if not cpu.has_avx512(flags):
+        missing = ", ".join(sorted(cpu.AVX512_FLAGS - flags))
+        return Status(None, f"{why}; the CPU has no AVX-512 as the float32 kernels need it ({missing})")
+    widened = ", which a bf16 model's float32 activations take too" if _as_without_bf16(flags) else ""
+    chosen = f"{why}: float32 attention and VAE convolutions in AVX-512 FMAs{widened}"
+    unbuilt = None if build else _unbuilt("avx512-f32", chosen, refused=f"{why}; ", shim_build="f32")
+    if unbuilt is not None:
+        return unbuilt
+    from flux2klein_cli.core.models import avx512_f32
+
+    failed = avx512_f32.load()
+    return Status(None, f"{why}; {failed}") if failed is not None else Status("avx512-f32", chosen)
+
+
+def _unbuilt(name: str, chosen: str, refused: str = "", shim_build: str = "bf16") -> Status | None:
+    """A report's status (nothing built) for a plugin whose shim (`shim_build` of it) is not built
+    yet: what its first run will do, as that run would say it (`refused` before the reason it falls
+    back); None when the shim is built or opened."""
+    reason = _shim().unbuilt_reason(shim_build)
     if reason is None:
         return None
     if reason == _shim().NO_COMPILER:
@@ -133,16 +157,27 @@ def plugin_module(name: str) -> ModuleType:
         from flux2klein_cli.core.models import avx512_bf16
 
         return avx512_bf16
+    if name == "avx512-f32":
+        from flux2klein_cli.core.models import avx512_f32
+
+        return avx512_f32
     raise ValueError(f"kernel plugin {name!r} is not one of {PLUGINS}")
 
 
 def cpu_bf16_compute() -> str:
     """How this CPU's programs compute a bf16 model (trace.BF16_COMPUTE_FORMS): every dot
     accumulated in float32, with bf16 operands on a CPU with a bf16 dot instruction, and with
-    float32 activations elsewhere; `bf16` (as the models write it) under FLUX2KLEIN_CPU_MATMUL=xla."""
+    float32 activations elsewhere (and under FLUX2KLEIN_CPU_MATMUL=avx512-f32); `bf16` (as the models
+    write it) under FLUX2KLEIN_CPU_MATMUL=xla."""
     if settings.cpu_matmul() == "xla":
         return "bf16"
-    return "f32-accumulate" if cpu.has_bf16_dot(cpu.cpu_flags()) else "f32"
+    return "f32" if _as_without_bf16(cpu.cpu_flags()) else "f32-accumulate"
+
+
+def _as_without_bf16(flags: frozenset[str]) -> bool:
+    """Whether programs are made as for a CPU without a bf16 dot: this one has none, or
+    FLUX2KLEIN_CPU_MATMUL=avx512-f32 asks for what such a CPU gets."""
+    return settings.cpu_matmul() == "avx512-f32" or not cpu.has_bf16_dot(flags)
 
 
 def report(build: bool = True) -> dict[str, str | None]:

@@ -49,16 +49,23 @@ class Conv(nnx.Conv):
     def _same_3x3(self) -> bool:
         return self.kernel_size == (3, 3) and self.strides in (1, (1, 1)) and self.padding == ((1, 1), (1, 1))
 
+    @property
+    def call_dtype(self) -> Any:
+        """What the plugin's call computes in: the module's activations' dtype (a bf16 module's are
+        float32 on a CPU without a bf16 dot instruction)."""
+        return trace.current().activation_dtype(self.dtype)
+
     def _plugin(self, x: jax.Array) -> Any:
-        """The kernel plugin this call takes (bf16 on an AMX CPU; bf16 or float32 on AVX-512 bf16), or None."""
+        """The kernel plugin this call takes (bf16 on an AMX CPU; bf16 or float32 on AVX-512 bf16;
+        float32 on AVX-512 without bf16), or None."""
         kernels = trace.plugin()
-        eligible = kernels is not None and kernels.conv_eligible(x, self.dtype, self.bias is not None,
+        eligible = kernels is not None and kernels.conv_eligible(x, self.call_dtype, self.bias is not None,
                                                                  self.out_features)
         return kernels if eligible else None
 
     def _call_weights(self) -> tuple[jax.Array, jax.Array]:
-        """The kernel and bias in the dtype the plugin's call takes for all its buffers (the module's)."""
-        return self.kernel[...].astype(self.dtype), self.bias[...].astype(self.dtype)
+        """The kernel and bias in the dtype the plugin's call takes for all its buffers (call_dtype)."""
+        return self.kernel[...].astype(self.call_dtype), self.bias[...].astype(self.call_dtype)
 
     def after_norm_silu(self, norm: GroupNorm, x: jax.Array) -> jax.Array:
         """self(norm(x, silu=True)); on the oneMKL path as one shim call that normalises and
@@ -69,19 +76,19 @@ class Conv(nnx.Conv):
             return self(norm(x, silu=True))
         mean, scale = (a.reshape(x.shape[0], -1) for a in norm.statistics(x))
         kernel, bias = self._call_weights()
-        return kernels.norm_silu_conv3x3(x.astype(self.dtype), mean, scale, norm.bias[...].astype(jnp.float32),
+        return kernels.norm_silu_conv3x3(x.astype(self.call_dtype), mean, scale, norm.bias[...].astype(jnp.float32),
                                          kernel, bias, lambda x: self(norm(x, silu=True)))
 
     def __call__(self, x: jax.Array, out_sharding: Any = None) -> jax.Array:
         same_3x3 = self._same_3x3()
         if same_3x3 and trace.current().convs_as_matmuls:
             return self.as_matmul(x)
-        kernels = self._plugin(x)  # the AMX plugin
+        kernels = self._plugin(x)
         if kernels and same_3x3:
-            return kernels.conv3x3(x.astype(self.dtype), *self._call_weights(),
+            return kernels.conv3x3(x.astype(self.call_dtype), *self._call_weights(),
                                    lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
         if kernels and self.kernel_size == (1, 1) and self.strides in (1, (1, 1)) and self.padding == ((0, 0),) * 2:
-            return kernels.conv1x1(x.astype(self.dtype), *self._call_weights(),
+            return kernels.conv1x1(x.astype(self.call_dtype), *self._call_weights(),
                                    lambda x: super(Conv, self).__call__(x, out_sharding=out_sharding))
         return super().__call__(x, out_sharding=out_sharding)
 
@@ -239,7 +246,7 @@ class Upsample(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         kernels = None if trace.current().convs_as_matmuls else self.conv._plugin(x)
         if kernels is not None and hasattr(kernels, "upsample_conv3x3"):  # the AVX-512 plugin's
-            return kernels.upsample_conv3x3(x.astype(self.conv.dtype), *self.conv._call_weights(),
+            return kernels.upsample_conv3x3(x.astype(self.conv.call_dtype), *self.conv._call_weights(),
                                             self._upsampled_conv)
         return self._upsampled_conv(x)
 
