@@ -13,6 +13,11 @@ The ratios (ours / diffusers) are what the issues' goals name. The checkpoint is
 
     python benchmarks/cpu_vs_diffusers.py                            # 512x512, 4 steps, 5 rounds
     python benchmarks/cpu_vs_diffusers.py --rounds 3 --dtypes fp32 --out /tmp/cmp
+
+`--as-without avx512_bf16` runs both sides as on a CPU without those /proc/cpuinfo flags (AVX-512 without
+bf16: Intel Skylake-SP to Ice Lake): ours through benchmarks/cpu_as.py, diffusers with oneDNN held to
+that CPU's instructions (ONEDNN_MAX_CPU_ISA; without avx512f, torch's ATen too). The instructions run on
+this CPU: it compares the two sides' forms for such a CPU, not that CPU's speed.
 """
 
 from __future__ import annotations
@@ -58,8 +63,25 @@ def run(args: list[str], env: dict[str, str]) -> tuple[float, str]:
     return seconds, done.stdout
 
 
-def ours_generate(model: Path, dtype: str, size: int, steps: int, out: Path) -> list[str]:
-    return [sys.executable, "-m", "flux2klein_cli", "generate", PROMPT, "--model", str(model), "-o", str(out),
+def ours(without: str) -> list[str]:
+    """How our commands start: the CLI, or the CLI as on a CPU without the flags `without` names."""
+    if not without:
+        return [sys.executable, "-m", "flux2klein_cli"]
+    return [sys.executable, str(Path(__file__).with_name("cpu_as.py")), "--without", without, "--"]
+
+
+def torch_env(without: str) -> dict[str, str]:
+    """oneDNN and ATen held to what a CPU without those flags has."""
+    flags = set(without.split(","))
+    if "avx512f" in flags:
+        return {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    if "avx512_bf16" in flags:
+        return {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    return {}
+
+
+def ours_generate(model: Path, dtype: str, size: int, steps: int, out: Path, without: str = "") -> list[str]:
+    return [*ours(without), "generate", PROMPT, "--model", str(model), "-o", str(out),
             "--height", str(size), "--width", str(size), "--steps", str(steps), "--guidance", "1.0",
             "--dtype", dtype, "--force", "--json"]
 
@@ -67,10 +89,10 @@ def ours_generate(model: Path, dtype: str, size: int, steps: int, out: Path) -> 
 def one(form: str, dtype: str, opts: argparse.Namespace, env: dict[str, str]) -> dict[str, float]:
     out = opts.out / f"{form}-{dtype}.png"
     if form == "ours_ttfi":
-        seconds, _ = run(ours_generate(opts.model, dtype, opts.size, opts.steps, out), env)
+        seconds, _ = run(ours_generate(opts.model, dtype, opts.size, opts.steps, out, opts.as_without), env)
         return {form: seconds}
     if form == "ours_image":
-        cmd = [sys.executable, "-m", "flux2klein_cli", "bench", "--model", str(opts.model), "--height", str(opts.size),
+        cmd = [*ours(opts.as_without), "bench", "--model", str(opts.model), "--height", str(opts.size),
                "--width", str(opts.size), "--steps", str(opts.steps), "--reps", str(opts.reps), "--dtype", dtype,
                "--json"]
         _, stdout = run(cmd, env)
@@ -78,7 +100,7 @@ def one(form: str, dtype: str, opts: argparse.Namespace, env: dict[str, str]) ->
     code = _DIFFUSERS.format(threads=os.cpu_count() or 1, model=str(opts.model),
                              dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype], prompt=PROMPT, size=opts.size,
                              steps=opts.steps, out=str(out), reps=opts.reps, spawned=time.time())
-    _, stdout = run([sys.executable, "-c", code], env)
+    _, stdout = run([sys.executable, "-c", code], {**env, **torch_env(opts.as_without)})
     ttfi, image = (float(v) for v in stdout.strip().splitlines()[-1].split())
     return {"diffusers_ttfi": ttfi, "diffusers_image": image}
 
@@ -92,6 +114,7 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dtypes", default="fp32,bf16")
+    parser.add_argument("--as-without", default="", help="comma-separated CPU flags both sides run without")
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
     if opts.model is None:
@@ -102,7 +125,7 @@ def main() -> None:
     env = dict(os.environ, FLUX2KLEIN_COMPILE_CACHE=str(opts.out / "executables"), FLUX2KLEIN_XLA_CACHE="off")
     dtypes = [d for d in opts.dtypes.split(",") if d]
     for dtype in dtypes:  # fills the store: every later process of ours starts warm
-        run(ours_generate(opts.model, dtype, opts.size, opts.steps, opts.out / "warm.png"), env)
+        run(ours_generate(opts.model, dtype, opts.size, opts.steps, opts.out / "warm.png", opts.as_without), env)
     names = ("ours_image", "ours_ttfi", "diffusers_image", "diffusers_ttfi")
     times: dict[tuple[str, str], list[float]] = {(d, f): [] for d in dtypes for f in names}
     for _ in range(opts.rounds):
@@ -112,8 +135,8 @@ def main() -> None:
                     times[dtype, name].append(seconds)
                     print(json.dumps({"dtype": dtype, name: round(seconds, 3)}), file=sys.stderr)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"cpu: {cpu}, {os.cpu_count()} CPUs; {opts.size}x{opts.size}, {opts.steps} steps; median of "
-          f"{opts.rounds} rounds, forms interleaved")
+    print(f"cpu: {cpu}, {os.cpu_count()} CPUs" + (f", run as without {opts.as_without}" if opts.as_without else "")
+          + f"; {opts.size}x{opts.size}, {opts.steps} steps; median of {opts.rounds} rounds, forms interleaved")
     print(f"{'dtype':6} {'form':16} {'ours s':>8} {'diffusers s':>12} {'ratio':>7}")
     rows = []
     for dtype in dtypes:

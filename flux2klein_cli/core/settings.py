@@ -23,9 +23,7 @@ XLA_CACHE = "FLUX2KLEIN_XLA_CACHE"  # jax's persistent cache: off (default), on,
 # auto: the kernel plugin where the CPU has one (AMX with oneMKL) and float32 accumulation of bf16
 # dots; xla: XLA's own forms as the models write them (core/models/trace.py).
 CPU_MATMUL = "FLUX2KLEIN_CPU_MATMUL"
-# avx512-f32: programs as for a CPU with AVX-512 and no bf16 (the float32 kernel plugin, a bf16 model in
-# float32 activations), on a CPU with bf16 too: to measure what such CPUs get.
-CPU_MATMUL_CHOICES = ("auto", "xla", "avx512-f32")
+CPU_MATMUL_CHOICES = ("auto", "xla")
 GPU_ATTENTION = "FLUX2KLEIN_GPU_ATTENTION"  # xla: keep XLA's attention on NVIDIA GPUs instead of cuDNN's
 GPU_ATTENTION_CHOICES = ("cudnn", "xla")
 # What the mesh axes a batch leaves idle do (core/devices/sharding.py): the rule, or one form forced.
@@ -73,7 +71,7 @@ def xla_cache() -> str | None:
 
 
 def cpu_matmul() -> str:
-    """FLUX2KLEIN_CPU_MATMUL: `auto` (the default), `xla` or `avx512-f32`."""
+    """FLUX2KLEIN_CPU_MATMUL: `auto` (the default) or `xla`."""
     return _choice(CPU_MATMUL, CPU_MATMUL_CHOICES)
 
 

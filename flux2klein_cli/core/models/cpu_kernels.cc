@@ -1,4 +1,4 @@
-// XLA FFI handlers for bf16 (and some float32) work on x86 CPUs with AVX-512 bf16, for the two kernel plugins:
+// XLA FFI handlers for bf16 and float32 work on x86 CPUs with AVX-512, for the three kernel plugins:
 //
 // The AMX plugin (core/models/cpu_matmul.py), on the AMX tiles through oneMKL's bf16 GEMM
 // (cblas_gemm_bf16bf16f32) or the tiles' intrinsics directly where MKL's products are too small to
@@ -26,7 +26,8 @@
 //   single block's q/k norms and rotations), and flux2klein_avx512_gemm (the Linear layers' products,
 //   rounded to bf16 as they are stored). Attention and the convolutions have float32 forms too, the
 //   same loops in FMAs (flux2klein_avx512_attention_f32, _masked_attention_f32, _conv3x3_f32,
-//   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32).
+//   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32), which the AVX-512 float32 plugin
+//   (core/models/avx512_f32.py) takes on CPUs with AVX-512 and no bf16.
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
 // Built two ways (core/models/cpu_shim.py): with AVX-512, bf16 and AMX on, for CPUs with AVX-512 bf16
 // (the AMX instructions run only in the AMX plugin's handlers); and with AVX-512 alone (F, BW, VL, DQ,
@@ -179,7 +180,7 @@ static inline float from_bf16(uint16_t b) {
   return f;
 }
 
-// Sixteen float32 lanes at a time (AVX-512; this file is built for AMX CPUs only).
+// Sixteen float32 lanes at a time (AVX-512).
 static inline __mmask16 lanes_left(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
 }

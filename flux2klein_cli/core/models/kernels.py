@@ -12,8 +12,7 @@ compiler on first use:
     oneMKL), where XLA runs bf16 Linear dots on the bf16 unit but widens convolutions to float32;
   * `avx512-f32` (core/models/avx512_f32.py): float32 attention and VAE convolutions in AVX-512 FMAs,
     for x86 CPUs with AVX-512 and no bf16 (Intel Skylake-SP to Ice Lake), from the shim's float32-only
-    build. FLUX2KLEIN_CPU_MATMUL=avx512-f32 makes programs as for such a CPU on one with bf16 too (this
-    plugin, a bf16 model in float32 activations): to measure what those CPUs get.
+    build (benchmarks/cpu_as.py runs a command as on such a CPU, to measure it).
 None applies under FLUX2KLEIN_CPU_MATMUL=xla (core/settings.py), and a plugin is imported only where
 it applies and used when its shim then builds and loads (the plugin's `load`). Everywhere else the
 programs keep XLA's own forms, with bf16 dots accumulated in float32 (`cpu_bf16_compute`).
@@ -58,14 +57,12 @@ def detect(flags: frozenset[str], build: bool = True) -> Status:
     """The plugin for a CPU with these feature flags; loads it (and builds its shim) when it applies.
     `build` False (a report, `flux2klein env`): a plugin whose shim is not built yet is named with
     what its first run will do, and nothing is built or loaded."""
-    choice = settings.cpu_matmul()
-    if choice == "xla":
+    if settings.cpu_matmul() == "xla":
         return Status(None, f"{settings.CPU_MATMUL}=xla")
     if not cpu.is_x86() or not (cpu.has_bf16_dot(flags) or cpu.has_avx512(flags)):
-        return Status(None, "the CPU has neither AMX nor AVX-512")
-    if choice == "avx512-f32" or not cpu.has_bf16_dot(flags):
-        return _avx512_f32(flags, build, f"{settings.CPU_MATMUL}=avx512-f32" if choice == "avx512-f32"
-                           else "the CPU has no AVX-512 bf16 (avx512_bf16)")
+        return Status(None, "the CPU has neither AMX nor AVX-512 (avx512f, avx512bw, avx512vl, avx512dq)")
+    if not cpu.has_bf16_dot(flags):
+        return _avx512_f32(build)
     amx = _amx(flags, build)
     if amx.name is not None:
         return amx
@@ -99,13 +96,11 @@ def _amx(flags: frozenset[str], build: bool) -> Status:
     return Status(None, why) if why is not None else Status("amx", chosen)
 
 
-def _avx512_f32(flags: frozenset[str], build: bool, why: str) -> Status:
-    """The float32 plugin (taken for `why`) where the CPU has the AVX-512 it is built for."""
-    if not cpu.has_avx512(flags):
-        missing = ", ".join(sorted(cpu.AVX512_FLAGS - flags))
-        return Status(None, f"{why}; the CPU has no AVX-512 as the float32 kernels need it ({missing})")
-    widened = ", which a bf16 model's float32 activations take too" if _as_without_bf16(flags) else ""
-    chosen = f"{why}: float32 attention and VAE convolutions in AVX-512 FMAs{widened}"
+def _avx512_f32(build: bool) -> Status:
+    """The float32 plugin, for a CPU with AVX-512 and no bf16 dot."""
+    why = "the CPU has no AVX-512 bf16 (avx512_bf16)"
+    chosen = (f"{why}: float32 attention and VAE convolutions in AVX-512 FMAs, which a bf16 model's float32 "
+              "activations take too")
     unbuilt = None if build else _unbuilt("avx512-f32", chosen, refused=f"{why}; ", shim_build="f32")
     if unbuilt is not None:
         return unbuilt
@@ -167,17 +162,10 @@ def plugin_module(name: str) -> ModuleType:
 def cpu_bf16_compute() -> str:
     """How this CPU's programs compute a bf16 model (trace.BF16_COMPUTE_FORMS): every dot
     accumulated in float32, with bf16 operands on a CPU with a bf16 dot instruction, and with
-    float32 activations elsewhere (and under FLUX2KLEIN_CPU_MATMUL=avx512-f32); `bf16` (as the models
-    write it) under FLUX2KLEIN_CPU_MATMUL=xla."""
+    float32 activations elsewhere; `bf16` (as the models write it) under FLUX2KLEIN_CPU_MATMUL=xla."""
     if settings.cpu_matmul() == "xla":
         return "bf16"
-    return "f32" if _as_without_bf16(cpu.cpu_flags()) else "f32-accumulate"
-
-
-def _as_without_bf16(flags: frozenset[str]) -> bool:
-    """Whether programs are made as for a CPU without a bf16 dot: this one has none, or
-    FLUX2KLEIN_CPU_MATMUL=avx512-f32 asks for what such a CPU gets."""
-    return settings.cpu_matmul() == "avx512-f32" or not cpu.has_bf16_dot(flags)
+    return "f32-accumulate" if cpu.has_bf16_dot(cpu.cpu_flags()) else "f32"
 
 
 def report(build: bool = True) -> dict[str, str | None]:
