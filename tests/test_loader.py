@@ -117,11 +117,11 @@ def _shim_transposes() -> str | None:
     """Why the CPU kernel shim's transposing copy cannot run here (None: it can, and the shim is open)."""
     from flux2klein_cli.core.devices import cpu
 
-    if not (cpu.is_x86() and "avx512_bf16" in cpu.cpu_flags()):
-        return "the CPU has no AVX-512 bf16 (the shim is built for such CPUs only)"
+    if not (cpu.is_x86() and cpu.has_avx512(cpu.cpu_flags())):
+        return "the CPU has no AVX-512 (the shim is built for such CPUs only)"
     from flux2klein_cli.core.models import cpu_shim
 
-    return cpu_shim.open_shim()[1]
+    return cpu_shim.open_shim("bf16" if "avx512_bf16" in cpu.cpu_flags() else "f32")[1]
 
 
 TRANSPOSE_PATHS = ["numpy", pytest.param("shim", marks=pytest.mark.skipif(
