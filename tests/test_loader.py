@@ -161,6 +161,31 @@ def test_transposing_copies_are_exact(shape, types, path, monkeypatch: pytest.Mo
     assert bool(calls) == (path == "shim" and types != ("bf16", "f32"))
 
 
+def test_a_large_buffer_is_resident_when_made_and_jax_adopts_it_without_a_copy() -> None:
+    """aligned_empty's large buffers come with their pages mapped (MAP_POPULATE on Linux): writing one
+    takes next to no page faults, where a buffer from malloc takes one per page or block of pages.
+    Both sizes are aligned for JAX, which holds the parameter in the same memory."""
+    import resource
+    import sys
+
+    def faults_while_filling(array: np.ndarray) -> int:
+        before = resource.getrusage(resource.RUSAGE_THREAD if sys.platform == "linux" else resource.RUSAGE_SELF)
+        array.fill(1)
+        after = resource.getrusage(resource.RUSAGE_THREAD if sys.platform == "linux" else resource.RUSAGE_SELF)
+        return after.ru_minflt - before.ru_minflt
+
+    for shape in ((1024, 1024), (3, 5)):
+        out = aligned_empty(shape, np.dtype(np.float32))
+        assert out.shape == shape and out.flags.c_contiguous and out.flags.writeable and out.ctypes.data % 64 == 0
+        faults = faults_while_filling(out)
+        if sys.platform == "linux" and out.nbytes >= (1 << 20):
+            assert faults <= 2, f"{faults} page faults writing a populated {out.nbytes >> 20} MiB buffer"
+        device = jax.make_array_from_callback(shape, jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]),
+                                              lambda index, h=out: h)
+        assert device.addressable_data(0).unsafe_buffer_pointer() == out.ctypes.data
+        np.testing.assert_array_equal(np.asarray(device), np.ones(shape, np.float32))
+
+
 def _tracked_reads(sizes: list[int], log: dict[str, int], lock) -> list[tuple[int, object]]:
     """Reads that note the bytes held by reads started and not yet taken, and the most at once."""
     import time

@@ -11,6 +11,7 @@ memory-mapped file and the whole model never sits twice in host memory.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import threading
 from collections import deque
@@ -126,11 +127,23 @@ def check_plan(
     raise_on_mismatch(where, wrong=wrong)
 
 
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux's
+_POPULATED_MIN_BYTES = 1 << 20  # smaller ones (norms, biases: many and small) come from malloc
+
+
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
     """An uninitialised C-contiguous array whose data is `align`-byte aligned. JAX's CPU client
     adopts such a buffer as the device array without copying it (a 16-byte aligned one from plain
-    np.empty is copied), so a parameter is materialised exactly once."""
+    np.empty is copied), so a parameter is materialised exactly once.
+
+    From _POPULATED_MIN_BYTES up (where Linux offers it) the buffer is its own mapping, its pages
+    made resident when it is mapped (MAP_POPULATE, page-aligned): the kernel fills them in one call,
+    where a plain buffer takes a page fault per page as the copy first writes it, and those faults
+    were the slow, erratic part of loading on a VM whose fresh memory is cold (docs/benchmarks.md)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes >= _POPULATED_MIN_BYTES and _POPULATE:
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        return np.frombuffer(region, np.uint8, nbytes).view(dtype).reshape(shape)
     raw = np.empty(nbytes + align, np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + nbytes].view(dtype).reshape(shape)
