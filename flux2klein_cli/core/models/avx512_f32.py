@@ -68,11 +68,13 @@ def masked_attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array, mask: ja
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any) -> jax.Array:
+    """cpu_matmul.attention in float32 FMAs."""
     return cpu_matmul.attention(q, k, v, fallback, target=ATTENTION_TARGET)
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
                      fallback: Any) -> jax.Array:
+    """cpu_matmul.masked_attention in float32 FMAs."""
     return cpu_matmul.masked_attention(q, k, v, mask, scale, fallback, target=MASKED_ATTENTION_TARGET)
 
 
@@ -82,17 +84,21 @@ def conv_eligible(x: jax.Array, dtype: Any, has_bias: bool, c_out: int) -> bool:
 
 
 def conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+    """cpu_matmul.conv3x3 in float32 FMAs."""
     return cpu_matmul.conv3x3(x, kernel, bias, fallback, target=CONV_TARGET)
 
 
 def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: jax.Array, kernel: jax.Array,
                       bias: jax.Array, fallback: Any) -> jax.Array:
+    """cpu_matmul.norm_silu_conv3x3 in float32 FMAs, nothing rounded."""
     return cpu_matmul.norm_silu_conv3x3(x, mean, scale, shift, kernel, bias, fallback, target=NORM_CONV_TARGET)
 
 
 def conv1x1(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+    """avx512_bf16.conv1x1's float32 form."""
     return avx512_bf16.conv1x1(x, kernel, bias, fallback, target=CONV1X1_TARGET)
 
 
 def upsample_conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
+    """avx512_bf16.upsample_conv3x3's float32 form (the merged taps float32 sums)."""
     return avx512_bf16.upsample_conv3x3(x, kernel, bias, fallback, target=UPSAMPLE_CONV_TARGET)
