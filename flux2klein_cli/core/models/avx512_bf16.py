@@ -48,21 +48,25 @@ F32_FORMS = (ATTENTION_TARGET, MASKED_ATTENTION_TARGET, CONV_TARGET, NORM_CONV_T
              UPSAMPLE_CONV_TARGET)
 
 
+# Each target's handler symbol in the shim (cpu_kernels.cc); a float32 form's is the same with F32.
+HANDLERS = {ATTENTION_TARGET: "flux2klein_avx512_attention",
+            MASKED_ATTENTION_TARGET: "flux2klein_avx512_masked_attention",
+            CONV_TARGET: "flux2klein_avx512_conv3x3",
+            NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3",
+            CONV1X1_TARGET: "flux2klein_avx512_conv1x1",
+            UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3",
+            SWIGLU_TARGET: "flux2klein_avx512_swiglu",
+            GEMM_TARGET: "flux2klein_avx512_gemm",
+            QKV_HEADS_TARGET: "flux2klein_avx512_qkv_heads"}
+
+
 def load() -> str | None:
     """Build the shim (once), open it and register this plugin's targets: None when done, else why not."""
     lib, why = cpu_shim.open_shim()
     if lib is None:
         return why
-    handlers = {ATTENTION_TARGET: "flux2klein_avx512_attention",
-                MASKED_ATTENTION_TARGET: "flux2klein_avx512_masked_attention",
-                CONV_TARGET: "flux2klein_avx512_conv3x3",
-                NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3",
-                CONV1X1_TARGET: "flux2klein_avx512_conv1x1",
-                UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3",
-                SWIGLU_TARGET: "flux2klein_avx512_swiglu",
-                GEMM_TARGET: "flux2klein_avx512_gemm",
-                QKV_HEADS_TARGET: "flux2klein_avx512_qkv_heads"}
-    handlers.update({target + F32: handlers[target] + F32 for target in F32_FORMS})
+    handlers = dict(HANDLERS)
+    handlers.update({target + F32: HANDLERS[target] + F32 for target in F32_FORMS})
     return cpu_shim.register(handlers, lib)
 
 

@@ -31,6 +31,10 @@ CONV_TARGET = PREFIX + "conv3x3"
 NORM_CONV_TARGET = PREFIX + "norm_silu_conv3x3"
 CONV1X1_TARGET = PREFIX + "conv1x1"
 UPSAMPLE_CONV_TARGET = PREFIX + "upsample_conv3x3"
+# The AVX-512 bf16 plugin's float32 form each of these runs: the same handler, from the other build.
+FORMS = {ATTENTION_TARGET: avx512_bf16.ATTENTION_TARGET, MASKED_ATTENTION_TARGET: avx512_bf16.MASKED_ATTENTION_TARGET,
+         CONV_TARGET: avx512_bf16.CONV_TARGET, NORM_CONV_TARGET: avx512_bf16.NORM_CONV_TARGET,
+         CONV1X1_TARGET: avx512_bf16.CONV1X1_TARGET, UPSAMPLE_CONV_TARGET: avx512_bf16.UPSAMPLE_CONV_TARGET}
 
 
 def load() -> str | None:
@@ -39,13 +43,8 @@ def load() -> str | None:
     lib, why = cpu_shim.open_shim("f32")
     if lib is None:
         return why
-    handlers = {ATTENTION_TARGET: "flux2klein_avx512_attention_f32",
-                MASKED_ATTENTION_TARGET: "flux2klein_avx512_masked_attention_f32",
-                CONV_TARGET: "flux2klein_avx512_conv3x3_f32",
-                NORM_CONV_TARGET: "flux2klein_avx512_norm_silu_conv3x3_f32",
-                CONV1X1_TARGET: "flux2klein_avx512_conv1x1_f32",
-                UPSAMPLE_CONV_TARGET: "flux2klein_avx512_upsample_conv3x3_f32"}
-    return cpu_shim.register(handlers, lib)
+    return cpu_shim.register({ours: avx512_bf16.HANDLERS[theirs] + avx512_bf16.F32 for ours, theirs in FORMS.items()},
+                             lib)
 
 
 def _float32(*arrays: Any) -> bool:
