@@ -14,6 +14,9 @@ The ratios (ours / diffusers) are what the issues' goals name. The checkpoint is
     python benchmarks/cpu_vs_diffusers.py                            # 512x512, 4 steps, 5 rounds
     python benchmarks/cpu_vs_diffusers.py --rounds 3 --dtypes fp32 --out /tmp/cmp
 
+`--xla-too` adds ours' per image with FLUX2KLEIN_CPU_MATMUL=xla (XLA's own forms, no kernel plugin) in
+each round, so a plugin's gain is measured in the same run as the ratios.
+
 `--as-without avx512_bf16` runs both sides as on a CPU without those /proc/cpuinfo flags (AVX-512 without
 bf16: Intel Skylake-SP to Ice Lake): ours through benchmarks/cpu_as.py, diffusers with oneDNN held to
 that CPU's instructions (ONEDNN_MAX_CPU_ISA; without avx512f, torch's ATen too). The instructions run on
@@ -91,7 +94,9 @@ def one(form: str, dtype: str, opts: argparse.Namespace, env: dict[str, str]) ->
     if form == "ours_ttfi":
         seconds, _ = run(ours_generate(opts.model, dtype, opts.size, opts.steps, out, opts.as_without), env)
         return {form: seconds}
-    if form == "ours_image":
+    if form in ("ours_image", "ours_image_xla"):
+        if form == "ours_image_xla":
+            env = {**env, "FLUX2KLEIN_CPU_MATMUL": "xla"}
         cmd = [*ours(opts.as_without), "bench", "--model", str(opts.model), "--height", str(opts.size),
                "--width", str(opts.size), "--steps", str(opts.steps), "--reps", str(opts.reps), "--dtype", dtype,
                "--json"]
@@ -115,6 +120,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--dtypes", default="fp32,bf16")
     parser.add_argument("--as-without", default="", help="comma-separated CPU flags both sides run without")
+    parser.add_argument("--xla-too", action="store_true", help="also ours per image in XLA's own forms")
     opts = parser.parse_args()
     opts.out.mkdir(parents=True, exist_ok=True)
     if opts.model is None:
@@ -126,11 +132,12 @@ def main() -> None:
     dtypes = [d for d in opts.dtypes.split(",") if d]
     for dtype in dtypes:  # fills the store: every later process of ours starts warm
         run(ours_generate(opts.model, dtype, opts.size, opts.steps, opts.out / "warm.png", opts.as_without), env)
-    names = ("ours_image", "ours_ttfi", "diffusers_image", "diffusers_ttfi")
+    forms = (*FORMS, "ours_image_xla") if opts.xla_too else FORMS
+    names = ("ours_image", "ours_ttfi", "diffusers_image", "diffusers_ttfi", "ours_image_xla")
     times: dict[tuple[str, str], list[float]] = {(d, f): [] for d in dtypes for f in names}
     for _ in range(opts.rounds):
         for dtype in dtypes:
-            for form in FORMS:
+            for form in forms:
                 for name, seconds in one(form, dtype, opts, env).items():
                     times[dtype, name].append(seconds)
                     print(json.dumps({"dtype": dtype, name: round(seconds, 3)}), file=sys.stderr)
@@ -140,13 +147,13 @@ def main() -> None:
     print(f"{'dtype':6} {'form':16} {'ours s':>8} {'diffusers s':>12} {'ratio':>7}")
     rows = []
     for dtype in dtypes:
-        med = {f: statistics.median(times[dtype, f]) for f in names}
-        for what in ("image", "ttfi"):
-            ours, theirs = med[f"ours_{what}"], med[f"diffusers_{what}"]
+        med = {f: statistics.median(times[dtype, f]) for f in names if times[dtype, f]}
+        for what in ("image", "ttfi", "image_xla")[: 3 if opts.xla_too else 2]:
+            ours, theirs = med[f"ours_{what}"], med[f"diffusers_{what.removesuffix('_xla')}"]
             rows.append({"dtype": dtype, "form": what, "ours_s": round(ours, 3), "diffusers_s": round(theirs, 3),
                          "ratio": round(ours / theirs, 3),
-                         "runs_s": {f: [round(t, 3) for t in times[dtype, f]] for f in (f"ours_{what}",
-                                                                                         f"diffusers_{what}")}})
+                         "runs_s": {f: [round(t, 3) for t in times[dtype, f]]
+                                    for f in (f"ours_{what}", f"diffusers_{what.removesuffix('_xla')}")}})
             print(f"{dtype:6} {what:16} {ours:8.3f} {theirs:12.3f} {ours / theirs:7.3f}")
     print(json.dumps(rows))
 

@@ -20,7 +20,15 @@ from flax import nnx
 from flux2klein_cli.core.compile import keys as store_keys
 from flux2klein_cli.core.compile import store, target
 from flux2klein_cli.core.devices import cpu
-from flux2klein_cli.core.models import avx512_bf16, avx512_f32, cpu_matmul, cpu_shim, kernels, layers, trace
+from flux2klein_cli.core.models import (
+    avx512_bf16,
+    cpu_matmul,
+    cpu_shim,
+    float32_kernels,
+    kernels,
+    layers,
+    trace,
+)
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 
@@ -68,20 +76,21 @@ def plugin_missing(plugin: str) -> str | None:
     if plugin == "amx":
         status = kernels.plugin_status()
         return None if status.name == "amx" else f"no oneMKL AMX path: {status.reason}"
-    if plugin == "avx512-f32":
-        if not (cpu.is_x86() and cpu.has_avx512(cpu.cpu_flags())):
-            return "the CPU has no AVX-512"
-        return avx512_f32.load()
+    if plugin in float32_kernels.BY_NAME:
+        runs = cpu.has_avx512 if plugin == "avx512-f32" else cpu.has_avx2
+        if not (cpu.is_x86() and runs(cpu.cpu_flags())):
+            return f"the CPU cannot run {plugin}"
+        return float32_kernels.BY_NAME[plugin].load()
     if not (cpu.is_x86() and "avx512_bf16" in cpu.cpu_flags()):
         return "the CPU has no AVX-512 bf16"
     return avx512_bf16.load()
 
 
-# Every bf16 plugin, each test skipped where this host cannot load it (the float32 one:
-# tests/test_avx512_f32.py).
+# Every bf16 plugin, each test skipped where this host cannot load it (the float32 ones:
+# tests/test_float32_kernels.py).
 PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) is not None,
                                                       reason=str(plugin_missing(name))))
-           for name in kernels.PLUGINS if name != "avx512-f32"]
+           for name in kernels.PLUGINS if name not in float32_kernels.BY_NAME]
 # Tests of what only the AVX-512 bf16 plugin has (the upsample convolution, SwiGLU).
 avx512 = pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
 
@@ -309,12 +318,12 @@ def test_the_avx512_plugin_takes_attention_the_vaes_convolutions_and_the_larger_
 def test_an_avx512_bf16_cpu_takes_the_avx512_plugin(monkeypatch: pytest.MonkeyPatch, fresh_status: None,
                                                      tmp_path: Path) -> None:
     """AVX-512 bf16 without AMX (or AMX without oneMKL): the AVX-512 plugin, whose shim needs a compiler;
-    no bf16 dot instruction at all: XLA's forms."""
+    no vector unit the shim is built for (SSE only): XLA's forms."""
     monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
     monkeypatch.setattr(kernels, "find_mkl", lambda: None)
-    avx2 = kernels.detect(frozenset({"avx2", "fma"}))
-    assert avx2.name is None and "neither AMX nor AVX-512" in avx2.reason
+    sse = kernels.detect(frozenset({"sse4_2"}))
+    assert sse.name is None and "neither AVX-512" in sse.reason
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)

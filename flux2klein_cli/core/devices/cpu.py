@@ -51,6 +51,15 @@ def has_avx512(flags: frozenset[str]) -> bool:
     return AVX512_FLAGS <= flags
 
 
+# What the shim's AVX2 build is compiled for (core/models/cpu_shim.py).
+AVX2_FLAGS = frozenset({"avx2", "fma"})
+
+
+def has_avx2(flags: frozenset[str]) -> bool:
+    """AVX2 with FMA: Intel Haswell and later, AMD Zen and later."""
+    return AVX2_FLAGS <= flags
+
+
 def has_bf16_dot(flags: frozenset[str]) -> bool:
     """A bf16 dot-product instruction (AVX-512 bf16, or Arm's bf16): XLA's bf16 x bf16 -> float32 dot
     runs on it faster than on widened operands; without one it runs slower (docs/benchmarks.md)."""

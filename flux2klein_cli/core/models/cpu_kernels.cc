@@ -27,12 +27,15 @@
 //   rounded to bf16 as they are stored). Attention and the convolutions have float32 forms too, the
 //   same loops in FMAs (flux2klein_avx512_attention_f32, _masked_attention_f32, _conv3x3_f32,
 //   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32), which the AVX-512 float32 plugin
-//   (core/models/avx512_f32.py) takes on CPUs with AVX-512 and no bf16.
+//   (core/models/float32_kernels.py) takes on CPUs with AVX-512 and no bf16, and the AVX2 float32
+//   plugin on CPUs with AVX2 and no AVX-512.
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
-// Built two ways (core/models/cpu_shim.py): with AVX-512, bf16 and AMX on, for CPUs with AVX-512 bf16
+// Built three ways (core/models/cpu_shim.py): with AVX-512, bf16 and AMX on, for CPUs with AVX-512 bf16
 // (the AMX instructions run only in the AMX plugin's handlers); and with AVX-512 alone (F, BW, VL, DQ,
-// FMA: Skylake-SP's set) for the float32 plugin (core/models/avx512_f32.py) on CPUs without bf16, where
-// only the float32 handlers and the transposing copy are compiled in (FLUX2KLEIN_BF16 0).
+// FMA: Skylake-SP's set) for the float32 plugin (core/models/float32_kernels.py) on CPUs without bf16, where
+// only the float32 handlers and the transposing copy are compiled in (FLUX2KLEIN_BF16 0); and with AVX2
+// and FMA alone for the AVX2 float32 plugin, the same handlers (their symbols keep their avx512 names)
+// with each sixteen-lane vector a pair of 8-lane registers (FLUX2KLEIN_WIDE 0, below).
 #include <dlfcn.h>
 #include <immintrin.h>
 #include <sched.h>
@@ -54,6 +57,11 @@
 #define FLUX2KLEIN_BF16 1
 #else
 #define FLUX2KLEIN_BF16 0
+#endif
+#if defined(__AVX512F__)
+#define FLUX2KLEIN_WIDE 1
+#else
+#define FLUX2KLEIN_WIDE 0
 #endif
 
 namespace ffi = xla::ffi;
@@ -173,6 +181,167 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_gemm, Gemm,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 #endif
 
+// Sixteen float32 lanes, the unit every float32 loop below works in: one AVX-512 register, or in the
+// shim's AVX2 build (FLUX2KLEIN_WIDE 0: AMD Zen 2 and 3, Intel client CPUs) a pair of AVX2 registers, a
+// lane mask then a pair of all-ones or zero vectors. Both forms compute the same values (the sums of
+// vsum and vtop may add in another order).
+#if FLUX2KLEIN_WIDE
+using Vec = __m512;
+using Lanes = __mmask16;
+
+static inline Lanes lanes_left(int64_t left) {
+  return left >= 16 ? static_cast<Lanes>(0xFFFF) : static_cast<Lanes>((1u << left) - 1u);
+}
+static inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline Vec vload(const float* p, Lanes m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline Vec vload_or(const float* p, Lanes m, Vec rest) { return _mm512_mask_loadu_ps(rest, m, p); }
+static inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+static inline void vstore(float* p, Lanes m, Vec v) { _mm512_mask_storeu_ps(p, m, v); }
+static inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+static inline Vec vzero() { return _mm512_setzero_ps(); }
+static inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+static inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+static inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+static inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+static inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+static inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }    // a * b + c
+static inline Vec vfnmadd(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+static inline Vec vabs(Vec a) { return _mm512_abs_ps(a); }
+static inline Vec vround(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline Vec vscale2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, n whole
+static inline Vec vselect(Lanes m, Vec yes, Vec no) { return _mm512_mask_blend_ps(m, no, yes); }
+static inline Vec vkeep(Lanes m, Vec v) { return _mm512_maskz_mov_ps(m, v); }  // v where m, else 0
+static inline Vec vadd_where(Lanes m, Vec a, Vec b) { return _mm512_mask_add_ps(a, m, a, b); }
+static inline Vec vmax_where(Lanes m, Vec a, Vec b) { return _mm512_mask_max_ps(a, m, a, b); }
+static inline Lanes vless(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+static inline Lanes vequal(Vec a, Vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline bool vany(Lanes m) { return m != 0; }
+static inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+static inline float vtop(Vec a) { return _mm512_reduce_max_ps(a); }
+
+// The lanes of the first min(left, 16) whose key is allowed (mask bytes, nonzero for true).
+static inline Lanes allowed_lanes(const bool* allowed, int64_t left) {
+  const Lanes lanes = lanes_left(left);
+  return _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed), _mm_setzero_si128());
+}
+
+// Bit i set where byte i of the 64 at p is nonzero.
+static inline uint64_t nonzero_bytes64(const void* p) {
+  const __m512i bytes = _mm512_loadu_si512(p);
+  return _mm512_test_epi8_mask(bytes, bytes);
+}
+#else
+struct Vec {
+  __m256 lo, hi;
+};
+struct Lanes {
+  __m256i lo, hi;
+};
+
+static inline Lanes lanes_left(int64_t left) {
+  const __m256i n = _mm256_set1_epi32(static_cast<int>(std::clamp<int64_t>(left, 0, 16)));
+  return {_mm256_cmpgt_epi32(n, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+          _mm256_cmpgt_epi32(n, _mm256_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15))};
+}
+static inline Vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+// VMASKMOVPS reads no masked-off lane, so a row's last lanes may end where its memory does.
+static inline Vec vload(const float* p, Lanes m) { return {_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi)}; }
+static inline Vec vselect(Lanes m, Vec yes, Vec no) {
+  return {_mm256_blendv_ps(no.lo, yes.lo, _mm256_castsi256_ps(m.lo)),
+          _mm256_blendv_ps(no.hi, yes.hi, _mm256_castsi256_ps(m.hi))};
+}
+static inline Vec vload_or(const float* p, Lanes m, Vec rest) { return vselect(m, vload(p, m), rest); }
+static inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v.lo), _mm256_storeu_ps(p + 8, v.hi); }
+static inline void vstore(float* p, Lanes m, Vec v) {
+  _mm256_maskstore_ps(p, m.lo, v.lo), _mm256_maskstore_ps(p + 8, m.hi, v.hi);
+}
+static inline Vec vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline Vec vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline Vec vadd(Vec a, Vec b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline Vec vsub(Vec a, Vec b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+static inline Vec vmul(Vec a, Vec b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline Vec vdiv(Vec a, Vec b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
+// MAXPS returns its second operand when either is a NaN, as AVX-512's does.
+static inline Vec vmax(Vec a, Vec b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+static inline Vec vfmadd(Vec a, Vec b, Vec c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline Vec vfnmadd(Vec a, Vec b, Vec c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+static inline Vec vabs(Vec a) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(a.lo, magnitude), _mm256_and_ps(a.hi, magnitude)};
+}
+static inline Vec vround(Vec a) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, kNearest), _mm256_round_ps(a.hi, kNearest)};
+}
+// p * 2^n for whole n in [-126, 127], through 2^n's exponent bits (the product is exact, as VSCALEFPS's).
+static inline __m256 scale2(__m256 p, __m256 n) {
+  const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+static inline Vec vscale2(Vec p, Vec n) { return {scale2(p.lo, n.lo), scale2(p.hi, n.hi)}; }
+static inline Vec vkeep(Lanes m, Vec v) {
+  return {_mm256_and_ps(v.lo, _mm256_castsi256_ps(m.lo)), _mm256_and_ps(v.hi, _mm256_castsi256_ps(m.hi))};
+}
+static inline Vec vadd_where(Lanes m, Vec a, Vec b) { return vadd(a, vkeep(m, b)); }
+static inline Vec vmax_where(Lanes m, Vec a, Vec b) { return vselect(m, vmax(a, b), a); }
+static inline Lanes vless(Vec a, Vec b) {
+  return {_mm256_castps_si256(_mm256_cmp_ps(a.lo, b.lo, _CMP_LT_OQ)),
+          _mm256_castps_si256(_mm256_cmp_ps(a.hi, b.hi, _CMP_LT_OQ))};
+}
+static inline Lanes vequal(Vec a, Vec b) {
+  return {_mm256_castps_si256(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ)),
+          _mm256_castps_si256(_mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ))};
+}
+static inline bool vany(Lanes m) {
+  const __m256i either = _mm256_or_si256(m.lo, m.hi);
+  return !_mm256_testz_si256(either, either);
+}
+static inline float vsum(Vec a) {
+  const __m256 eight = _mm256_add_ps(a.lo, a.hi);
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_add_ss(four, _mm_movehdup_ps(four)));
+}
+static inline float vtop(Vec a) {
+  const __m256 eight = _mm256_max_ps(a.lo, a.hi);
+  __m128 four = _mm_max_ps(_mm256_castps256_ps128(eight), _mm256_extractf128_ps(eight, 1));
+  four = _mm_max_ps(four, _mm_movehl_ps(four, four));
+  return _mm_cvtss_f32(_mm_max_ss(four, _mm_movehdup_ps(four)));
+}
+
+// The lanes of the first min(left, 16) whose key is allowed (mask bytes, nonzero for true); a row's
+// last bytes are copied out first rather than read past its end.
+static inline Lanes allowed_lanes(const bool* allowed, int64_t left) {
+  alignas(16) uint8_t tail[16] = {};
+  const void* bytes = allowed;
+  if (left < 16) bytes = std::memcpy(tail, allowed, std::max<int64_t>(left, 0));
+  const __m128i zero = _mm_cmpeq_epi8(_mm_loadu_si128(static_cast<const __m128i*>(bytes)), _mm_setzero_si128());
+  const __m128i set = _mm_xor_si128(zero, _mm_set1_epi8(-1));  // all ones where nonzero
+  return {_mm256_cvtepi8_epi32(set), _mm256_cvtepi8_epi32(_mm_srli_si128(set, 8))};
+}
+
+// Bit i set where byte i of the 64 at p is nonzero.
+static inline uint64_t nonzero_bytes64(const void* p) {
+  const auto* at = static_cast<const __m256i*>(p);
+  const __m256i zero = _mm256_setzero_si256();
+  const uint32_t low = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256(at), zero)));
+  const uint32_t high = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256(at + 1), zero)));
+  return static_cast<uint64_t>(high) << 32 | low;
+}
+#endif
+
+// float32 -> bfloat16 bits, rounding to nearest even as XLA's convert does; a NaN stays a (quiet) NaN.
+static inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return static_cast<uint16_t>(bits >> 16 | 0x40);
+  return static_cast<uint16_t>((bits + ((bits >> 16) & 1u) + 0x7FFFu) >> 16);
+}
+
 static inline float from_bf16(uint16_t b) {
   const uint32_t bits = static_cast<uint32_t>(b) << 16;
   float f;
@@ -180,11 +349,7 @@ static inline float from_bf16(uint16_t b) {
   return f;
 }
 
-// Sixteen float32 lanes at a time (AVX-512).
-static inline __mmask16 lanes_left(int64_t left) {
-  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
-}
-
+#if FLUX2KLEIN_WIDE
 // float32 -> bfloat16 bits on sixteen lanes, rounding to nearest even as XLA's convert does, in
 // integers (VCVTNEPS2BF16 would flush subnormals to zero); a NaN stays a (quiet) NaN, where rounding
 // its payload could carry it into the infinity's bits.
@@ -200,36 +365,36 @@ static inline __m512 from_bf16x16(__m256i bits) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// Sixteen values of either element type as float32 lanes, and back (bf16: rounded to nearest even).
+// Sixteen bf16 values as float32 lanes, and back (rounded to nearest even).
 static inline __m512 load16(const uint16_t* x, __mmask16 lanes) {
   return from_bf16x16(_mm256_maskz_loadu_epi16(lanes, x));
 }
-static inline __m512 load16(const float* x, __mmask16 lanes) { return _mm512_maskz_loadu_ps(lanes, x); }
 static inline void store16(uint16_t* out, __mmask16 lanes, __m512 v) {
   _mm256_mask_storeu_epi16(out, lanes, to_bf16x16(v));
 }
-static inline void store16(float* out, __mmask16 lanes, __m512 v) { _mm512_mask_storeu_ps(out, lanes, v); }
+#endif
+// The float32 forms of load16 and store16, which the loops share with bf16's.
+static inline Vec load16(const float* x, Lanes lanes) { return vload(x, lanes); }
+static inline void store16(float* out, Lanes lanes, Vec v) { vstore(out, lanes, v); }
 
 // exp(x) for x <= 0: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p of degree 6 (relative error under
 // 2e-7). Below -87, where expf leaves the normal range, it gives exp(-87) (1.6e-38) instead of a
 // subnormal: nothing a softmax weight or its sum can tell apart. A NaN stays NaN (the clamp's max
 // returns its second operand when either is NaN).
-static inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 clamped = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
+static inline Vec exp_nonpositive(Vec x) {
+  const Vec clamped = vmax(vset1(-87.0f), x);
+  const Vec n = vround(vmul(clamped, vset1(1.44269504088896341f)));
+  Vec r = vfnmadd(n, vset1(0.693145751953125f), clamped);
+  r = vfnmadd(n, vset1(1.42860682030941723e-6f), r);
+  Vec p = vset1(1.0f / 720.0f);
+  for (const float c : {1.0f / 120.0f, 1.0f / 24.0f, 1.0f / 6.0f, 0.5f, 1.0f, 1.0f}) p = vfmadd(p, r, vset1(c));
+  return vscale2(p, n);
 }
 
 static float row_max(const float* x, int64_t n) {
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < n; j += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, lanes_left(n - j), x + j));
-  return _mm512_reduce_max_ps(top);
+  Vec top = vset1(-INFINITY);
+  for (int64_t j = 0; j < n; j += 16) top = vmax(top, vload_or(x + j, lanes_left(n - j), top));
+  return vtop(top);
 }
 
 #if FLUX2KLEIN_BF16
@@ -250,20 +415,15 @@ static float exp_row(const float* x, int64_t n, float top, uint16_t* weights) {
 
 // The float32 form, in place: x[j] = exp(x[j] - top) (the row is then its own weights).
 static float exp_row(float* x, int64_t n, float top) {
-  const __m512 shift = _mm512_set1_ps(top);
-  __m512 sum = _mm512_setzero_ps();
+  const Vec shift = vset1(top);
+  Vec sum = vzero();
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = lanes_left(n - j);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + j), shift));
-    sum = _mm512_mask_add_ps(sum, lanes, sum, e);
-    _mm512_mask_storeu_ps(x + j, lanes, e);
+    const Lanes lanes = lanes_left(n - j);
+    const Vec e = exp_nonpositive(vsub(vload(x + j, lanes), shift));
+    sum = vadd_where(lanes, sum, e);
+    vstore(x + j, lanes, e);
   }
-  return _mm512_reduce_add_ps(sum);
-}
-
-// The lanes of `lanes` whose key is allowed (mask bytes, nonzero for true).
-static inline __mmask16 allowed_lanes(const bool* allowed, __mmask16 lanes) {
-  return _mm_mask_cmpneq_epi8_mask(lanes, _mm_maskz_loadu_epi8(lanes, allowed), _mm_setzero_si128());
+  return vsum(sum);
 }
 
 // The masked form's softmax of one row, in place: x[j] = exp(scale * x[j] - top) where allowed, else
@@ -271,32 +431,29 @@ static inline __mmask16 allowed_lanes(const bool* allowed, __mmask16 lanes) {
 // is allowed (the row's output is zero).
 template <typename T>
 static bool masked_softmax_row(float* x, int64_t n, float scale, const bool* allowed, T* weights) {
-  const __m512 factor = _mm512_set1_ps(scale);
-  __m512 top = _mm512_set1_ps(-INFINITY);
+  const Vec factor = vset1(scale);
+  Vec top = vset1(-INFINITY);
   bool any = false;
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = lanes_left(n - j);
-    const __mmask16 keep = allowed_lanes(allowed + j, lanes);
-    const __m512 scaled = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, x + j), factor);
-    _mm512_mask_storeu_ps(x + j, lanes, scaled);
-    top = _mm512_mask_max_ps(top, keep, top, scaled);
-    any = any || keep != 0;
+    const Lanes lanes = lanes_left(n - j), keep = allowed_lanes(allowed + j, n - j);
+    const Vec scaled = vmul(vload(x + j, lanes), factor);
+    vstore(x + j, lanes, scaled);
+    top = vmax_where(keep, top, scaled);
+    any = any || vany(keep);
   }
   if (!any) return false;
-  const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-  __m512 sum = _mm512_setzero_ps();
+  const Vec shift = vset1(vtop(top));
+  Vec sum = vzero();
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = lanes_left(n - j);
-    const __mmask16 keep = allowed_lanes(allowed + j, lanes);
-    const __m512 scores = _mm512_maskz_loadu_ps(lanes, x + j);
-    const __m512 e = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(scores, shift)));
-    _mm512_mask_storeu_ps(x + j, lanes, e);
-    sum = _mm512_add_ps(sum, e);
+    const Lanes lanes = lanes_left(n - j), keep = allowed_lanes(allowed + j, n - j);
+    const Vec e = vkeep(keep, exp_nonpositive(vsub(vload(x + j, lanes), shift)));
+    vstore(x + j, lanes, e);
+    sum = vadd(sum, e);
   }
-  const __m512 total = _mm512_set1_ps(_mm512_reduce_add_ps(sum));
+  const Vec total = vset1(vsum(sum));
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 lanes = lanes_left(n - j);
-    store16(weights + j, lanes, _mm512_div_ps(_mm512_maskz_loadu_ps(lanes, x + j), total));
+    const Lanes lanes = lanes_left(n - j);
+    store16(weights + j, lanes, vdiv(vload(x + j, lanes), total));
   }
   return true;
 }
@@ -390,19 +547,23 @@ static inline void tiles_begin(bool) {}
 static inline void tiles_end(bool) {}
 #endif
 
-// The same products in registers, for CPUs with AVX-512 and no AMX: c (Rows x 32 float32, row stride
-// ldc) += a (Rows x depth, row stride lda) x one packed panel, Rows x 2 accumulators kept in registers.
+// The same products in registers, for CPUs without AMX: c (Rows x 32 float32, row stride ldc) += a
+// (Rows x depth, row stride lda) x one packed panel, Rows x 2 sixteen-lane accumulators kept in registers.
 // bf16 (uint16_t bits): each VDPBF16PS sums a pair of bf16 products into each of sixteen float32 lanes;
 // a step loads the panel's two vectors for one pair of the depth and broadcasts each row's pair (depth
 // even). float32: a step loads the panel's two vectors for one index of the depth, broadcasts each row's
 // value and runs two FMAs. A panel holds depth x 32 values in both forms. With Add false, c = the
 // product instead (the same bits: the sums start at +0).
-constexpr int kDotRows = 12;  // 24 accumulators, 2 panel vectors and a broadcast: within 32 registers
+// AVX-512: 24 accumulators, 2 panel vectors and a broadcast, within 32 registers. AVX2 (each lane group
+// two registers): 12 accumulator registers and a broadcast, the panel's four read where the FMAs use them,
+// within 16.
+constexpr int kDotRows = FLUX2KLEIN_WIDE ? 12 : 3;
 
 template <int Rows, bool Add = true, typename T>
 static inline void accumulate(const T* a, int64_t lda, const T* panel, int64_t depth, float* c, int64_t ldc) {
-  __m512 acc[Rows][2];
-  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  Vec acc[Rows][2];
+  for (int i = 0; i < Rows; ++i) acc[i][0] = acc[i][1] = vzero();
+#if FLUX2KLEIN_BF16
   if constexpr (std::is_same_v<T, uint16_t>) {
     for (int64_t k = 0; k < depth; k += 2, panel += 2 * kPanel) {
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel), w1 = (__m512bh)_mm512_loadu_si512(panel + kPanel);
@@ -414,23 +575,36 @@ static inline void accumulate(const T* a, int64_t lda, const T* panel, int64_t d
         acc[i][1] = _mm512_dpbf16_ps(acc[i][1], x, w1);
       }
     }
-  } else {
+  } else
+#endif
+  {
     for (int64_t k = 0; k < depth; ++k, panel += kPanel) {
-      const __m512 w0 = _mm512_loadu_ps(panel), w1 = _mm512_loadu_ps(panel + 16);
+      const Vec w0 = vload(panel), w1 = vload(panel + 16);
       for (int i = 0; i < Rows; ++i) {
-        const __m512 x = _mm512_set1_ps(a[i * lda + k]);
-        acc[i][0] = _mm512_fmadd_ps(x, w0, acc[i][0]);
-        acc[i][1] = _mm512_fmadd_ps(x, w1, acc[i][1]);
+        const Vec x = vset1(a[i * lda + k]);
+        acc[i][0] = vfmadd(x, w0, acc[i][0]);
+        acc[i][1] = vfmadd(x, w1, acc[i][1]);
       }
     }
   }
   for (int i = 0; i < Rows; ++i) {
     if (Add) {
-      acc[i][0] = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc), acc[i][0]);
-      acc[i][1] = _mm512_add_ps(_mm512_loadu_ps(c + i * ldc + 16), acc[i][1]);
+      acc[i][0] = vadd(vload(c + i * ldc), acc[i][0]);
+      acc[i][1] = vadd(vload(c + i * ldc + 16), acc[i][1]);
     }
-    _mm512_storeu_ps(c + i * ldc, acc[i][0]);
-    _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+    vstore(c + i * ldc, acc[i][0]);
+    vstore(c + i * ldc + 16, acc[i][1]);
+  }
+}
+
+// The last `rows` (fewer than kDotRows, Rows at most) of a product, in one block of that many.
+template <int Rows, typename T>
+static void product_rest(const T* a, int64_t lda, const T* panel, int64_t depth, float* c, int64_t ldc, int64_t rows) {
+  if constexpr (Rows > 0) {
+    if (rows == Rows)
+      accumulate<Rows, false>(a, lda, panel, depth, c, ldc);
+    else
+      product_rest<Rows - 1>(a, lda, panel, depth, c, ldc, rows);
   }
 }
 
@@ -441,23 +615,10 @@ static void product(const T* a, int64_t lda, const T* panel, int64_t depth, floa
   int64_t r = 0;
   for (; r + kDotRows <= rows; r += kDotRows)
     accumulate<kDotRows, false>(a + r * lda, lda, panel, depth, c + r * ldc, ldc);
-  a += r * lda, c += r * ldc;
-  switch (rows - r) {
-    case 0: break;
-    case 1: accumulate<1, false>(a, lda, panel, depth, c, ldc); break;
-    case 2: accumulate<2, false>(a, lda, panel, depth, c, ldc); break;
-    case 3: accumulate<3, false>(a, lda, panel, depth, c, ldc); break;
-    case 4: accumulate<4, false>(a, lda, panel, depth, c, ldc); break;
-    case 5: accumulate<5, false>(a, lda, panel, depth, c, ldc); break;
-    case 6: accumulate<6, false>(a, lda, panel, depth, c, ldc); break;
-    case 7: accumulate<7, false>(a, lda, panel, depth, c, ldc); break;
-    case 8: accumulate<8, false>(a, lda, panel, depth, c, ldc); break;
-    case 9: accumulate<9, false>(a, lda, panel, depth, c, ldc); break;
-    case 10: accumulate<10, false>(a, lda, panel, depth, c, ldc); break;
-    default: accumulate<11, false>(a, lda, panel, depth, c, ldc);
-  }
+  product_rest<kDotRows - 1>(a + r * lda, lda, panel, depth, c + r * ldc, ldc, rows - r);
 }
 
+#if FLUX2KLEIN_WIDE
 // A head's keys as the right-hand side of Q K^T: panels of 32 keys, each [dim pair][key][2], i.e. the
 // keys' 32-bit pairs of dims transposed; dims zero-padded to `depth`, keys to a whole panel. A pair is
 // copied as one 32-bit word where the dims need no padding (the heads' 128), element by element else.
@@ -485,6 +646,7 @@ static void pack_keys(const uint16_t* k, int64_t stride, int64_t sk, int64_t dim
         out[1] = real && d + 1 < dim ? k[(p + c) * stride + d + 1] : 0;
       }
 }
+#endif
 
 // The float32 form (accumulate's float32 panels): panels of 32 keys, each [dim][key]; dims zero-padded to
 // `depth`, keys to a whole panel.
@@ -497,6 +659,7 @@ static void pack_keys(const float* k, int64_t stride, int64_t sk, int64_t dim, i
     }
 }
 
+#if FLUX2KLEIN_WIDE
 // A head's values as the right-hand side of P V: panels of 32 dims, each [key pair][dim][2]; keys
 // zero-padded to a whole panel (their weights are zero too), dims to a whole panel. Where the dims fill
 // whole panels, a key pair's two rows of 32 dims are interleaved in two vector permutes.
@@ -524,17 +687,18 @@ static void pack_values(const uint16_t* v, int64_t stride, int64_t sk, int64_t d
         out[1] = real && key + 1 < sk ? v[(key + 1) * stride + p + c] : 0;
       }
 }
+#endif
 
 // The float32 form (accumulate's float32 panels): panels of 32 dims, each [key][dim]; keys zero-padded to a
 // whole panel, dims to a whole panel.
 static void pack_values(const float* v, int64_t stride, int64_t sk, int64_t dim, float* out) {
   const int64_t keys = round_up(sk, kPanel);
   for (int64_t p = 0; p < round_up(dim, kPanel); p += kPanel) {
-    const __mmask16 low = lanes_left(dim - p), high = lanes_left(std::max<int64_t>(0, dim - p - 16));
+    const Lanes low = lanes_left(dim - p), high = lanes_left(std::max<int64_t>(0, dim - p - 16));
     for (int64_t key = 0; key < keys; ++key, out += kPanel) {
       const bool real = key < sk;
-      _mm512_storeu_ps(out, real ? _mm512_maskz_loadu_ps(low, v + key * stride + p) : _mm512_setzero_ps());
-      _mm512_storeu_ps(out + 16, real ? _mm512_maskz_loadu_ps(high, v + key * stride + p + 16) : _mm512_setzero_ps());
+      vstore(out, real ? vload(v + key * stride + p, low) : vzero());
+      vstore(out + 16, real ? vload(v + key * stride + p + 16, high) : vzero());
     }
   }
 }
@@ -547,8 +711,7 @@ static int64_t last_allowed_key(const AttentionShape& s, const Masking& m, int64
     const bool* allowed = m.allowed + (b * s.sq + row0 + i) * s.sk;
     int64_t end = s.sk;  // indices [end, s.sk) of this row hold no allowed key
     for (; end - 64 > last; end -= 64) {
-      const __m512i bytes = _mm512_loadu_si512(allowed + end - 64);
-      const uint64_t set = _mm512_test_epi8_mask(bytes, bytes);
+      const uint64_t set = nonzero_bytes64(allowed + end - 64);
       if (set != 0) {
         last = end - 64 + 63 - __builtin_clzll(set);
         end = last;  // nothing left to find in this row
@@ -638,12 +801,12 @@ static void attend_block(const AttentionShape& s, const Masking& m, const T* q, 
   tiles_end(!s.avx512);
   for (int64_t i = 0; i < rows; ++i) {
     T* o = out + (b * s.sq + row0 + i) * q_stride + h * s.dim;
-    const __m512 divisor = _mm512_set1_ps(divisors[i]);
+    const Vec divisor = vset1(divisors[i]);
     for (int64_t d = 0; d < s.dim; d += 16) {
-      const __mmask16 lanes = lanes_left(s.dim - d);
-      const __m512 sums = _mm512_maskz_loadu_ps(lanes, w.acc.data() + i * w.dims + d);
+      const Lanes lanes = lanes_left(s.dim - d);
+      const Vec sums = vload(w.acc.data() + i * w.dims + d, lanes);
       // A row with no allowed key: its weights are all zero, and so is its output.
-      const __m512 value = divisors[i] == 0.0f ? _mm512_setzero_ps() : _mm512_div_ps(sums, divisor);
+      const Vec value = divisors[i] == 0.0f ? vzero() : vdiv(sums, divisor);
       store16(o + d, lanes, value);
     }
   }
@@ -762,6 +925,7 @@ static int64_t padded_size(const ConvShape& s, int64_t rows) {
   return ((rows + 3) * s.wp() + kSlackPositions) * s.c_in;
 }
 
+#if FLUX2KLEIN_WIDE
 // As nnx.Conv in bf16: the sums rounded to bf16, then the bias added and rounded again.
 static inline void store_conv_outputs(const float* sums, const float* bias, int64_t channels, uint16_t* out) {
   for (int64_t c = 0; c < channels; c += 16) {
@@ -771,13 +935,13 @@ static inline void store_conv_outputs(const float* sums, const float* bias, int6
     _mm256_mask_storeu_epi16(out + c, lanes, to_bf16x16(biased));
   }
 }
+#endif
 
 // As nnx.Conv in float32: the sums plus the bias.
 static inline void store_conv_outputs(const float* sums, const float* bias, int64_t channels, float* out) {
   for (int64_t c = 0; c < channels; c += 16) {
-    const __mmask16 lanes = lanes_left(channels - c);
-    _mm512_mask_storeu_ps(out + c, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, sums + c),
-                                                        _mm512_maskz_loadu_ps(lanes, bias + c)));
+    const Lanes lanes = lanes_left(channels - c);
+    vstore(out + c, lanes, vadd(vload(sums + c, lanes), vload(bias + c, lanes)));
   }
 }
 
@@ -786,8 +950,8 @@ template <typename T>
 static std::vector<float> widened_bias(const T* bias, int64_t count) {
   std::vector<float> wide(round_up(count, kPanel), 0.0f);
   for (int64_t c = 0; c < count; c += 16) {
-    const __mmask16 lanes = lanes_left(count - c);
-    _mm512_mask_storeu_ps(wide.data() + c, lanes, load16(bias + c, lanes));
+    const Lanes lanes = lanes_left(count - c);
+    vstore(wide.data() + c, lanes, load16(bias + c, lanes));
   }
   return wide;
 }
@@ -825,11 +989,11 @@ static std::vector<T> pack_upsample_kernel(const T* kernel, int64_t c_in, int64_
   for (int tap = 0; tap < 16; ++tap) {
     const int a = tap / 8, b = tap / 4 % 2, dy = tap / 2 % 2, dx = tap % 2;
     for (int64_t i = 0; i < size; i += 16) {  // sixteen weights at a time: this runs on every call
-      const __mmask16 lanes = lanes_left(size - i);
-      __m512 sum = _mm512_setzero_ps();
+      const Lanes lanes = lanes_left(size - i);
+      Vec sum = vzero();
       for (int ky = kRows[a][dy][0]; ky <= kRows[a][dy][1]; ++ky)
         for (int kx = kRows[b][dx][0]; kx <= kRows[b][dx][1]; ++kx)
-          sum = _mm512_add_ps(sum, load16(kernel + (ky * 3 + kx) * size + i, lanes));
+          sum = vadd(sum, load16(kernel + (ky * 3 + kx) * size + i, lanes));
       store16(merged.data() + tap * size + i, lanes, sum);
     }
   }
@@ -1090,13 +1254,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_upsample_conv3x3_f32, UpsampleCo
 
 // silu(y) = y * sigmoid(y) on sixteen lanes, with e = exp(-|y|) only: sigmoid(y) = 1 / (1 + e) for
 // y >= 0, e / (1 + e) below. A NaN stays NaN, and -inf gives NaN as XLA's form does (-inf * 0).
-static inline __m512 silu16(__m512 y) {
-  const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-  const __m512 e = exp_nonpositive(_mm512_sub_ps(zero, _mm512_abs_ps(y)));
-  const __mmask16 negative = _mm512_cmp_ps_mask(y, zero, _CMP_LT_OQ);
-  const __m512 silu = _mm512_mul_ps(y, _mm512_div_ps(_mm512_mask_blend_ps(negative, one, e), _mm512_add_ps(one, e)));
-  return _mm512_mask_mov_ps(silu, _mm512_cmp_ps_mask(y, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ),
-                            _mm512_set1_ps(NAN));
+static inline Vec silu16(Vec y) {
+  const Vec one = vset1(1.0f), zero = vzero();
+  const Vec e = exp_nonpositive(vsub(zero, vabs(y)));
+  const Vec silu = vmul(y, vdiv(vselect(vless(y, zero), e, one), vadd(one, e)));
+  return vselect(vequal(y, vset1(-INFINITY)), vset1(NAN), silu);
 }
 
 // The VAE's GroupNorm then SiLU, applied to the input rows as a tile reads them instead of in a pass of
@@ -1120,11 +1282,10 @@ static void normalised_row(const ConvShape& s, const Normalisation<T>& n, int64_
   const T* src = n.x + (b * s.h + y) * s.w * cin;
   for (int64_t col = 0; col < s.w; ++col)
     for (int64_t c = 0; c < cin; c += 16) {
-      const __mmask16 lanes = lanes_left(cin - c);
-      const __m512 x = load16(src + col * cin + c, lanes);
-      const __m512 centred = _mm512_sub_ps(x, _mm512_maskz_loadu_ps(lanes, n.mean + b * cin + c));
-      const __m512 y = _mm512_add_ps(_mm512_mul_ps(centred, _mm512_maskz_loadu_ps(lanes, n.scale + b * cin + c)),
-                                     _mm512_maskz_loadu_ps(lanes, n.shift + c));
+      const Lanes lanes = lanes_left(cin - c);
+      const Vec x = load16(src + col * cin + c, lanes);
+      const Vec centred = vsub(x, vload(n.mean + b * cin + c, lanes));
+      const Vec y = vadd(vmul(centred, vload(n.scale + b * cin + c, lanes)), vload(n.shift + c, lanes));
       store16(dst + (col + 1) * cin + c, lanes, silu16(y));
     }
 }
@@ -1303,14 +1464,15 @@ static int64_t gemm_block_columns(int64_t k) {
 }
 
 // A row of a product's float32 sums as the output holds them: rounded to bf16, or as they are.
+#if FLUX2KLEIN_WIDE
 static inline void store_sums(const float* sums, int64_t count, uint16_t* out) {
   for (int64_t c = 0; c < count; c += 16)
     _mm256_mask_storeu_epi16(out + c, lanes_left(count - c), to_bf16x16(_mm512_load_ps(sums + c)));
 }
+#endif
 
 static inline void store_sums(const float* sums, int64_t count, float* out) {
-  for (int64_t c = 0; c < count; c += 16)
-    _mm512_mask_storeu_ps(out + c, lanes_left(count - c), _mm512_load_ps(sums + c));
+  for (int64_t c = 0; c < count; c += 16) vstore(out + c, lanes_left(count - c), vload(sums + c));
 }
 
 // y (m, n) = x (m, k) x w (k, n), all row-major, bf16 (k even; the sums rounded) or float32; with a
@@ -1439,8 +1601,12 @@ extern "C" int flux2klein_transpose_copy(const void* stored, int64_t rows, int64
     const auto* in = static_cast<const float*>(stored);
     transpose_blocks(rows, cols, static_cast<uint16_t*>(dest), dest_stride,
                      [&](int64_t r, int64_t c, int64_t n, uint16_t* to) {
+#if FLUX2KLEIN_WIDE
                        const __m512 values = _mm512_maskz_loadu_ps(lanes_left(n), in + r * stored_stride + c);
                        _mm256_store_si256(reinterpret_cast<__m256i*>(to), to_bf16x16(values));
+#else
+                       for (int64_t i = 0; i < n; ++i) to[i] = to_bf16(in[r * stored_stride + c + i]);
+#endif
                      });
   } else if (kind == 1) {
     const auto* in = static_cast<const uint16_t*>(stored);

@@ -2,11 +2,12 @@
 compiler (`$CXX`, else g++ or c++) against jaxlib's FFI headers, into a private cache folder keyed by
 its source, jaxlib and the build flags, then opened into this process.
 
-It is built two ways (BUILDS): `bf16`, with AVX-512 bf16 and AMX on, which the AMX plugin
-(cpu_matmul.py) and the AVX-512 bf16 plugin (avx512_bf16.py) register their targets from; and `f32`,
-with AVX-512 alone (Skylake-SP's F, BW, VL and DQ, and FMA), holding only the float32 handlers, for the
-AVX-512 float32 plugin (avx512_f32.py) on CPUs without bf16. Only the CPUs a build applies on ever load
-it (core/models/kernels.py)."""
+It is built three ways (BUILDS): `bf16`, with AVX-512 bf16 and AMX on, which the AMX plugin
+(cpu_matmul.py) and the AVX-512 bf16 plugin (avx512_bf16.py) register their targets from; `f32`, with
+AVX-512 alone (Skylake-SP's F, BW, VL and DQ, and FMA), holding only the float32 handlers, for the
+AVX-512 float32 plugin (float32_kernels.py) on CPUs without bf16; and `avx2`, the same float32 handlers
+in AVX2 and FMA, for the AVX2 float32 plugin on CPUs without AVX-512. Only the CPUs a build applies on
+ever load it (core/models/kernels.py)."""
 
 from __future__ import annotations
 
@@ -26,12 +27,14 @@ from flux2klein_cli.core.cache_paths import native_dir
 _COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w", "-pthread", "-fno-math-errno")
 # bf16: AVX-512 with bf16, FMA and AMX on (the AMX instructions run only in the AMX plugin's handlers).
 # f32: nothing past Skylake-SP's AVX-512, so the CPUs without bf16 can run all of it; cpu_kernels.cc
-# leaves its bf16 and AMX code out of this build.
+# leaves its bf16 and AMX code out of this build. avx2: nothing past AVX2 and FMA (cpu_kernels.cc's
+# float32 loops on pairs of 8-lane registers).
 BUILDS = {
     "bf16": (*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-mamx-tile",
              "-mamx-bf16", "-mprefer-vector-width=512"),
     "f32": (*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
             "-mprefer-vector-width=512"),
+    "avx2": (*_COMMON_FLAGS, "-mavx2", "-mfma"),
 }
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 NO_COMPILER = "no C++ compiler to build the CPU kernel shim"
@@ -118,7 +121,7 @@ def register(targets: dict[str, str], lib: ctypes.CDLL) -> str | None:
 
 
 def transposer() -> ctypes._CFuncPtr | None:
-    """The shim's transposing copy (`flux2klein_transpose_copy` in cpu_kernels.cc, in both builds) when
+    """The shim's transposing copy (`flux2klein_transpose_copy` in cpu_kernels.cc, in every build) when
     this process has opened the shim (a CPU whose kernel plugin loaded), else None: the loader then
     keeps numpy's path. ctypes releases the GIL for the call, so reader threads copy side by side."""
     if not _opened:

@@ -1,7 +1,7 @@
 """Which kernel plugin this host's CPU programs may use, and why (the backend dispatch,
 core/models/trace.py, asks here).
 
-Three plugins exist, all on the native shim cpu_kernels.cc (core/models/cpu_shim.py), which needs a C++
+Four plugins exist, all on the native shim cpu_kernels.cc (core/models/cpu_shim.py), which needs a C++
 compiler on first use:
   * `amx` (core/models/cpu_matmul.py): oneMKL's bf16 GEMM and the AMX tiles' intrinsics, for Intel
     CPUs with AMX: the Linear dots, attention and the VAE's 3x3 convolutions. It applies where the
@@ -10,9 +10,11 @@ compiler on first use:
   * `avx512-bf16` (core/models/avx512_bf16.py): attention and the VAE's 3x3 convolutions in
     VDPBF16PS, for other x86 CPUs with `avx512_bf16` (AMD Zen 4 and later, or an AMX CPU without
     oneMKL), where XLA runs bf16 Linear dots on the bf16 unit but widens convolutions to float32;
-  * `avx512-f32` (core/models/avx512_f32.py): float32 attention and VAE convolutions in AVX-512 FMAs,
-    for x86 CPUs with AVX-512 and no bf16 (Intel Skylake-SP to Ice Lake), from the shim's float32-only
-    build (benchmarks/cpu_as.py runs a command as on such a CPU, to measure it).
+  * `avx512-f32` (core/models/float32_kernels.py): float32 attention and VAE convolutions in AVX-512
+    FMAs, for x86 CPUs with AVX-512 and no bf16 (Intel Skylake-SP to Ice Lake), from the shim's
+    float32-only build (benchmarks/cpu_as.py runs a command as on such a CPU, to measure it);
+  * `avx2-f32` (the same module): those float32 kernels in AVX2 FMAs, for x86 CPUs with AVX2 and FMA
+    and no AVX-512 (AMD Zen 2 and 3, Intel client CPUs), from the shim's AVX2 build.
 None applies under FLUX2KLEIN_CPU_MATMUL=xla (core/settings.py), and a plugin is imported only where
 it applies and used when its shim then builds and loads (the plugin's `load`). Everywhere else the
 programs keep XLA's own forms, with bf16 dots accumulated in float32 (`cpu_bf16_compute`).
@@ -27,11 +29,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from flux2klein_cli.core import settings
 from flux2klein_cli.core.devices import cpu
 
-PLUGINS = ("amx", "avx512-bf16", "avx512-f32")
+PLUGINS = ("amx", "avx512-bf16", "avx512-f32", "avx2-f32")
 _MKL_NAMES = ("libmkl_rt.so.3", "libmkl_rt.so.2", "libmkl_rt.so")
 
 
@@ -59,10 +62,10 @@ def detect(flags: frozenset[str], build: bool = True) -> Status:
     what its first run will do, and nothing is built or loaded."""
     if settings.cpu_matmul() == "xla":
         return Status(None, f"{settings.CPU_MATMUL}=xla")
-    if not cpu.is_x86() or not (cpu.has_bf16_dot(flags) or cpu.has_avx512(flags)):
-        return Status(None, "the CPU has neither AMX nor AVX-512 (avx512f, avx512bw, avx512vl, avx512dq)")
+    if not cpu.is_x86() or not (cpu.has_bf16_dot(flags) or cpu.has_avx512(flags) or cpu.has_avx2(flags)):
+        return Status(None, "the CPU has neither AVX-512 (avx512f, avx512bw, avx512vl, avx512dq) nor AVX2 with FMA")
     if not cpu.has_bf16_dot(flags):
-        return _avx512_f32(build)
+        return _float32(build, "avx512-f32" if cpu.has_avx512(flags) else "avx2-f32")
     amx = _amx(flags, build)
     if amx.name is not None:
         return amx
@@ -96,18 +99,19 @@ def _amx(flags: frozenset[str], build: bool) -> Status:
     return Status(None, why) if why is not None else Status("amx", chosen)
 
 
-def _avx512_f32(build: bool) -> Status:
-    """The float32 plugin, for a CPU with AVX-512 and no bf16 dot."""
-    why = "the CPU has no AVX-512 bf16 (avx512_bf16)"
-    chosen = (f"{why}: float32 attention and VAE convolutions in AVX-512 FMAs, which a bf16 model's float32 "
+def _float32(build: bool, name: str) -> Status:
+    """A float32 plugin (`name`), for a CPU without a bf16 dot: AVX-512's where it has AVX-512, else AVX2's."""
+    why, unit, shim_build = (("the CPU has no AVX-512 bf16 (avx512_bf16)", "AVX-512", "f32") if name == "avx512-f32"
+                             else ("the CPU has no AVX-512 (avx512f, avx512bw, avx512vl, avx512dq)", "AVX2", "avx2"))
+    chosen = (f"{why}: float32 attention and VAE convolutions in {unit} FMAs, which a bf16 model's float32 "
               "activations take too")
-    unbuilt = None if build else _unbuilt("avx512-f32", chosen, refused=f"{why}; ", shim_build="f32")
+    unbuilt = None if build else _unbuilt(name, chosen, refused=f"{why}; ", shim_build=shim_build)
     if unbuilt is not None:
         return unbuilt
-    from flux2klein_cli.core.models import avx512_f32
+    from flux2klein_cli.core.models.float32_kernels import BY_NAME
 
-    failed = avx512_f32.load()
-    return Status(None, f"{why}; {failed}") if failed is not None else Status("avx512-f32", chosen)
+    failed = BY_NAME[name].load()
+    return Status(None, f"{why}; {failed}") if failed is not None else Status(name, chosen)
 
 
 def _unbuilt(name: str, chosen: str, refused: str = "", shim_build: str = "bf16") -> Status | None:
@@ -142,8 +146,9 @@ def report_status() -> Status:
     return detect(cpu.cpu_flags(), build=False)
 
 
-def plugin_module(name: str) -> ModuleType:
-    """The module of a plugin named in trace options (see PLUGINS)."""
+def plugin_module(name: str) -> ModuleType | Any:
+    """The module of a plugin named in trace options (see PLUGINS); a float32 plugin's is its
+    Float32Kernels, which answers as a module does."""
     if name == "amx":
         from flux2klein_cli.core.models import cpu_matmul
 
@@ -152,10 +157,10 @@ def plugin_module(name: str) -> ModuleType:
         from flux2klein_cli.core.models import avx512_bf16
 
         return avx512_bf16
-    if name == "avx512-f32":
-        from flux2klein_cli.core.models import avx512_f32
+    if name in ("avx512-f32", "avx2-f32"):
+        from flux2klein_cli.core.models.float32_kernels import BY_NAME
 
-        return avx512_f32
+        return BY_NAME[name]
     raise ValueError(f"kernel plugin {name!r} is not one of {PLUGINS}")
 
 

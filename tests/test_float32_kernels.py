@@ -1,9 +1,9 @@
 """The float32 kernels: the AVX-512 bf16 plugin's float32 forms (core/models/avx512_bf16.py, the `*_f32`
-targets) and the AVX-512 float32 plugin (core/models/avx512_f32.py, the same handlers from the shim's
-float32-only build): attention (the transformer's and the text encoder's masked form), a float32 VAE's
-3x3 and 1x1 convolutions, the decoder's upsample convolution and the fused GroupNorm + SiLU +
-convolution in float32 FMAs, checked against float64 from the same values and against XLA's forms;
-and what the float32-only build holds."""
+targets) and the float32 plugins (core/models/float32_kernels.py: AVX-512's and AVX2's, the same handlers
+from the shim's float32-only builds): attention (the transformer's and the text encoder's masked form), a
+float32 VAE's 3x3 and 1x1 convolutions, the decoder's upsample convolution and the fused GroupNorm + SiLU +
+convolution in float32 FMAs, checked against float64 from the same values and against XLA's forms; what
+the float32-only builds hold; and which CPU takes which plugin."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from flux2klein_cli.core.devices import cpu
-from flux2klein_cli.core.models import avx512_bf16, avx512_f32, cpu_shim, kernels
+from flux2klein_cli.core.models import avx512_bf16, cpu_shim, float32_kernels, kernels
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from tests.test_cpu_matmul import (
@@ -46,12 +46,14 @@ F32 = avx512_bf16.F32
 # The plugins with float32 kernels, each test skipped where this host cannot load it.
 F32_PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) is not None,
                                                           reason=str(plugin_missing(name))))
-               for name in ("avx512-bf16", "avx512-f32")]
+               for name in ("avx512-bf16", *float32_kernels.BY_NAME)]
 
 
 def f32_target(plugin: str, name: str) -> str:
     """The float32 target `plugin` registers for `name` (a *_TARGET of the plugin modules)."""
-    return getattr(avx512_f32, name) if plugin == "avx512-f32" else getattr(avx512_bf16, name) + F32
+    if plugin in float32_kernels.BY_NAME:
+        return getattr(float32_kernels.BY_NAME[plugin], name)
+    return getattr(avx512_bf16, name) + F32
 
 
 # The VAE modules of tests/test_cpu_matmul.py, in float32.
@@ -70,7 +72,7 @@ def conv_exact(module: nnx.Module, x: jax.Array) -> np.ndarray:
     return sum(padded[:, dy : dy + h, dx : dx + w] @ kernel[dy, dx] for dy in range(size) for dx in range(size)) + bias
 
 
-@pytest.mark.parametrize("plugin", ["avx512-bf16", "avx512-f32"])
+@pytest.mark.parametrize("plugin", ["avx512-bf16", *float32_kernels.BY_NAME])
 def test_a_float32_vae_takes_the_float32_targets_and_its_narrow_convolutions_stay_xlas(plugin: str) -> None:
     """Lowering only (no CPU needed): which calls a float32 model's programs hold under the plugin."""
     options = plugin_options(plugin)
@@ -210,12 +212,13 @@ def test_the_text_encoders_float32_attention_in_the_shim_is_as_close_to_float64_
     assert_as_close_as_xla(ours, xla, attention_exact(q, k, v, mask), times=3)
 
 
-def test_a_bf16_model_on_a_cpu_without_bf16_takes_the_float32_kernels() -> None:
+@pytest.mark.parametrize("plugin", float32_kernels.BY_NAME)
+def test_a_bf16_model_on_a_cpu_without_bf16_takes_the_float32_kernels(plugin: str) -> None:
     """Such a CPU computes a bf16 model with float32 activations (bf16_compute `f32`): its VAE's
     convolutions take the float32 plugin's calls with the weights widened, as close to XLA's float32
     form of the same model as float32 sums in another order are. Where the CPU has bf16 (the plugin
     forced, bf16 activations) they keep XLA's forms."""
-    widened = TraceOptions("cpu", "blocked", kernels="avx512-f32", bf16_compute="f32")
+    widened = TraceOptions("cpu", "blocked", kernels=plugin, bf16_compute="f32")
     x = jnp.asarray(np.random.default_rng(3).standard_normal((1, 12, 10, 16)), jnp.float32)
     modules = {"NORM_CONV_TARGET": vae_resnet(16, 16, 4, dtype=jnp.bfloat16),
                "UPSAMPLE_CONV_TARGET": vae_upsample(16, 16, dtype=jnp.bfloat16),
@@ -223,11 +226,11 @@ def test_a_bf16_model_on_a_cpu_without_bf16_takes_the_float32_kernels() -> None:
     for target, module in modules.items():
         graphdef, state = nnx.split(module)
         held = hlo(traced_under(lambda s, x, g=graphdef: nnx.merge(g, s)(x), widened), state, x)
-        assert f"@{getattr(avx512_f32, target)}(" in held
-        bf16_cpu = TraceOptions("cpu", "blocked", kernels="avx512-f32", bf16_compute="f32-accumulate")
+        assert f"@{f32_target(plugin, target)}(" in held
+        bf16_cpu = TraceOptions("cpu", "blocked", kernels=plugin, bf16_compute="f32-accumulate")
         assert "custom_call" not in hlo(traced_under(lambda s, x, g=graphdef: nnx.merge(g, s)(x), bf16_cpu), state,
                                         x.astype(jnp.bfloat16))
-        if plugin_missing("avx512-f32") is None:  # this host runs the float32 kernels
+        if plugin_missing(plugin) is None:  # this host runs the float32 kernels
             ours, xla = (np.asarray(nnx.jit(traced_under(lambda m, x: m(x), options))(module, x), np.float64)
                          for options in (widened, TraceOptions("cpu", "blocked", bf16_compute="f32")))
             assert ours.dtype == xla.dtype and ours.shape == xla.shape
@@ -249,6 +252,27 @@ def mnemonics(shim: str) -> set[str]:
             and re.match(r"^\s+[0-9a-f]+:\t\S", line)}
 
 
+# Legacy prefixes that may come before an instruction's VEX or EVEX prefix (operand and address size,
+# segments, rep).
+LEGACY_PREFIXES = {"66", "67", "f2", "f3", "2e", "3e", "26", "36", "64", "65"}
+
+
+def evex_count(shim: str) -> int:
+    """How many instructions of the shim are EVEX-encoded (AVX-512's encoding; 0x62 opens one in
+    64-bit code), from objdump's bytes: any register, width or mask, not a list of mnemonics."""
+    listing = subprocess.run(["objdump", "-d", "-w", shim], capture_output=True, text=True, check=True).stdout
+    count = 0
+    for line in listing.splitlines():
+        fields = line.split("\t")
+        if len(fields) < 3 or not re.match(r"^\s+[0-9a-f]+:$", fields[0]):
+            continue
+        opcode = [byte for byte in fields[1].split()]
+        while opcode and opcode[0] in LEGACY_PREFIXES:
+            opcode.pop(0)
+        count += bool(opcode) and opcode[0] == "62"
+    return count
+
+
 def exported(shim: str) -> set[str]:
     table = subprocess.run(["nm", "-D", "--defined-only", shim], capture_output=True, text=True, check=True).stdout
     return {line.split()[-1] for line in table.splitlines() if line.split()[-1].startswith("flux2klein_")}
@@ -256,10 +280,11 @@ def exported(shim: str) -> set[str]:
 
 @pytest.mark.skipif(cpu_shim.compiler() is None or shutil.which("objdump") is None or shutil.which("nm") is None,
                     reason="no C++ compiler or binutils")
-def test_the_float32_build_runs_on_skylake_avx512_and_holds_only_float32_handlers() -> None:
+def test_the_float32_builds_run_on_their_cpus_and_hold_only_float32_handlers() -> None:
     """The float32-only build holds no instruction a CPU with AVX-512 and no bf16 lacks, and only the
-    float32 handlers (with the transposing copy); the bf16 build, checked the same way, holds bf16.
-    (Each is built where the plugins keep it, once: compiling needs no such CPU.)"""
+    float32 handlers (with the transposing copy); the bf16 build, checked the same way, holds bf16. The
+    AVX2 build holds no AVX-512 instruction. (Each is built where the plugins keep it, once: compiling
+    needs no such CPU.)"""
     shims = {build: cpu_shim.shim_path(build) for build in cpu_shim.BUILDS}
     for build, shim in shims.items():
         assert cpu_shim.build_shim(shim, build) is None
@@ -270,6 +295,13 @@ def test_the_float32_build_runs_on_skylake_avx512_and_holds_only_float32_handler
         "attention", "masked_attention", "conv3x3", "norm_silu_conv3x3", "conv1x1", "upsample_conv3x3")}
     assert exported(str(shims["f32"])) == handlers | {"flux2klein_transpose_copy"}
     assert handlers | {"flux2klein_avx512_gemm", "flux2klein_amx_attention"} <= exported(str(shims["bf16"]))
+    # The AVX2 build: no AVX-512 instruction at all (the f32 build, checked the same way, is full of them),
+    # the FMAs on 8-lane registers, and the same handlers.
+    avx2 = str(shims["avx2"])
+    assert evex_count(avx2) == 0 and evex_count(str(shims["f32"])) > 100
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", avx2], capture_output=True, text=True).stdout
+    assert re.search(r"vfmadd231ps\s+.*%ymm", listing) and "%zmm" not in listing
+    assert exported(avx2) == handlers | {"flux2klein_transpose_copy"}
 
 
 # A Skylake-SP server's flags: AVX-512 without bf16.
@@ -281,8 +313,8 @@ CPUINFO_SKYLAKE = ("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 
 def test_a_cpu_with_avx512_and_no_bf16_takes_the_float32_plugin(monkeypatch: pytest.MonkeyPatch,
                                                                tmp_path: Path) -> None:
     """Named in reports with what its first run will do (nothing built); without a compiler, XLA's
-    forms and nothing half-built; AVX2, or AVX-512F without BW, VL and DQ, keeps XLA's forms; where
-    this host can run it, detection loads it."""
+    forms and nothing half-built; AVX-512F without BW, VL and DQ takes AVX2's; where this host can run
+    it, detection loads it."""
     skylake = cpu.cpu_flags(CPUINFO_SKYLAKE)
     monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
@@ -297,10 +329,9 @@ def test_a_cpu_with_avx512_and_no_bf16_takes_the_float32_plugin(monkeypatch: pyt
     status = kernels.detect(skylake)
     assert status.name is None and "no C++ compiler" in status.reason
     assert not any((tmp_path / "native").iterdir())
-    avx2 = kernels.detect(frozenset({"avx", "avx2", "fma"}))
-    assert avx2.name is None and "neither AMX nor AVX-512" in avx2.reason
-    knights = kernels.detect(frozenset({"avx2", "fma", "avx512f", "avx512cd"}))
-    assert knights.name is None and "neither AMX nor AVX-512 (avx512f, avx512bw" in knights.reason
+    monkeypatch.setenv("CXX", "/usr/bin/true")
+    knights = kernels.detect(frozenset({"avx2", "fma", "avx512f", "avx512cd"}), build=False)
+    assert knights.name == "avx2-f32" and "no AVX-512 (avx512f, avx512bw" in knights.reason
     monkeypatch.setenv("FLUX2KLEIN_CPU_MATMUL", "xla")
     assert kernels.detect(skylake).name is None
     if plugin_missing("avx512-f32") is None:  # this host builds and runs it
@@ -308,3 +339,39 @@ def test_a_cpu_with_avx512_and_no_bf16_takes_the_float32_plugin(monkeypatch: pyt
         monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
         monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
         assert kernels.detect(skylake).name == "avx512-f32"
+
+
+# An AMD Zen 3 server's flags: AVX2 and FMA, no AVX-512.
+CPUINFO_ZEN3 = ("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 sha_ni "
+                "vaes vpclmulqdq\n")
+
+
+@pytest.mark.usefixtures("fresh_status")
+def test_a_cpu_with_avx2_and_no_avx512_takes_the_avx2_float32_plugin(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """Named in reports with what its first run will do (nothing built); without a compiler, XLA's forms
+    and nothing half-built; AVX without AVX2, or AVX2 without FMA, keeps XLA's forms; where this host can
+    run it, detection loads it."""
+    zen3 = cpu.cpu_flags(CPUINFO_ZEN3)
+    monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+    monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened a shim yet
+    monkeypatch.setenv("CXX", "/usr/bin/true")
+    report = kernels.detect(zen3, build=False)
+    assert report.name == "avx2-f32" and "built on the first run" in report.reason
+    assert "no AVX-512 (" in report.reason and "AVX2 FMAs" in report.reason
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
+    status = kernels.detect(zen3)
+    assert status.name is None and "no C++ compiler" in status.reason
+    assert not any((tmp_path / "native").iterdir())
+    for older in ({"avx", "sse4_2"}, {"avx", "avx2"}):  # Sandy Bridge; AVX2 without FMA
+        status = kernels.detect(frozenset(older))
+        assert status.name is None and "neither AVX-512 (avx512f" in status.reason
+        assert "nor AVX2 with FMA" in status.reason
+    if plugin_missing("avx2-f32") is None:  # this host builds and runs it
+        monkeypatch.undo()
+        monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+        monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+        assert kernels.detect(zen3).name == "avx2-f32"
