@@ -49,6 +49,14 @@ F32_PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) 
                for name in ("avx512-bf16", *float32_kernels.BY_NAME)]
 
 
+@pytest.fixture(autouse=True)
+def attention_on_any_host(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """The kernels' tests take the shim's attention on a host of any core count (the cap has a test of
+    its own)."""
+    if "few_cores" not in request.node.name:
+        monkeypatch.setattr(float32_kernels, "ATTENTION_MOST_CORES", 1 << 30)
+
+
 def f32_target(plugin: str, name: str) -> str:
     """The float32 target `plugin` registers for `name` (a *_TARGET of the plugin modules)."""
     if plugin in float32_kernels.BY_NAME:
@@ -375,3 +383,21 @@ def test_a_cpu_with_avx2_and_no_avx512_takes_the_avx2_float32_plugin(monkeypatch
         monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
         monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
         assert kernels.detect(zen3).name == "avx2-f32"
+
+
+@pytest.mark.parametrize("plugin", float32_kernels.BY_NAME)
+def test_unmasked_attention_takes_the_float32_plugin_only_on_hosts_of_few_cores(
+        plugin: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lowering only: past ATTENTION_MOST_CORES cores the transformer's attention keeps XLA's form (whole
+    runs were slower with the shim's there), the text encoder's masked attention stays the plugin's."""
+    q, k, v = (a.astype(jnp.float32) for a in qkv(1, 40, 40, 2, 64))
+    masked = [a.astype(jnp.float32) for a in text_attention_inputs(2, 9, 4, 2, 16)[:3]]
+    mask = text_attention_inputs(2, 9, 4, 2, 16)[3]
+    for cores, taken in ((1, True), (float32_kernels.ATTENTION_MOST_CORES, True),
+                         (float32_kernels.ATTENTION_MOST_CORES + 1, False), (64, False)):
+        monkeypatch.setattr(float32_kernels.cpu, "core_count", lambda cores=cores: cores)
+        held = attention_under(plugin).trace(q, k, v).lower().as_text()
+        assert (f"@{f32_target(plugin, 'ATTENTION_TARGET')}(" in held) == taken, cores
+        assert "custom_call" in held if taken else "custom_call" not in held
+        text = text_attention_under(plugin).trace(*masked, mask).lower().as_text()
+        assert f"@{f32_target(plugin, 'MASKED_ATTENTION_TARGET')}(" in text
