@@ -7,6 +7,8 @@ the forms, not the other CPU.
 
     # an AVX-512 CPU without bf16 (Intel Skylake-SP to Ice Lake), on a Zen 4 or an AMX Xeon:
     python benchmarks/cpu_as.py --without avx512_bf16 -- bench --model DIR --dtype fp32 --no-store --json
+    # an AVX2 CPU without AVX-512 (AMD Zen 2 and 3, Intel client CPUs): every AVX-512 flag goes with avx512f:
+    python benchmarks/cpu_as.py --without avx512f -- bench --model DIR --dtype fp32 --no-store --json
     # the same CPU with no kernel plugin (XLA's forms: what it ran before the float32 plugin):
     python benchmarks/cpu_as.py --without avx512_bf16 --no-plugin -- bench --model DIR --dtype fp32 --no-store --json
 """
@@ -38,6 +40,8 @@ def main() -> None:
     from flux2klein_cli.core.devices import cpu
 
     flags = cpu.cpu_flags() - without
+    if "avx512f" in without:  # no AVX-512 extension (bf16 among them) or AMX without its foundation
+        flags = frozenset(flag for flag in flags if not flag.startswith(("avx512", "amx")))
     cpu._host_flags = lambda: flags  # what every later reader of the host's flags gets
     if args.no_plugin:
         from flux2klein_cli.core.models import kernels
