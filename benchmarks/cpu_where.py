@@ -367,18 +367,17 @@ def single_tail(rounds: int) -> None:
 
 def f32_plugin(rounds: int) -> None:
     """float32 work in this host's plugin's float32 forms (avx512-bf16's, avx512-f32 or avx2-f32) against
-    XLA's, interleaved: the medium
-    transformer's attention (1536 tokens, 4 heads of 128), then the medium decoder's convolutions: 3x3,
-    the fused GroupNorm + SiLU + 3x3 (a resnet's), the nearest 2x upsample and its convolution, the 1x1
-    shortcuts, and the 32 -> 3 output convolution (which stays XLA's). GFLOP/s count the plain form's
-    products."""
+    XLA's, interleaved, each compiled as the pipeline's programs are here: the medium transformer's
+    attention (1536 tokens, 4 heads of 128), then the medium decoder's convolutions: 3x3, the fused
+    GroupNorm + SiLU + 3x3 (a resnet's), the nearest 2x upsample and its convolution, the 1x1 shortcuts,
+    and the 32 -> 3 output convolution (which stays XLA's). GFLOP/s count the plain form's products."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
     from flux2klein_cli.core.models import float32_kernels, kernels, layers
-    from flux2klein_cli.core.models.trace import TraceOptions, traced_under
+    from flux2klein_cli.core.models.trace import TraceOptions, jit_program
     from flux2klein_cli.core.models.vae import GroupNorm, Upsample, conv
 
     plugin = kernels.plugin_status().name
@@ -388,9 +387,10 @@ def f32_plugin(rounds: int) -> None:
     plugins = (plugin, None)
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 1536, 4, 128)), jnp.float32) for _ in range(3))
-    attention = {plugin or "XLA": jax.jit(traced_under(layers.dot_product_attention,
-                                                       TraceOptions("cpu", "blocked", kernels=plugin)))
-                 for plugin in plugins}
+    # Compiled as the pipeline's programs are on this host (trace.jit_program: on more than 2 cores,
+    # YNNPACK gets lone dots only), not with XLA's default fusions.
+    attention = {name or "XLA": jit_program(layers.dot_product_attention, TraceOptions("cpu", "blocked", kernels=name))
+                 for name in plugins}
     spent: dict[str, list[float]] = {name: [] for name in attention}
     for _ in range(rounds):
         for name, form in attention.items():
@@ -400,8 +400,12 @@ def f32_plugin(rounds: int) -> None:
     print("attention 1536 x 4 x 128: " + ", ".join(f"{name} {t * 1e3:.2f} ms ({flops / t / 1e9:.0f} GFLOP/s)"
                                                    for name, t in medians.items())
           + f", plugin / XLA {medians[plugin] / medians['XLA']:.2f}")
-    forms = {plugin or "XLA": nnx.jit(traced_under(lambda m, x: m(x), TraceOptions("cpu", "blocked", kernels=plugin)))
-             for plugin in plugins}
+    def module_program(plugin: str | None) -> Callable[[nnx.Module, Any], Any]:
+        program = jit_program(lambda graphdef, state, x: nnx.merge(graphdef, state)(x),
+                              TraceOptions("cpu", "blocked", kernels=plugin))
+        return lambda module, x: program(*nnx.split(module), x)
+
+    forms = {plugin or "XLA": module_program(plugin) for plugin in plugins}
 
     class NormConv(nnx.Module):
         def __init__(self, c_in: int, c_out: int) -> None:

@@ -29,10 +29,10 @@ from flux2klein_cli.core.devices import cpu
 from flux2klein_cli.core.models import avx512_bf16, cpu_matmul, cpu_shim
 
 # Unmasked attention (the transformer's and the VAE's) goes to the shim on hosts of at most this many
-# cores. On a 13-core AVX2 host it ran 4x faster than XLA's form alone, yet whole runs with it denoised
-# slower (1.78 against 1.31 s); on 2, 3 and 6 cores they denoised faster (docs/benchmarks.md, "An AVX2
-# CPU"). The text encoder's masked attention won on every count measured and is always taken. A store
-# shared between hosts of other core counts may hold either form: both compute the same values.
+# cores. On a 13-core AVX2 host whole runs with it denoised slower than with XLA's form (1.78 against
+# 1.31 s); on 2, 3 and 6 cores they denoised faster (docs/benchmarks.md, "An AVX2 CPU"). The text
+# encoder's masked attention won on every count measured and is always taken. A store shared between
+# hosts of other core counts may hold either form: both compute the same values.
 ATTENTION_MOST_CORES = 8
 
 
