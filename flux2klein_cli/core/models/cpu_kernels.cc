@@ -183,8 +183,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_gemm, Gemm,
 
 // Sixteen float32 lanes, the unit every float32 loop below works in: one AVX-512 register, or in the
 // shim's AVX2 build (FLUX2KLEIN_WIDE 0: AMD Zen 2 and 3, Intel client CPUs) a pair of AVX2 registers, a
-// lane mask then a pair of all-ones or zero vectors. Both forms compute the same values (the sums of
-// vsum and vtop may add in another order).
+// lane mask then a pair of all-ones or zero vectors. Both forms compute the same values (vsum may add
+// in another order).
 #if FLUX2KLEIN_WIDE
 using Vec = __m512;
 using Lanes = __mmask16;
@@ -245,7 +245,9 @@ static inline Lanes lanes_left(int64_t left) {
 }
 static inline Vec vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 // VMASKMOVPS reads no masked-off lane, so a row's last lanes may end where its memory does.
-static inline Vec vload(const float* p, Lanes m) { return {_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi)}; }
+static inline Vec vload(const float* p, Lanes m) {
+  return {_mm256_maskload_ps(p, m.lo), _mm256_maskload_ps(p + 8, m.hi)};
+}
 static inline Vec vselect(Lanes m, Vec yes, Vec no) {
   return {_mm256_blendv_ps(no.lo, yes.lo, _mm256_castsi256_ps(m.lo)),
           _mm256_blendv_ps(no.hi, yes.hi, _mm256_castsi256_ps(m.hi))};
@@ -327,10 +329,11 @@ static inline Lanes allowed_lanes(const bool* allowed, int64_t left) {
 // Bit i set where byte i of the 64 at p is nonzero.
 static inline uint64_t nonzero_bytes64(const void* p) {
   const auto* at = static_cast<const __m256i*>(p);
-  const __m256i zero = _mm256_setzero_si256();
-  const uint32_t low = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256(at), zero)));
-  const uint32_t high = ~static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(_mm256_loadu_si256(at + 1), zero)));
-  return static_cast<uint64_t>(high) << 32 | low;
+  const auto zero_bits = [](const __m256i* half) {  // bit i set where byte i is zero
+    const __m256i zeros = _mm256_cmpeq_epi8(_mm256_loadu_si256(half), _mm256_setzero_si256());
+    return static_cast<uint32_t>(_mm256_movemask_epi8(zeros));
+  };
+  return static_cast<uint64_t>(~zero_bits(at + 1)) << 32 | ~zero_bits(at);
 }
 #endif
 
