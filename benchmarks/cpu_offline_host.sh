@@ -2,10 +2,10 @@
 # flux2klein against diffusers on the CPU of a second, offline machine (this workplace's device
 # machine: no package registry, a wheel index of its own), from a checkout of the repository:
 # installs the dependencies into $SITE from local wheels (its index, plus wheels carried in
-# .whl-tpu/: the README's device notes), says what the CPU is (the flags /proc/cpuinfo shows, what
+# .whl-tpu/, as the device tool's notes describe), says what the CPU is (the flags /proc/cpuinfo shows, what
 # the compiler's cpuid sees, which kernels torch and flux2klein pick), then runs
 # benchmarks/cpu_vs_diffusers.py --xla-too (ours with its kernel plugin, ours in XLA's forms, and
-# diffusers, interleaved). Results: $OUT/host.txt and $OUT/vs.txt (its table; per-run lines on stderr).
+# diffusers, interleaved). Results: $OUT/host.txt, $OUT/vs.txt (its table) and $OUT/runs.txt (each run).
 #
 #   OUT=/tmp/host benchmarks/cpu_offline_host.sh 3        # 3 rounds
 #   . benchmarks/cpu_offline_host.sh 0                     # install and describe only, in this shell
