@@ -231,6 +231,12 @@ def conv_under(plugin: str | None) -> object:
     return nnx.jit(traced_under(lambda m, x: m(x), plugin_options(plugin)))
 
 
+def norm_silu_conv_under(plugin: str | None) -> object:
+    """A VAE resnet's first GroupNorm, SiLU and 3x3 convolution as one CPU program, traced with the
+    plugin named (None: XLA's forms)."""
+    return nnx.jit(traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), plugin_options(plugin)))
+
+
 def test_the_vaes_3x3_convolutions_take_the_shim_only_on_the_onemkl_path() -> None:
     module, x = vae_conv(4, 6), jnp.ones((1, 8, 8, 4), jnp.bfloat16)
 
@@ -674,11 +680,7 @@ def test_the_fused_norm_silu_conv_in_the_shim_matches_xlas_forms(plugin: str, sh
     block = vae_resnet(c_in, c_out, groups)
     x = jnp.asarray(3 * np.random.default_rng(1).standard_normal((b, h, w, c_in)) + 1, jnp.bfloat16)
 
-    def first_conv(plugin: str | None) -> np.ndarray:
-        fn = traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), plugin_options(plugin))
-        return np.asarray(nnx.jit(fn)(block, x), np.float32)
-
-    ours, xla = first_conv(plugin), first_conv(None)
+    ours, xla = (np.asarray(norm_silu_conv_under(form)(block, x), np.float32) for form in (plugin, None))
     assert ours.shape == (b, h, w, c_out)
     assert np.mean(ours != xla) < 1e-3
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())

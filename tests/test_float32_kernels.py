@@ -28,6 +28,7 @@ from tests.test_cpu_matmul import (
     conv_under,
     fresh_status,  # noqa: F401 (a fixture the detection test uses)
     hlo,
+    norm_silu_conv_under,
     plugin_missing,
     plugin_options,
     qkv,
@@ -49,12 +50,14 @@ F32_PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) 
                for name in ("avx512-bf16", *float32_kernels.BY_NAME)]
 
 
+ATTENTION_MOST_CORES = float32_kernels.ATTENTION_MOST_CORES  # the cap as shipped
+
+
 @pytest.fixture(autouse=True)
-def attention_on_any_host(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
-    """The kernels' tests take the shim's attention on a host of any core count (the cap has a test of
-    its own)."""
-    if "few_cores" not in request.node.name:
-        monkeypatch.setattr(float32_kernels, "ATTENTION_MOST_CORES", 1 << 30)
+def attention_on_any_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels' tests take the shim's attention on a host of any core count (the cap's own test puts
+    the shipped cap back)."""
+    monkeypatch.setattr(float32_kernels, "ATTENTION_MOST_CORES", 1 << 30)
 
 
 def f32_target(plugin: str, name: str) -> str:
@@ -151,11 +154,7 @@ def test_the_float32_fused_norm_silu_conv_matches_xlas_forms(plugin: str, shape:
     block = f32_resnet(c_in, c_out, groups)
     x = jnp.asarray(3 * np.random.default_rng(1).standard_normal((b, h, w, c_in)) + 1, jnp.float32)
 
-    def first_conv(plugin: str | None) -> np.ndarray:
-        fn = traced_under(lambda m, x: m.conv1.after_norm_silu(m.norm1, x), plugin_options(plugin))
-        return np.asarray(nnx.jit(fn)(block, x), np.float64)
-
-    ours, xla = first_conv(plugin), first_conv(None)
+    ours, xla = (np.asarray(norm_silu_conv_under(form)(block, x), np.float64) for form in (plugin, None))
     assert ours.shape == (b, h, w, c_out)
     np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
     whole = [np.asarray(conv_under(form)(block, x), np.float64) for form in (plugin, None)]
@@ -312,77 +311,64 @@ def test_the_float32_builds_run_on_their_cpus_and_hold_only_float32_handlers() -
     assert exported(avx2) == handlers | {"flux2klein_transpose_copy"}
 
 
-# A Skylake-SP server's flags: AVX-512 without bf16.
+# A Skylake-SP server's flags (AVX-512 without bf16) and an AMD Zen 3 server's (AVX2 and FMA, no AVX-512).
 CPUINFO_SKYLAKE = ("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c avx512f avx512dq "
                    "avx512cd avx512bw avx512vl\n")
-
-
-@pytest.mark.usefixtures("fresh_status")
-def test_a_cpu_with_avx512_and_no_bf16_takes_the_float32_plugin(monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path) -> None:
-    """Named in reports with what its first run will do (nothing built); without a compiler, XLA's
-    forms and nothing half-built; AVX-512F without BW, VL and DQ takes AVX2's; where this host can run
-    it, detection loads it."""
-    skylake = cpu.cpu_flags(CPUINFO_SKYLAKE)
-    monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
-    monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
-    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened a shim yet
-    monkeypatch.setenv("CXX", "/usr/bin/true")
-    report = kernels.detect(skylake, build=False)
-    assert report.name == "avx512-f32" and "built on the first run" in report.reason
-    assert "no AVX-512 bf16" in report.reason and "float32 activations" in report.reason
-    monkeypatch.delenv("CXX")
-    monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
-    status = kernels.detect(skylake)
-    assert status.name is None and "no C++ compiler" in status.reason
-    assert not any((tmp_path / "native").iterdir())
-    monkeypatch.setenv("CXX", "/usr/bin/true")
-    knights = kernels.detect(frozenset({"avx2", "fma", "avx512f", "avx512cd"}), build=False)
-    assert knights.name == "avx2-f32" and "no AVX-512 (avx512f, avx512bw" in knights.reason
-    monkeypatch.setenv("FLUX2KLEIN_CPU_MATMUL", "xla")
-    assert kernels.detect(skylake).name is None
-    if plugin_missing("avx512-f32") is None:  # this host builds and runs it
-        monkeypatch.undo()
-        monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
-        monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
-        assert kernels.detect(skylake).name == "avx512-f32"
-
-
-# An AMD Zen 3 server's flags: AVX2 and FMA, no AVX-512.
 CPUINFO_ZEN3 = ("processor\t: 0\nflags\t\t: fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi1 bmi2 sha_ni "
                 "vaes vpclmulqdq\n")
 
 
-@pytest.mark.usefixtures("fresh_status")
-def test_a_cpu_with_avx2_and_no_avx512_takes_the_avx2_float32_plugin(monkeypatch: pytest.MonkeyPatch,
-                                                                      tmp_path: Path) -> None:
-    """Named in reports with what its first run will do (nothing built); without a compiler, XLA's forms
-    and nothing half-built; AVX without AVX2, or AVX2 without FMA, keeps XLA's forms; where this host can
-    run it, detection loads it."""
-    zen3 = cpu.cpu_flags(CPUINFO_ZEN3)
+@pytest.fixture
+def first_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An x86 process that has opened no shim, its cache in tmp_path, no FLUX2KLEIN_CPU_MATMUL, and a
+    compiler that is never run (`CXX=/usr/bin/true`)."""
     monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened a shim yet
+    monkeypatch.setattr(cpu_shim, "_opened", {})
     monkeypatch.setenv("CXX", "/usr/bin/true")
-    report = kernels.detect(zen3, build=False)
-    assert report.name == "avx2-f32" and "built on the first run" in report.reason
-    assert "no AVX-512 (" in report.reason and "AVX2 FMAs" in report.reason
+    return tmp_path
+
+
+@pytest.mark.usefixtures("fresh_status")
+@pytest.mark.parametrize("cpuinfo, name, words", [
+    (CPUINFO_SKYLAKE, "avx512-f32", ("no AVX-512 bf16", "AVX-512 FMAs", "float32 activations")),
+    (CPUINFO_ZEN3, "avx2-f32", ("no AVX-512 (", "AVX2 FMAs", "float32 activations")),
+], ids=["skylake", "zen3"])
+def test_a_cpu_without_bf16_takes_its_float32_plugin(cpuinfo: str, name: str, words: tuple[str, ...],
+                                                     monkeypatch: pytest.MonkeyPatch, first_run: Path) -> None:
+    """AVX-512 without bf16 takes the AVX-512 float32 plugin, AVX2 and FMA without AVX-512 the AVX2 one:
+    named in reports with what its first run will do (nothing built); without a compiler, XLA's forms and
+    nothing half-built; none under FLUX2KLEIN_CPU_MATMUL=xla; where this host can run it, detection
+    loads it."""
+    flags = cpu.cpu_flags(cpuinfo)
+    report = kernels.detect(flags, build=False)
+    assert report.name == name and "built on the first run" in report.reason
+    assert all(word in report.reason for word in words), report.reason
     monkeypatch.delenv("CXX")
     monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
-    status = kernels.detect(zen3)
+    status = kernels.detect(flags)
     assert status.name is None and "no C++ compiler" in status.reason
-    assert not any((tmp_path / "native").iterdir())
+    assert not any((first_run / "native").iterdir())
+    monkeypatch.setenv("FLUX2KLEIN_CPU_MATMUL", "xla")
+    assert kernels.detect(flags).name is None
+    if plugin_missing(name) is None:  # this host builds and runs it
+        monkeypatch.undo()
+        monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+        monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+        assert kernels.detect(flags).name == name
+
+
+@pytest.mark.usefixtures("fresh_status", "first_run")
+def test_cpus_between_the_float32_plugins_take_the_one_they_can_run() -> None:
+    """AVX-512F without BW, VL and DQ (Knights Landing) takes AVX2's; AVX without AVX2, or AVX2 without
+    FMA, keeps XLA's forms."""
+    knights = kernels.detect(frozenset({"avx2", "fma", "avx512f", "avx512cd"}), build=False)
+    assert knights.name == "avx2-f32" and "no AVX-512 (avx512f, avx512bw" in knights.reason
     for older in ({"avx", "sse4_2"}, {"avx", "avx2"}):  # Sandy Bridge; AVX2 without FMA
         status = kernels.detect(frozenset(older))
         assert status.name is None and "neither AVX-512 (avx512f" in status.reason
         assert "nor AVX2 with FMA" in status.reason
-    if plugin_missing("avx2-f32") is None:  # this host builds and runs it
-        monkeypatch.undo()
-        monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
-        monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
-        assert kernels.detect(zen3).name == "avx2-f32"
 
 
 @pytest.mark.parametrize("plugin", float32_kernels.BY_NAME)
@@ -390,11 +376,11 @@ def test_unmasked_attention_takes_the_float32_plugin_only_on_hosts_of_few_cores(
         plugin: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Lowering only: past ATTENTION_MOST_CORES cores the transformer's attention keeps XLA's form (whole
     runs were slower with the shim's there), the text encoder's masked attention stays the plugin's."""
+    monkeypatch.setattr(float32_kernels, "ATTENTION_MOST_CORES", ATTENTION_MOST_CORES)
     q, k, v = (a.astype(jnp.float32) for a in qkv(1, 40, 40, 2, 64))
     masked = [a.astype(jnp.float32) for a in text_attention_inputs(2, 9, 4, 2, 16)[:3]]
     mask = text_attention_inputs(2, 9, 4, 2, 16)[3]
-    for cores, taken in ((1, True), (float32_kernels.ATTENTION_MOST_CORES, True),
-                         (float32_kernels.ATTENTION_MOST_CORES + 1, False), (64, False)):
+    for cores, taken in ((1, True), (ATTENTION_MOST_CORES, True), (ATTENTION_MOST_CORES + 1, False), (64, False)):
         monkeypatch.setattr(float32_kernels.cpu, "core_count", lambda cores=cores: cores)
         held = attention_under(plugin).trace(q, k, v).lower().as_text()
         assert (f"@{f32_target(plugin, 'ATTENTION_TARGET')}(" in held) == taken, cores

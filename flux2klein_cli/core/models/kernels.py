@@ -99,18 +99,23 @@ def _amx(flags: frozenset[str], build: bool) -> Status:
     return Status(None, why) if why is not None else Status("amx", chosen)
 
 
+# Why a CPU takes each float32 plugin, and the unit its FMAs run on.
+_FLOAT32_REASONS = {"avx512-f32": ("the CPU has no AVX-512 bf16 (avx512_bf16)", "AVX-512"),
+                    "avx2-f32": ("the CPU has no AVX-512 (avx512f, avx512bw, avx512vl, avx512dq)", "AVX2")}
+
+
 def _float32(build: bool, name: str) -> Status:
     """A float32 plugin (`name`), for a CPU without a bf16 dot: AVX-512's where it has AVX-512, else AVX2's."""
-    why, unit, shim_build = (("the CPU has no AVX-512 bf16 (avx512_bf16)", "AVX-512", "f32") if name == "avx512-f32"
-                             else ("the CPU has no AVX-512 (avx512f, avx512bw, avx512vl, avx512dq)", "AVX2", "avx2"))
-    chosen = (f"{why}: float32 attention and VAE convolutions in {unit} FMAs, which a bf16 model's float32 "
-              "activations take too")
-    unbuilt = None if build else _unbuilt(name, chosen, refused=f"{why}; ", shim_build=shim_build)
-    if unbuilt is not None:
-        return unbuilt
     from flux2klein_cli.core.models.float32_kernels import BY_NAME
 
-    failed = BY_NAME[name].load()
+    plugin = BY_NAME[name]
+    why, unit = _FLOAT32_REASONS[name]
+    chosen = (f"{why}: float32 attention and VAE convolutions in {unit} FMAs, which a bf16 model's float32 "
+              "activations take too")
+    unbuilt = None if build else _unbuilt(name, chosen, refused=f"{why}; ", shim_build=plugin.build)
+    if unbuilt is not None:
+        return unbuilt
+    failed = plugin.load()
     return Status(None, f"{why}; {failed}") if failed is not None else Status(name, chosen)
 
 
