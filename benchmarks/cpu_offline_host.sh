@@ -7,7 +7,12 @@
 # benchmarks/cpu_vs_diffusers.py --xla-too (ours with its kernel plugin, ours in XLA's forms, and
 # diffusers, interleaved). Results: $OUT/host.txt, $OUT/vs.txt (its table) and $OUT/runs.txt (each run).
 #
+# libtpu, where installed, is hidden from every run (a module of that name that fails to import comes
+# first on the path): jax imports it and starts the TPU runtime even under JAX_PLATFORMS=cpu, which a CPU
+# machine's user never has, and torch's runs have no counterpart of it.
+#
 #   OUT=/tmp/host benchmarks/cpu_offline_host.sh 3        # 3 rounds
+#   DTYPES=fp32 benchmarks/cpu_offline_host.sh 3           # fp32 only (diffusers' bf16 crawls without AVX-512 bf16)
 #   . benchmarks/cpu_offline_host.sh 0                     # install and describe only, in this shell
 set -u
 ROUNDS=${1:-3}
@@ -15,7 +20,9 @@ OUT=${OUT:-/tmp/flux2klein-host}
 SITE=${SITE:-/tmp/flux2klein-site}
 WORK=${WORK:-/tmp/flux2klein-host-work}  # the checkpoint and the executable store, kept between calls
 mkdir -p "$OUT" "$WORK"
-export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cpu FLUX2KLEIN_CACHE=$WORK/cache \
+mkdir -p "$WORK/no-libtpu/libtpu"
+echo 'raise ImportError("libtpu is hidden from this CPU benchmark")' > "$WORK/no-libtpu/libtpu/__init__.py"
+export PYTHONPATH=$WORK/no-libtpu:$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} JAX_PLATFORMS=cpu FLUX2KLEIN_CACHE=$WORK/cache \
   PYTHONUNBUFFERED=1 PIP_CONFIG_FILE=/dev/null
 if ! python3 -c 'import flax, diffusers, torch, typer, skimage' 2>/dev/null; then
   start=$SECONDS
@@ -39,4 +46,4 @@ print("flux2klein:", kernels.report())
 PY
 } 2>&1 | tee "$OUT/host.txt"
 [ "$ROUNDS" -gt 0 ] || return 0 2>/dev/null || exit 0
-python3 benchmarks/cpu_vs_diffusers.py --rounds "$ROUNDS" --xla-too --out "$WORK/vs" 2> >(tee "$OUT/runs.txt" >&2) | tee "$OUT/vs.txt"
+python3 benchmarks/cpu_vs_diffusers.py --rounds "$ROUNDS" --dtypes "${DTYPES:-fp32,bf16}" --xla-too --out "$WORK/vs" 2> >(tee "$OUT/runs.txt" >&2) | tee "$OUT/vs.txt"

@@ -8,6 +8,7 @@ ml_dtypes pin"):
     python benchmarks/cpu_where.py upsample-plugin                     # the same in the AVX-512 bf16 plugin
     python benchmarks/cpu_where.py first-touch                         # fresh memory, 256 MB
     python benchmarks/cpu_where.py ops --dtype bf16                    # our XLA ops' time, from a profile
+    python benchmarks/cpu_where.py torch-ops                           # diffusers' ops' time, from a profile
     python benchmarks/cpu_where.py single-tail                         # the single block's SwiGLU + concat
     python benchmarks/cpu_where.py f32-plugin                          # float32 attention and decoder convolutions
 
@@ -69,6 +70,31 @@ def phases(model: str, size: int, steps: int, calls: int, dtype: str) -> None:
             pipe(prompt="a red fox in snow", height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
                  generator=torch.Generator().manual_seed(0))
         print({phase: round(s, 2) for phase, s in spent.items()})
+
+
+def torch_ops(model: str, size: int, steps: int, dtype: str, top: int) -> None:
+    """diffusers' pipeline under torch's profiler: its ops by their summed self time over one call
+    (after a first call), the counterpart of the `ops` study."""
+    import diffusers
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch_dtype)
+    pipe.set_progress_bar_config(disable=True)
+
+    def call() -> None:
+        with torch.inference_mode():
+            pipe(prompt="a red fox in snow", height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
+                 generator=torch.Generator().manual_seed(0))
+
+    call()
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        call()
+    print(f"one call under the profiler: {time.perf_counter() - start:.2f} s")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
 def gemm(lib: str) -> None:
@@ -383,7 +409,6 @@ def f32_plugin(rounds: int) -> None:
     plugin = kernels.plugin_status().name
     if plugin not in ("avx512-bf16", *float32_kernels.BY_NAME):
         raise SystemExit(f"no plugin with float32 forms runs here: {kernels.plugin_status().reason}")
-    float32_kernels.ATTENTION_MOST_CORES = 1 << 30  # the attention's own speed, on any host
     plugins = (plugin, None)
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 1536, 4, 128)), jnp.float32) for _ in range(3))
@@ -440,8 +465,8 @@ def f32_plugin(rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "upsample-plugin",
-                                          "first-touch", "ops", "single-tail", "linear-plugin", "f32-plugin"))
+    parser.add_argument("study", choices=("phases", "gemm", "attention", "upsample", "upsample-plugin", "first-touch",
+                                          "ops", "torch-ops", "single-tail", "linear-plugin", "f32-plugin"))
     parser.add_argument("--model", default="/tmp/cmp/medium", help="phases, ops: a diffusers checkpoint folder")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=4)
@@ -463,6 +488,8 @@ def main() -> None:
         upsample_plugin(args.rounds)
     elif args.study == "ops":
         ops(args.model, args.size, args.steps, args.dtype, args.top)
+    elif args.study == "torch-ops":
+        torch_ops(args.model, args.size, args.steps, args.dtype, args.top)
     elif args.study == "single-tail":
         single_tail(args.rounds)
     elif args.study == "linear-plugin":

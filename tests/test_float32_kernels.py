@@ -50,16 +50,6 @@ F32_PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) 
                for name in ("avx512-bf16", *float32_kernels.BY_NAME)]
 
 
-ATTENTION_MOST_CORES = float32_kernels.ATTENTION_MOST_CORES  # the cap as shipped
-
-
-@pytest.fixture(autouse=True)
-def attention_on_any_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels' tests take the shim's attention on a host of any core count (the cap's own test puts
-    the shipped cap back)."""
-    monkeypatch.setattr(float32_kernels, "ATTENTION_MOST_CORES", 1 << 30)
-
-
 def f32_target(plugin: str, name: str) -> str:
     """The float32 target `plugin` registers for `name` (a *_TARGET of the plugin modules)."""
     if plugin in float32_kernels.BY_NAME:
@@ -202,6 +192,35 @@ def test_float32_attention_in_the_shim_is_as_close_to_float64_as_xlas(plugin: st
     assert f"@{f32_target(plugin, 'ATTENTION_TARGET')}(" in held
     ours, xla = (np.asarray(attention_under(form)(q, k, v), np.float64) for form in (plugin, None))
     assert_as_close_as_xla(ours, xla, attention_exact(q, k, v), times=3)
+
+
+@pytest.mark.parametrize("plugin", F32_PLUGINS)
+def test_kernel_calls_in_a_row_share_no_stale_scratch(plugin: str) -> None:
+    """Each thread keeps its attention scratch from call to call: a call with new values of the same shape
+    packs its own keys and values (not the last call's of the same head), and a call after a longer one,
+    or a masked one after it, reads nothing the longer one left behind."""
+    forms = {"unmasked": (attention_under(plugin), attention_under(None)),
+             "masked": (text_attention_under(plugin), text_attention_under(None))}
+    calls = [("unmasked", (1, 200, 200, 2, 64), 0), ("unmasked", (1, 200, 200, 2, 64), 1),
+             ("unmasked", (1, 40, 600, 2, 64), 2), ("unmasked", (1, 40, 70, 2, 64), 3),
+             ("masked", (2, 64, 2, 2, 64), 0)]
+    for form, shape, seed in calls:
+        if form == "masked":
+            q, k, v, mask = text_attention_inputs(*shape)
+            args: tuple[jax.Array, ...] = (*(a.astype(jnp.float32) for a in (q, k, v)), mask)
+        else:
+            args = tuple(a.astype(jnp.float32) for a in qkv(*shape, seed=seed))
+        ours, xla = (np.asarray(program(*args), np.float64) for program in forms[form])
+        assert_as_close_as_xla(ours, xla, attention_exact(*args), times=3)
+    # The same for the packed weight columns of the 1x1 products (new weights, the same shape) and the
+    # convolutions' padded tiles (a wide image, then a narrow one).
+    rng = np.random.default_rng(2)
+    for c_in, c_out, size, h, w, seed in [(64, 48, 1, 9, 20, 0), (64, 48, 1, 9, 20, 1), (32, 32, 3, 40, 64, 0),
+                                          (32, 32, 3, 6, 10, 1)]:
+        module = f32_conv(c_in, c_out, seed=seed, size=size)
+        x = jnp.asarray(rng.standard_normal((1, h, w, c_in)), jnp.float32)
+        ours, xla = (np.asarray(conv_under(form)(module, x), np.float64) for form in (plugin, None))
+        assert_as_close_as_xla(ours, xla, conv_exact(module, x))
 
 
 @pytest.mark.parametrize("plugin", F32_PLUGINS)
@@ -369,21 +388,3 @@ def test_cpus_between_the_float32_plugins_take_the_one_they_can_run() -> None:
         status = kernels.detect(frozenset(older))
         assert status.name is None and "neither AVX-512 (avx512f" in status.reason
         assert "nor AVX2 with FMA" in status.reason
-
-
-@pytest.mark.parametrize("plugin", float32_kernels.BY_NAME)
-def test_unmasked_attention_takes_the_float32_plugin_only_on_hosts_of_few_cores(
-        plugin: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lowering only: past ATTENTION_MOST_CORES cores the transformer's attention keeps XLA's form (whole
-    runs were slower with the shim's there), the text encoder's masked attention stays the plugin's."""
-    monkeypatch.setattr(float32_kernels, "ATTENTION_MOST_CORES", ATTENTION_MOST_CORES)
-    q, k, v = (a.astype(jnp.float32) for a in qkv(1, 40, 40, 2, 64))
-    masked = [a.astype(jnp.float32) for a in text_attention_inputs(2, 9, 4, 2, 16)[:3]]
-    mask = text_attention_inputs(2, 9, 4, 2, 16)[3]
-    for cores, taken in ((1, True), (ATTENTION_MOST_CORES, True), (ATTENTION_MOST_CORES + 1, False), (64, False)):
-        monkeypatch.setattr(float32_kernels.cpu, "core_count", lambda cores=cores: cores)
-        held = attention_under(plugin).trace(q, k, v).lower().as_text()
-        assert (f"@{f32_target(plugin, 'ATTENTION_TARGET')}(" in held) == taken, cores
-        assert "custom_call" in held if taken else "custom_call" not in held
-        text = text_attention_under(plugin).trace(*masked, mask).lower().as_text()
-        assert f"@{f32_target(plugin, 'MASKED_ATTENTION_TARGET')}(" in text

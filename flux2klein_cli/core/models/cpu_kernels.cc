@@ -727,24 +727,58 @@ static int64_t last_allowed_key(const AttentionShape& s, const Masking& m, int64
   return last;
 }
 
-// A worker's scratch for one block of queries, and the keys and values of the head it last packed. In
-// float32 the softmax weights overwrite the scores (no second array).
+// A number for each kernel call of the process (never 0): a worker's scratch kept from call to call
+// records the call whose packed data it holds.
+static uint64_t next_call() {
+  static std::atomic<uint64_t> calls{0};
+  return calls.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+// A worker's scratch for one block of queries, and the keys and values of the head it last packed (in the
+// call it last served). In float32 the softmax weights overwrite the scores (no second array). Every
+// element a block reads is written first, so a scratch kept from an earlier call needs no clearing.
 template <typename T>
 struct AttentionScratch {
   static constexpr bool kSeparateWeights = std::is_same_v<T, uint16_t>;
-  int64_t depth, keys, dims;  // the head dim, the keys and the value dims, each padded for the tiles
+  int64_t depth = 0, keys = 0, dims = 0;  // the head dim, the keys and the value dims, each padded for the tiles
   std::vector<T> queries, packed_keys, packed_values, weights;
   std::vector<float> scores, acc;
   int64_t packed_head = -1;
-  explicit AttentionScratch(const AttentionShape& s)
-      : depth(round_up(s.dim, 32)), keys(round_up(s.sk, kPanel)), dims(round_up(s.dim, kPanel)),
-        queries(kQueryBlock * depth), packed_keys(keys * depth), packed_values(dims * keys),
-        weights(kSeparateWeights ? kQueryBlock * keys : 0), scores(kQueryBlock * keys), acc(kQueryBlock * dims) {}
+  uint64_t call = 0;
+  AttentionScratch() = default;
+  explicit AttentionScratch(const AttentionShape& s) { fit(s, 0); }
+  static int64_t bytes(const AttentionShape& s) {
+    const int64_t keys = round_up(s.sk, kPanel), depth = round_up(s.dim, 32), dims = round_up(s.dim, kPanel);
+    return (kQueryBlock * depth + keys * (depth + dims) + (kSeparateWeights ? kQueryBlock * keys : 0)) * sizeof(T) +
+           kQueryBlock * (keys + dims) * sizeof(float);
+  }
+  // Sized for shape s in call `for_call`; a head packed in another call is packed again.
+  void fit(const AttentionShape& s, uint64_t for_call) {
+    depth = round_up(s.dim, 32), keys = round_up(s.sk, kPanel), dims = round_up(s.dim, kPanel);
+    queries.resize(kQueryBlock * depth), packed_keys.resize(keys * depth), packed_values.resize(dims * keys);
+    weights.resize(kSeparateWeights ? kQueryBlock * keys : 0), scores.resize(kQueryBlock * keys);
+    acc.resize(kQueryBlock * dims);
+    if (call != for_call) call = for_call, packed_head = -1;
+  }
   T* weight_rows() {
     if constexpr (kSeparateWeights) return weights.data();
     else return scores.data();
   }
 };
+
+// Each thread keeps its attention scratch from call to call where it is small (the transformer's and the
+// text encoder's heads: about 2.5 MB at 1536 keys). Allocated per call, every worker's scratch was fresh
+// memory, zeroed by the calling thread: on 13 cores about 32 MB of first touches a call, which cost more
+// than the attention itself saved there. A VAE's one-head attention over a large image keeps allocating
+// per call (hundreds of MB, against seconds of products). The convolutions' tiles are kept the same way.
+constexpr int64_t kKeptScratchBytes = 16 << 20;
+
+template <typename T>
+static AttentionScratch<T>& kept_scratch(const AttentionShape& s, uint64_t call) {
+  thread_local AttentionScratch<T> kept;
+  kept.fit(s, call);
+  return kept;
+}
 
 // One block of `rows` queries of head h in batch b: scores, softmax, P @ V, normalised. The keys and
 // values of a head are packed once per worker, not per block.
@@ -828,12 +862,16 @@ static ffi::Error attend(const AttentionShape& s, const Masking& m, ffi::Buffer<
   // Tasks are (batch, head, query block), in that order, so a worker's share is mostly whole heads:
   // it packs each of them once (and the heads of a group share it).
   const int workers = workers_for(tasks);
+  const uint64_t call = next_call();
+  const bool keep = AttentionScratch<T>::bytes(s) <= kKeptScratchBytes;
   std::vector<AttentionScratch<T>> scratch;
-  for (int i = 0; i < workers; ++i) scratch.emplace_back(s);
+  if (!keep)
+    for (int i = 0; i < workers; ++i) scratch.emplace_back(s);
   parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
     const int64_t block = t % blocks, bh = t / blocks;
     const int64_t row0 = block * kQueryBlock, rows = std::min(kQueryBlock, s.sq - row0);
-    attend_block(s, m, qp, kp, vp, op, bh / s.heads, bh % s.heads, row0, rows, scratch[worker]);
+    attend_block(s, m, qp, kp, vp, op, bh / s.heads, bh % s.heads, row0, rows,
+                 keep ? kept_scratch<T>(s, call) : scratch[worker]);
   });
   return ffi::Error::Success();
 }
@@ -1115,6 +1153,25 @@ static int64_t conv_tile_rows(const ConvShape& s) {
   return std::max(least, std::min(s.h, (s.h + even - 1) / even));
 }
 
+// A worker's padded input rows for a tile (and MKL's float32 sums), each element written before it is read.
+template <typename T>
+struct ConvScratch {
+  std::vector<float> sums;
+  std::vector<T> padded;
+  void fit(int64_t padded_count, int64_t sums_count) {
+    if (static_cast<int64_t>(padded.size()) < padded_count) padded.resize(padded_count);
+    if (static_cast<int64_t>(sums.size()) < sums_count) sums.resize(sums_count);
+  }
+};
+
+// This thread's convolution scratch, kept from call to call as the attention's is.
+template <typename T>
+static ConvScratch<T>& kept_conv_scratch(int64_t padded_count, int64_t sums_count) {
+  thread_local ConvScratch<T> kept;
+  kept.fit(padded_count, sums_count);
+  return kept;
+}
+
 // For every tile of output rows, the tiles shared between the cores: fill(b, y, dst) writes padded row y
 // of batch b (y from -1 to H + 1; zeros outside the image), then the tile's products and epilogue.
 template <typename T, typename Fill>
@@ -1124,18 +1181,14 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
   const std::vector<T> packed = s.upsample ? pack_upsample_kernel(kernel, s.c_in, s.c_out)
                                 : s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<T>();
   const int workers = workers_for(s.batch * tiles);
-  struct Scratch {
-    std::vector<float> sums;
-    std::vector<T> padded;
-  };
-  std::vector<Scratch> scratch(workers);
-  for (auto& w : scratch) {
-    w.padded.resize(padded_size(s, tile_rows));
-    if (!s.packed()) w.sums.resize(tile_rows * s.wp() * s.c_out);
-  }
+  const int64_t padded_count = padded_size(s, tile_rows), sums_count = s.packed() ? 0 : tile_rows * s.wp() * s.c_out;
+  const bool keep = padded_count * int64_t{sizeof(T)} + sums_count * int64_t{sizeof(float)} <= kKeptScratchBytes;
+  std::vector<ConvScratch<T>> scratch(keep ? 0 : workers);
+  for (auto& w : scratch) w.fit(padded_count, sums_count);
   parallel_tasks(s.batch * tiles, workers, [&](int64_t t, int worker) {
     const int64_t b = t / tiles, y0 = (t % tiles) * tile_rows, rows = std::min(tile_rows, s.h - y0);
-    T* padded = scratch[worker].padded.data();
+    ConvScratch<T>& w = keep ? kept_conv_scratch<T>(padded_count, sums_count) : scratch[worker];
+    T* padded = w.padded.data();
     for (int64_t j = 0; j < rows + 2; ++j) fill(b, y0 - 1 + j, padded + j * row);
     // The second row below and the slack are read for dropped positions only.
     std::fill(padded + (rows + 2) * row, padded + padded_size(s, rows), T{0});
@@ -1151,7 +1204,7 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
       if (s.products() == ConvProducts::kAmx)
         conv_tile_amx(s, padded, packed.data(), bias32.data(), rows, tile_out);
       else
-        conv_tile_mkl(s, padded, kernel, bias32.data(), rows, scratch[worker].sums.data(), tile_out);
+        conv_tile_mkl(s, padded, kernel, bias32.data(), rows, w.sums.data(), tile_out);
     }
 #endif
   });
@@ -1478,6 +1531,22 @@ static inline void store_sums(const float* sums, int64_t count, float* out) {
   for (int64_t c = 0; c < count; c += 16) vstore(out + c, lanes_left(count - c), vload(sums + c));
 }
 
+// A worker's packed block of a weight's columns (half a core's L2: gemm_block_columns), kept by each
+// thread from call to call as the attention's scratch is; a block packed in another call is packed again.
+template <typename T>
+struct GemmPanels {
+  std::vector<T> panels;
+  int64_t block = -1;
+  uint64_t call = 0;
+};
+
+template <typename T>
+static GemmPanels<T>& kept_gemm_panels(uint64_t call) {
+  thread_local GemmPanels<T> kept;
+  if (kept.call != call) kept.call = call, kept.block = -1;
+  return kept;
+}
+
 // y (m, n) = x (m, k) x w (k, n), all row-major, bf16 (k even; the sums rounded) or float32; with a
 // float32 `bias` (n, padded to a whole panel), that product plus the bias as store_conv_outputs adds it
 // (nnx.Conv's numerics).
@@ -1490,15 +1559,10 @@ static void panel_gemm(const T* xp, const T* wp, const float* bias, T* yp, int64
   const int64_t depth = round_up(k, kPanel), columns = gemm_block_columns<T>(k);
   const int64_t column_blocks = (n + columns - 1) / columns;
   const int64_t row_blocks = (m + kGemmRows - 1) / kGemmRows, tasks = column_blocks * row_blocks;
-  const int workers = workers_for(tasks);
-  struct Packed {
-    std::vector<T> panels;
-    int64_t block = -1;
-  };
-  std::vector<Packed> packed(workers);
-  parallel_tasks(tasks, workers, [&](int64_t t, int worker) {
+  const uint64_t call = next_call();
+  parallel_tasks(tasks, workers_for(tasks), [&](int64_t t, int) {
     const int64_t block = t / row_blocks, col0 = block * columns, cols = std::min(columns, n - col0);
-    Packed& mine = packed[worker];
+    GemmPanels<T>& mine = kept_gemm_panels<T>(call);
     if (mine.block != block) {  // the weight's columns [col0, col0 + cols) as panels
       mine.panels.resize(depth * round_up(cols, kPanel));
       pack_values(wp + col0, n, k, cols, mine.panels.data());

@@ -25,15 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flux2klein_cli.core.devices import cpu
 from flux2klein_cli.core.models import avx512_bf16, cpu_matmul, cpu_shim
-
-# Unmasked attention (the transformer's and the VAE's) goes to the shim on hosts of at most this many
-# cores. On a 13-core AVX2 host whole runs with it denoised slower than with XLA's form (1.78 against
-# 1.31 s); on 2, 3 and 6 cores they denoised faster (docs/benchmarks.md, "An AVX2 CPU"). The text
-# encoder's masked attention won on every count measured and is always taken. A store shared between
-# hosts of other core counts may hold either form: both compute the same values.
-ATTENTION_MOST_CORES = 8
 
 
 def _float32(*arrays: Any) -> bool:
@@ -76,10 +68,8 @@ class Float32Kernels:
         return False
 
     def attention_eligible(self, q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-        """The AVX-512 bf16 plugin's attention shapes, in float32 only, on a host of at most
-        ATTENTION_MOST_CORES cores."""
-        return (cpu.core_count() <= ATTENTION_MOST_CORES and _float32(q, k, v)
-                and avx512_bf16.attention_eligible(q, k, v))
+        """The AVX-512 bf16 plugin's attention shapes, in float32 only."""
+        return _float32(q, k, v) and avx512_bf16.attention_eligible(q, k, v)
 
     def masked_attention_eligible(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> bool:
         """The AVX-512 bf16 plugin's masked attention shapes, in float32 only."""
