@@ -771,6 +771,7 @@ struct AttentionScratch {
 // memory, zeroed by the calling thread: on 13 cores about 32 MB of first touches a call, which cost more
 // than the attention itself saved there. A VAE's one-head attention over a large image keeps allocating
 // per call (hundreds of MB, against seconds of products). The convolutions' tiles are kept the same way.
+// A call holds as much scratch as before (one per worker); it now stays between calls.
 constexpr int64_t kKeptScratchBytes = 16 << 20;
 
 template <typename T>
