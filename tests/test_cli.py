@@ -28,6 +28,8 @@ def test_version_and_help() -> None:
     assert "inspect" in result.stdout and "bench" in result.stdout
     # Square brackets in help text are rich markup unless escaped: they must reach the user.
     assert "FLUX.2 [klein] image models" in result.stdout
+    # Examples first, the one that needs no download among them.
+    assert "Examples:" in result.stdout and 'flux2klein generate "a red fox in snow" --model tiny' in result.stdout
     assert "[tpu] extra" in " ".join(run("compile", "--help").stdout.split())
     assert "[parity] extra" in " ".join(run("parity", "--help").stdout.split())
     # Rich keeps single line breaks: each paragraph of a command's help is one line, or the

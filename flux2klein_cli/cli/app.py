@@ -64,6 +64,13 @@ app = typer.Typer(
     cls=OneLineErrors,
     help=(
         "Run Black Forest Labs' FLUX.2 \\[klein] image models on JAX.\n\n"
+        "Examples:\n\n"
+        "  flux2klein generate \"a red fox in snow\" --model tiny -o fox.png   (random weights)\n\n"
+        "  flux2klein fetch 9b-kv\n\n"
+        "  flux2klein generate \"a lighthouse at dawn\" --model 4b -o out.png\n\n"
+        "  flux2klein edit \"put both cats on the sofa\" --image a.png --image b.png --kv\n\n"
+        "  flux2klein env   (what a run on this host uses)\n\n"
+        "Each command's --help has more. "
         "Exit codes: 0 done, 1 runtime failure, 2 bad usage or bad input."
     ),
     no_args_is_help=True,
