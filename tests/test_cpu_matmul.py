@@ -456,6 +456,19 @@ def test_attention_in_the_shim_matches_xlas_blocked_form(plugin: str, shape: tup
     assert ours_err <= 1.01 * xla_err, (ours_err, xla_err)
 
 
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_bf16_attention_calls_in_a_row_share_no_stale_scratch(plugin: str) -> None:
+    """The bf16 form of tests/test_float32_kernels.py's test of kept scratch: new values of the same shape
+    (each call packs its own keys and values), then a shorter call. One head: every thread that ran a
+    block of an earlier call holds that head packed."""
+    for shape, seed in [((1, 300, 300, 1, 64), 0), ((1, 300, 300, 1, 64), 1), ((1, 300, 300, 1, 64), 2),
+                        ((1, 40, 70, 1, 64), 3)]:
+        q, k, v = qkv(*shape, seed=seed)
+        ours = np.asarray(attention_under(plugin)(q, k, v), np.float32)
+        xla = np.asarray(jax.jit(layers._blocked_attention)(q, k, v), np.float32)
+        np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
+
+
 def text_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
                              round_weights: bool) -> np.ndarray:
     """jax.nn.dot_product_attention's form as written, in float64 with the mask applied exactly: the

@@ -196,14 +196,15 @@ def test_float32_attention_in_the_shim_is_as_close_to_float64_as_xlas(plugin: st
 
 @pytest.mark.parametrize("plugin", F32_PLUGINS)
 def test_kernel_calls_in_a_row_share_no_stale_scratch(plugin: str) -> None:
-    """Each thread keeps its attention scratch from call to call: a call with new values of the same shape
-    packs its own keys and values (not the last call's of the same head), and a call after a longer one,
-    or a masked one after it, reads nothing the longer one left behind."""
+    """Each thread keeps its kernel scratch from call to call: an attention call with new values of the
+    same shape packs its own keys and values (not the last call's of the same head), and a call after a
+    longer one, or a masked one after it, reads nothing the longer one left behind."""
     forms = {"unmasked": (attention_under(plugin), attention_under(None)),
              "masked": (text_attention_under(plugin), text_attention_under(None))}
-    calls = [("unmasked", (1, 200, 200, 2, 64), 0), ("unmasked", (1, 200, 200, 2, 64), 1),
-             ("unmasked", (1, 40, 600, 2, 64), 2), ("unmasked", (1, 40, 70, 2, 64), 3),
-             ("masked", (2, 64, 2, 2, 64), 0)]
+    # One head: every thread that ran a block of an earlier call holds that head packed.
+    calls = [("unmasked", (1, 300, 300, 1, 64), 0), ("unmasked", (1, 300, 300, 1, 64), 1),
+             ("unmasked", (1, 300, 300, 1, 64), 2), ("unmasked", (1, 40, 600, 2, 64), 3),
+             ("unmasked", (1, 40, 70, 2, 64), 4), ("masked", (2, 64, 2, 2, 64), 0)]
     for form, shape, seed in calls:
         if form == "masked":
             q, k, v, mask = text_attention_inputs(*shape)
