@@ -747,14 +747,21 @@ struct AttentionScratch {
   uint64_t call = 0;
   AttentionScratch() = default;
   explicit AttentionScratch(const AttentionShape& s) { fit(s, 0); }
+  struct Padded {
+    int64_t depth, keys, dims;
+  };
+  static Padded padded(const AttentionShape& s) {
+    return {round_up(s.dim, 32), round_up(s.sk, kPanel), round_up(s.dim, kPanel)};
+  }
   static int64_t bytes(const AttentionShape& s) {
-    const int64_t keys = round_up(s.sk, kPanel), depth = round_up(s.dim, 32), dims = round_up(s.dim, kPanel);
+    const auto [depth, keys, dims] = padded(s);
     return (kQueryBlock * depth + keys * (depth + dims) + (kSeparateWeights ? kQueryBlock * keys : 0)) * sizeof(T) +
            kQueryBlock * (keys + dims) * sizeof(float);
   }
   // Sized for shape s in call `for_call`; a head packed in another call is packed again.
   void fit(const AttentionShape& s, uint64_t for_call) {
-    depth = round_up(s.dim, 32), keys = round_up(s.sk, kPanel), dims = round_up(s.dim, kPanel);
+    const Padded sizes = padded(s);
+    depth = sizes.depth, keys = sizes.keys, dims = sizes.dims;
     queries.resize(kQueryBlock * depth), packed_keys.resize(keys * depth), packed_values.resize(dims * keys);
     weights.resize(kSeparateWeights ? kQueryBlock * keys : 0), scores.resize(kQueryBlock * keys);
     acc.resize(kQueryBlock * dims);
