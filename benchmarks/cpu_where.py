@@ -39,8 +39,8 @@ def median_s(fn: Callable[[], Any], calls: int = 7) -> float:
     return statistics.median(times)
 
 
-def phases(model: str, size: int, steps: int, calls: int, dtype: str) -> None:
-    """diffusers' Flux2KleinPipeline in `dtype`, with its three phases wrapped in timers."""
+def diffusers_call(model: str, size: int, steps: int, dtype: str) -> tuple[Any, Callable[[], None]]:
+    """diffusers' Flux2KleinPipeline in `dtype` on every core, and one image's call of it."""
     import diffusers
     import torch
 
@@ -48,6 +48,18 @@ def phases(model: str, size: int, steps: int, calls: int, dtype: str) -> None:
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch_dtype)
     pipe.set_progress_bar_config(disable=True)
+
+    def call() -> None:
+        with torch.inference_mode():
+            pipe(prompt="a red fox in snow", height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
+                 generator=torch.Generator().manual_seed(0))
+
+    return pipe, call
+
+
+def phases(model: str, size: int, steps: int, calls: int, dtype: str) -> None:
+    """diffusers' Flux2KleinPipeline in `dtype`, with its three phases wrapped in timers."""
+    pipe, call = diffusers_call(model, size, steps, dtype)
     spent: dict[str, float] = {}
 
     def timed(owner: Any, name: str, phase: str) -> None:
@@ -66,29 +78,16 @@ def phases(model: str, size: int, steps: int, calls: int, dtype: str) -> None:
     timed(pipe.vae, "decode", "decode")
     for _ in range(calls):
         spent.clear()
-        with torch.inference_mode():
-            pipe(prompt="a red fox in snow", height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
-                 generator=torch.Generator().manual_seed(0))
+        call()
         print({phase: round(s, 2) for phase, s in spent.items()})
 
 
 def torch_ops(model: str, size: int, steps: int, dtype: str, top: int) -> None:
     """diffusers' pipeline under torch's profiler: its ops by their summed self time over one call
     (after a first call), the counterpart of the `ops` study."""
-    import diffusers
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    pipe = diffusers.Flux2KleinPipeline.from_pretrained(model, dtype=torch_dtype)
-    pipe.set_progress_bar_config(disable=True)
-
-    def call() -> None:
-        with torch.inference_mode():
-            pipe(prompt="a red fox in snow", height=size, width=size, num_inference_steps=steps, guidance_scale=1.0,
-                 generator=torch.Generator().manual_seed(0))
-
+    _, call = diffusers_call(model, size, steps, dtype)
     call()
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
