@@ -181,6 +181,33 @@ def test_decode_bf16_close_to_fp32_reference(bf16_outputs, reference_outputs) ->
     assert _rel_err(got, want) <= BF16_DECODE_BOUND
 
 
+def test_group_norm_statistics_of_bf16_the_same_with_a_convert_per_pass() -> None:
+    """On CPU a bf16 GroupNorm converts its input to float32 once per pass (trace.convert_per_pass:
+    XLA:CPU otherwise writes a float32 copy of the activation between the passes). The statistics
+    are the single-convert form's bit for bit, and float64's to float32 rounding."""
+    from flux2klein_cli.core.models.trace import TraceOptions, jit_program
+    from flux2klein_cli.core.models.vae import GroupNorm
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((2, 24, 16, 64)) * 4 + 3, jnp.bfloat16)
+    norm = GroupNorm(64, 32, dtype=jnp.bfloat16)
+    norm.weight[...] = jnp.asarray(rng.uniform(0.5, 1.5, 64), jnp.bfloat16)
+    per_pass, once = TraceOptions("cpu", "blocked"), TraceOptions("gpu", "xla")
+    assert per_pass.convert_per_pass and not once.convert_per_pass
+    got = [jit_program(norm.statistics, options)(x) for options in (per_pass, once)]
+    for a, b in zip(*got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    groups = np.asarray(x.astype(jnp.float32), np.float64).reshape(2, -1, 32, 2)
+    mean = groups.mean(axis=(1, 3))
+    var = groups.var(axis=(1, 3))
+    weight = np.asarray(norm.weight[...].astype(jnp.float32), np.float64)
+    want_mean = np.repeat(mean, 2, axis=1)[:, None]
+    want_scale = (np.repeat(1 / np.sqrt(var + norm.eps), 2, axis=1) * weight)[:, None]
+    np.testing.assert_allclose(np.asarray(got[0][0]), want_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[0][1]), want_scale, rtol=1e-5)
+
+
 def test_dtypes_and_latent_stats_in_state(bf16_model: Flux2VAE) -> None:
     flat = dict(nnx.to_flat_state(nnx.split(bf16_model)[1]))
     assert flat[("bn", "running_mean")].get_value().dtype == jnp.float32

@@ -108,6 +108,13 @@ class TraceOptions:
         """Whether stacked bf16 weights enter the programs as uint16 words (models/layers.py)."""
         return self.platform == "cpu"
 
+    @property
+    def convert_per_pass(self) -> bool:
+        """Whether a reduction that reads an activation twice (GroupNorm's mean, then its variance)
+        converts it to float32 in each pass: XLA's CPU backend otherwise writes the first pass's
+        float32 copy of a bf16 activation to memory for the second (models/vae.py)."""
+        return self.platform == "cpu"
+
     def activation_dtype(self, dtype: Any) -> Any:
         """The dtype a model of `dtype` (its weights') computes its activations in."""
         return jnp.float32 if self.bf16_compute == "f32" and dtype == jnp.bfloat16 else dtype
