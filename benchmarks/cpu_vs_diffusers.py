@@ -26,6 +26,7 @@ this CPU: it compares the two sides' forms for such a CPU, not that CPU's speed.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -129,6 +130,12 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "flux2klein_cli.core.hub.random_checkpoint", str(opts.model),
                             "--preset", "medium"], check=True, capture_output=True)
     env = dict(os.environ, FLUX2KLEIN_COMPILE_CACHE=str(opts.out / "executables"), FLUX2KLEIN_XLA_CACHE="off")
+    # Our modules' bytecode, as `pip install` writes it for both sides' site-packages: from a source
+    # checkout under PYTHONDONTWRITEBYTECODE (this project's VMs), each process of ours otherwise
+    # compiled about 60 of our modules again while diffusers' came compiled.
+    import flux2klein_cli
+
+    compileall.compile_dir(Path(flux2klein_cli.__file__).parent, quiet=1)
     dtypes = [d for d in opts.dtypes.split(",") if d]
     for dtype in dtypes:  # fills the store: every later process of ours starts warm
         run(ours_generate(opts.model, dtype, opts.size, opts.steps, opts.out / "warm.png", opts.as_without), env)
