@@ -151,8 +151,8 @@ class GroupNorm(nnx.Module):
         mean = per_channel_group_mean(flat.astype(jnp.float32))
         if x.dtype != jnp.float32 and trace.current().convert_per_pass:
             # A second convert of its own, fused into the variance's reduction: with one convert for
-            # both passes, XLA:CPU wrote a bf16 activation's float32 copy to memory (the decoder's
-            # statistics at 512x512x32 took 16.7 ms, 1.6 ms with the barrier; the same values).
+            # both passes, XLA:CPU wrote a bf16 activation's float32 copy to memory between them
+            # (several times the two reductions' time; docs/benchmarks.md). The values are the same.
             flat = jax.lax.optimization_barrier(flat)
         # Two-pass variance: E[x^2] - E[x]^2 cancels badly for large activations.
         var = per_channel_group_mean(jnp.square(flat.astype(jnp.float32) - mean))
