@@ -19,18 +19,18 @@ during the imports is handled too.
 from __future__ import annotations
 
 import atexit
-import importlib.abc
-import importlib.machinery
 import os
 import select
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType, ModuleType
 from typing import NoReturn
 
 from flux2klein_cli.cli import interrupted_line
+from flux2klein_cli.core.import_hooks import around_import, skip_ipython_probes
 
 EXIT_INTERRUPTED = 130
 GRACE_S = 4.0  # time the main thread gets to clean up before the watchdog exits for it
@@ -125,7 +125,7 @@ def install_handlers() -> None:
     sys.unraisablehook = _unraisable
     signal.signal(signal.SIGALRM, _retry)
     _reinstall()
-    sys.meta_path.insert(0, _XlaBridgeHook())
+    around_import("jax._src.xla_bridge", _xla_bridge_imported)
 
 
 def _at_exit() -> None:
@@ -162,32 +162,12 @@ def _reinstall() -> None:
             signal.signal(signum, _handler)
 
 
-class _XlaBridgeHook(importlib.abc.MetaPathFinder):
-    """When jax's xla_bridge is imported, wrap its backend initialization: XLA installs absl's
+def _xla_bridge_imported(run: Callable[[ModuleType], None], module: ModuleType) -> None:
+    """Around jax's xla_bridge import: wrap its backend initialization. XLA installs absl's
     FailureSignalHandler there, which would answer SIGTERM with a native stack dump and exit 143.
     Our handlers go back in right after; absl keeps the crash signals (SIGSEGV, SIGABRT)."""
-
-    name = "jax._src.xla_bridge"
-
-    def find_spec(self, fullname: str, path: object, target: ModuleType | None = None
-                  ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        from importlib.util import find_spec
-
-        spec = find_spec(fullname)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        original_exec = loader.exec_module  # type: ignore[attr-defined]
-
-        def exec_module(module: ModuleType) -> None:
-            original_exec(module)
-            _wrap_init_backend(module)
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
+    run(module)
+    _wrap_init_backend(module)
 
 
 def _wrap_init_backend(module: ModuleType) -> None:
@@ -220,6 +200,7 @@ def _run() -> int | str | None:
     try:
         install_handlers()
         _set_process_environment()
+        skip_ipython_probes()
         from flux2klein_cli.cli.app import main as app_main
 
         app_main()
