@@ -216,6 +216,44 @@ def test_compile_all_then_all_hits(tmp_path: Path, parallel: bool) -> None:
     np.testing.assert_allclose(run(second[1][0], n), np.arange(n) * 3.0 + 1)
 
 
+def test_stored_programs_load_side_by_side_each_with_its_own_warnings(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile_all deserializes every stored program at once (threads), and a load's warning stays
+    with its own program: here the three loads wait for each other, which one after another they
+    could not, and then the middle one's entry does not deserialize."""
+    import hashlib
+
+    specs = [make_spec(2.0, "a", n=24), make_spec(3.0, "b", n=32), make_spec(4.0, "c", n=48)]
+    stored = compile_all(specs, ExecutableStore(tmp_path))
+    entry = Path(stored[1][1].path or "")
+    junk = b"not an executable" * 10
+    meta = json.loads((entry / META).read_text())
+    meta["files"][EXECUTABLE] = {"bytes": len(junk), "sha256": hashlib.sha256(junk).hexdigest()}
+    (entry / EXECUTABLE).write_bytes(junk)
+    (entry / META).write_text(json.dumps(trust.sign(meta, trust.store_key(tmp_path))))
+
+    together, met = threading.Barrier(3, timeout=20), []
+    deserialize = ExecutableStore._deserialize
+
+    def meeting(self: ExecutableStore, spec: ProgramSpec, payload: bytes, out_tree: Any) -> Any:
+        try:
+            together.wait()
+            met.append(spec.name)
+        except threading.BrokenBarrierError:
+            pass
+        return deserialize(self, spec, payload, out_tree)
+
+    monkeypatch.setattr(ExecutableStore, "_deserialize", meeting)
+    with pytest.warns(StoreWarning, match="deserialization failed"):
+        results = compile_all(specs, ExecutableStore(tmp_path))
+    assert sorted(met) == ["a", "b", "c"]
+    assert [(info.name, info.status) for _, info in results] == [("a", "hit"), ("b", "recompiled"), ("c", "hit")]
+    assert results[0][1].warning is None and results[2][1].warning is None
+    assert "deserialization failed" in (results[1][1].warning or "")
+    for (compiled, _), (scale, n) in zip(results, ((2.0, 24), (3.0, 32), (4.0, 48)), strict=True):
+        np.testing.assert_allclose(run(compiled, n), np.arange(n) * scale + 1)
+
+
 def test_no_save_stores_nothing(tmp_path: Path) -> None:
     _, info = ExecutableStore(tmp_path / "s").load_or_compile(make_spec(), save=False)
     assert info.status == "miss" and not info.saved and not (tmp_path / "s").exists()

@@ -32,8 +32,8 @@ def compile_all(
     progress: Callable[[str], None] | None = None,
     on_done: Callable[[int, int], None] | None = None,
 ) -> list[tuple[jax.stages.Compiled | None, LoadInfo]]:
-    """Load what is stored, compile the rest (in threads when `parallel`: XLA's compiler
-    releases the GIL), store it. Tracing and lowering stay in this thread, one program at a
+    """Load what is stored, compile the rest, store it; in threads when `parallel` (XLA's
+    deserializer and compiler release the GIL). Tracing and lowering stay in this thread, one program at a
     time: tracing is not meant to run concurrently; each program's compile starts as soon as
     it is lowered. Results come back in `specs` order. `on_done(programs done, programs)` as
     each is loaded or compiled."""
@@ -62,15 +62,26 @@ def compile_all(
         say(f"{spec.name}: compiled in {compile_s:.2f} s")
         finished()
 
+    def load(spec: ProgramSpec, parts: dict[str, Any], earlier: list[str]
+             ) -> tuple[tuple[jax.stages.Compiled | None, LoadInfo] | None, list[str]]:
+        with store.collecting_warnings() as caught:
+            caught.extend(earlier)
+            return store.load(spec, parts), caught
+
     # One worker when not parallel: programs still compile one at a time, each while this
     # thread lowers the next.
     workers = len(specs) if parallel and len(specs) > 1 and not compiles_serially(specs) else 1
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="flux2klein-compile") as pool:
+        keyed = [(spec, key_parts(spec)) for spec in specs]
+        with store.collecting_warnings() as opening:  # the store's checks, once, before the loads start
+            store.trusted_key(create=False)
+        # The stored programs load side by side: XLA deserializes without the GIL, and one after
+        # another they held up a first image on a host whose system calls are slow (benchmarks.md).
+        loads = [pool.submit(load, spec, parts, opening if i == 0 else [])
+                 for i, (spec, parts) in enumerate(keyed)]
         pending = []
-        for i, spec in enumerate(specs):
-            parts = key_parts(spec)
-            with store.collecting_warnings() as caught:
-                loaded = store.load(spec, parts)
+        for i, ((spec, parts), stored) in enumerate(zip(keyed, loads, strict=True)):
+            loaded, caught = stored.result()
             if loaded is not None:
                 results[i] = loaded
                 say(f"{spec.name}: loaded ({loaded[1].seconds:.2f} s)")

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -74,12 +75,16 @@ class ExecutableStore:
     def __init__(self, root: str | Path | None = None, *, on_warning: Callable[[str], None] | None = None):
         self.root = Path(root).expanduser() if root is not None else executables_dir()
         self._on_warning = on_warning
+        self._collecting = threading.local()  # each thread's `collecting_warnings` list (loads run in threads)
         self._ignored_options: set[str] = set()  # platforms already warned about an unknown option
         self._key: bytes | None = None
         self._refused: str | None = None  # why this store is not used at all (warned once)
         self._kernel_less_warned = False
 
     def warn(self, message: str) -> None:
+        caught = getattr(self._collecting, "caught", None)
+        if caught is not None:
+            caught.append(message)
         if self._on_warning is not None:
             self._on_warning(message)
         else:
@@ -277,22 +282,15 @@ class ExecutableStore:
 
     @contextlib.contextmanager
     def collecting_warnings(self) -> Iterator[list[str]]:
-        """Collect this store's warnings (during a load), still passing them on."""
+        """Collect the warnings of this thread's calls on the store (a load's), still passing them
+        on; loads running in other threads at the same time collect their own."""
+        previous = getattr(self._collecting, "caught", None)
         caught: list[str] = []
-        previous = self._on_warning
-
-        def record(message: str) -> None:
-            caught.append(message)
-            if previous is not None:
-                previous(message)
-            else:
-                warnings.warn(message, StoreWarning, stacklevel=4)
-
-        self._on_warning = record
+        self._collecting.caught = caught
         try:
             yield caught
         finally:
-            self._on_warning = previous
+            self._collecting.caught = previous
 
     def load_or_compile(self, spec: ProgramSpec, *, save: bool = True
                         ) -> tuple[jax.stages.Compiled | None, LoadInfo]:
