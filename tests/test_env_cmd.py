@@ -249,6 +249,54 @@ def test_no_command_prints_libtpu_warnings(tmp_path: Path) -> None:
     assert not TPU_NOISE.search(done.stderr), done.stderr
 
 
+LOADS_LIBTPU = """
+import sys
+{setup}
+import jax
+jax.devices()
+maps = open("/proc/self/maps").read()
+print("libtpu" in maps)
+print(jax.devices()[0].platform)
+try:
+    jax.devices("tpu")
+except RuntimeError as e:
+    print(e)
+"""
+CLI_SETUP = """
+from flux2klein_cli.cli import main
+main.install_handlers()
+main._set_process_environment()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu is not installed (the [tpu] extra)")
+def test_a_host_without_tpu_chips_never_loads_libtpu_for_a_backend(tmp_path: Path) -> None:
+    """jax starts its TPU backend wherever libtpu is installed; the CLI's processes skip it without chips."""
+    from flux2klein_cli.core.devices.tpu import tpu_chips_present
+
+    if tpu_chips_present():
+        pytest.skip("a TPU host: the TPU backend is the one to start")
+    env = {**bare_env(tmp_path), "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+
+    def run(setup: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", LOADS_LIBTPU.format(setup=setup)], capture_output=True,
+                              text=True, env={**env, **extra}, cwd=tmp_path, timeout=300)
+
+    control = run("")  # plain jax maps libtpu into the process, so the check below can fail
+    assert control.returncode == 0, control.stderr
+    if control.stdout.splitlines()[0] != "True":
+        pytest.skip("jax did not load libtpu on this host even without flux2klein")
+    done = run(CLI_SETUP)
+    assert done.returncode == 0, done.stderr
+    loaded, platform, why = done.stdout.splitlines()
+    assert (loaded, platform) == ("False", "cpu")
+    assert "no TPU chips" in why
+    # A platform list the user chose is jax's to honour: it starts TPU, and fails on its own terms here.
+    chosen = run(CLI_SETUP, JAX_PLATFORMS="cpu,tpu")
+    assert chosen.returncode != 0 and "Unable to initialize backend 'tpu'" in chosen.stderr, chosen.stderr
+    assert "no TPU chips" not in chosen.stderr
+
+
 # ----------------------------------------------------------------------------- the GPU and TPU install lines
 
 

@@ -165,18 +165,25 @@ def _reinstall() -> None:
 def _xla_bridge_imported(run: Callable[[ModuleType], None], module: ModuleType) -> None:
     """Around jax's xla_bridge import: wrap its backend initialization. XLA installs absl's
     FailureSignalHandler there, which would answer SIGTERM with a native stack dump and exit 143.
-    Our handlers go back in right after; absl keeps the crash signals (SIGSEGV, SIGABRT)."""
+    Our handlers go back in right after; absl keeps the crash signals (SIGSEGV, SIGABRT). On a
+    host without TPU chips the TPU backend is not started at all (devices/tpu.py)."""
     run(module)
     _wrap_init_backend(module)
 
 
 def _wrap_init_backend(module: ModuleType) -> None:
+    from flux2klein_cli.core.devices.tpu import skips_tpu_backend
+
     init = getattr(module, "_init_backend", None)
     if init is None:  # a jax without this private hook: SIGTERM may print absl's dump, nothing worse
         return
 
     def init_backend(platform: str) -> object:
         try:
+            chosen = getattr(getattr(module, "config", None), "jax_platforms", None)
+            if skips_tpu_backend(platform, getattr(chosen, "value", None)):
+                # jax registers TPU to fail quietly: the error is kept for jax.devices("tpu") to name
+                raise RuntimeError("this host has no TPU chips (no Google PCI device)")
             return init(platform)
         finally:
             if threading.current_thread() is threading.main_thread():
