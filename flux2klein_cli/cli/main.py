@@ -249,7 +249,11 @@ def console() -> NoReturn:
     """The console script and `python -m flux2klein_cli`: `main`, then the end of the process as
     Python's own exit makes it (other threads joined, exit hooks run, streams flushed), without
     the interpreter's teardown after that: freeing jax's, flax's and XLA's objects one by one,
-    which the OS does at once (figures in docs/benchmarks.md). In-process callers keep `main`."""
+    which the OS does at once (figures in docs/benchmarks.md). In-process callers keep `main`, and
+    their C library's malloc as they set it: the process entry sets its own (runtime.tune_allocator)."""
+    from flux2klein_cli.core.devices.runtime import tune_allocator
+
+    tune_allocator()
     try:
         main()
     except SystemExit as e:
