@@ -113,6 +113,12 @@ def tpu_worker_hostnames() -> str:
     return os.environ.get("TPU_WORKER_HOSTNAMES", "")
 
 
+def malloc_set_by_user(variable: str, tunable: str) -> bool:
+    """Whether the user set one of glibc's malloc settings for this process: its MALLOC_* variable
+    (`variable`), or `glibc.malloc.<tunable>` in GLIBC_TUNABLES."""
+    return _get(variable) is not None or f"glibc.malloc.{tunable}=" in (_get("GLIBC_TUNABLES") or "")
+
+
 def program_variables() -> dict[str, str | None]:
     """The variables that change compiled programs, as set now (None: unset), for executable keys."""
     return {name: os.environ.get(name) for name in PROGRAM_VARIABLES}

@@ -88,18 +88,23 @@ def tune_collector() -> None:
 # one arena, no mappings of their own for large blocks, and freed memory kept (up to mallopt's
 # largest threshold, 2 GiB), the next call reuses the pages (docs/benchmarks.md).
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # <malloc.h>
-ALLOCATOR_SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1))
+# (mallopt option, value, the variable and the tunable that set it at start-up)
+ALLOCATOR_SETTINGS = ((M_ARENA_MAX, 1, "MALLOC_ARENA_MAX", "arena_max"),
+                      (M_MMAP_MAX, 0, "MALLOC_MMAP_MAX_", "mmap_max"),
+                      (M_TRIM_THRESHOLD, 2**31 - 1, "MALLOC_TRIM_THRESHOLD_", "trim_threshold"))
 
 
-def tune_allocator() -> bool:
-    """Set glibc's malloc for a model process (ALLOCATOR_SETTINGS); whether it was set (not on other
-    C libraries). The console entry calls it first, before any other thread allocates: a thread
+def tune_allocator() -> list[str]:
+    """Set glibc's malloc for a model process (ALLOCATOR_SETTINGS), each one the user did not set
+    (their MALLOC_* variable or GLIBC_TUNABLES wins); the variables it set (none on other C
+    libraries). The console entry calls it first, before any other thread allocates: a thread
     that has an arena of its own keeps it."""
     if sys.platform != "linux" or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
-        return False
+        return []
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return all(mallopt(option, value) == 1 for option, value in ALLOCATOR_SETTINGS)
+    return [variable for option, value, variable, tunable in ALLOCATOR_SETTINGS
+            if not settings.malloc_set_by_user(variable, tunable) and mallopt(option, value) == 1]
 
 
 def process_defaults() -> dict[str, str]:
