@@ -83,10 +83,9 @@ def tune_collector() -> None:
 # glibc's malloc gives a block over 32 MiB its own mapping and unmaps it when it is freed, and a
 # thread other than the main one allocates from an arena of its own, whose heaps (64 MiB at most)
 # fall back to such mappings. XLA's CPU runtime allocates each program call's temporaries from its
-# threads, so every call faulted fresh zeroed pages in for them: 28k page faults an image at
-# 512x512 on the medium checkpoint, and the page faults of a first image were a third more. With
-# one arena, no mappings of their own for large blocks, and freed memory kept (up to mallopt's
-# largest threshold, 2 GiB), the next call reuses the pages (docs/benchmarks.md).
+# threads, so every call (every image) faulted fresh zeroed pages in for them. With one arena, no
+# mappings of their own for large blocks, and freed memory kept (up to mallopt's largest
+# threshold, 2 GiB), the next call reuses the pages; all three are needed (docs/benchmarks.md).
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # <malloc.h>
 # (mallopt option, value, the variable and the tunable that set it at start-up)
 ALLOCATOR_SETTINGS = ((M_ARENA_MAX, 1, "MALLOC_ARENA_MAX", "arena_max"),

@@ -155,9 +155,9 @@ def tpu_chips_present() -> bool:
 
 def skips_tpu_backend(platform: str, chosen_platforms: str | None) -> bool:
     """Whether jax's TPU backend is better not started: jax starts it wherever libtpu is installed
-    when nothing chose the platforms (JAX_PLATFORMS unset), loading the library only to find no
-    chips and fall back, about 0.07 s of every command on a CPU host with the `tpu` extra. jax
-    itself skips CUDA without an NVIDIA GPU; this is that rule for TPU. A TPU topology for
+    when nothing chose the platforms (JAX_PLATFORMS unset), loading the library on every command
+    only to find no chips and fall back (docs/benchmarks.md). jax itself skips CUDA without an
+    NVIDIA GPU; this is that rule for TPU. A TPU topology for
     `--tpu` (compile, bench) loads libtpu on its own (_topology_devices), as before."""
     return platform == "tpu" and not chosen_platforms and not tpu_chips_present()
 
