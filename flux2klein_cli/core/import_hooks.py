@@ -58,8 +58,7 @@ def _without_ipython(run: Callable[[ModuleType], None], module: ModuleType) -> N
 def skip_ipython_probes() -> None:
     """flax.nnx and the treescope it loads import IPython as they load (three modules of theirs),
     to ask whether they run in an IPython shell and to define its magics: on a host with IPython
-    installed that is over a hundred modules, about 1 s of every command's start on a TPU VM
-    (docs/benchmarks.md). A process that has not imported IPython runs no IPython shell, so their
-    answer is no whatever IPython would say: while flax.nnx loads, IPython reads as absent; it
-    imports as usual afterwards."""
+    installed that is over a hundred modules in every command's start (docs/benchmarks.md). A
+    process that has not imported IPython runs no IPython shell, so their answer is no whatever
+    IPython would say: while flax.nnx loads, IPython reads as absent; it imports as usual afterwards."""
     around_import("flax.nnx", _without_ipython)
