@@ -113,9 +113,13 @@ def assert_as_close_as_xla(ours: np.ndarray, xla: np.ndarray, exact: np.ndarray,
 
 @pytest.mark.parametrize("plugin", F32_PLUGINS)
 @pytest.mark.parametrize("shape, size", [((1, 20, 13, 16, 20), 3), ((2, 9, 30, 48, 32), 3), ((1, 16, 16, 64, 128), 3),
-                                         ((1, 5, 40, 17, 33), 3), ((2, 7, 5, 24, 40), 1), ((1, 33, 12, 128, 64), 1)])
+                                         ((1, 5, 40, 17, 33), 3), ((2, 10, 14, 17, 33), 3), ((1, 34, 22, 48, 40), 3),
+                                         ((2, 7, 5, 24, 40), 1), ((1, 33, 12, 128, 64), 1)])
 def test_float32_convolutions_in_the_shim_are_as_close_to_float64_as_xlas(plugin: str, shape: tuple[int, ...],
                                                                            size: int) -> None:
+    """A 3x3 convolution of even height and width runs in Winograd's F(2x2, 3x3) form (its transforms
+    only add, subtract and halve: the error stays XLA's), of odd ones in the nine taps: both here, with
+    channel counts off the panels' 32 and 2x2 blocks off whole groups of the products' rows."""
     b, h, w, c_in, c_out = shape
     module = f32_conv(c_in, c_out, size=size)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.float32)
@@ -156,15 +160,18 @@ def test_in_the_float32_shim_non_finite_values_stay_non_finite(plugin: str) -> N
     x = np.random.default_rng(2).standard_normal((1, 12, 10, 16)).astype(np.float32)
     x[0, 3, 4, 1], x[0, 8, 2, 5] = np.nan, np.inf
     x = jnp.asarray(x)
-    for module in (f32_conv(16, 16), f32_conv(16, 16, size=1), f32_resnet(16, 16, 4)):
-        ours, xla = (np.asarray(conv_under(form)(module, x)) for form in (plugin, None))
+    odd = x[:, :11, :9]  # a 3x3 convolution of odd size takes the nine taps, of even size Winograd's form
+    for module, values in ((f32_conv(16, 16), odd), (f32_conv(16, 16, size=1), x), (f32_resnet(16, 16, 4), x)):
+        ours, xla = (np.asarray(conv_under(form)(module, values)) for form in (plugin, None))
         np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
         np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
         assert not np.isfinite(ours).all()
-    # The merged taps turn inf * w1 + inf * w2 into inf * (w1 + w2): the same outputs are non-finite.
-    upsampled = [np.asarray(conv_under(form)(f32_upsample(16, 16), x)) for form in (plugin, None)]
-    np.testing.assert_array_equal(np.isfinite(upsampled[0]), np.isfinite(upsampled[1]))
-    assert not np.isfinite(upsampled[0]).all()
+    # The merged taps turn inf * w1 + inf * w2 into inf * (w1 + w2), and Winograd's transforms an inf into
+    # +inf and -inf terms of one sum (NaN where the taps give inf): the same outputs are non-finite.
+    for module in (f32_upsample(16, 16), f32_conv(16, 16)):
+        ours, xla = (np.asarray(conv_under(form)(module, x)) for form in (plugin, None))
+        np.testing.assert_array_equal(np.isfinite(ours), np.isfinite(xla))
+        assert not np.isfinite(ours).all()
 
 
 def attention_exact(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array | None = None) -> np.ndarray:

@@ -26,7 +26,8 @@
 //   single block's q/k norms and rotations), and flux2klein_avx512_gemm (the Linear layers' products,
 //   rounded to bf16 as they are stored). Attention and the convolutions have float32 forms too, the
 //   same loops in FMAs (flux2klein_avx512_attention_f32, _masked_attention_f32, _conv3x3_f32,
-//   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32), which the AVX-512 float32 plugin
+//   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32; the 3x3 ones of even height and width in
+//   Winograd's F(2x2, 3x3), 2.25x fewer products), which the AVX-512 float32 plugin
 //   (core/models/float32_kernels.py) takes on CPUs with AVX-512 and no bf16, and the AVX2 float32
 //   plugin on CPUs with AVX2 and no AVX-512.
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
@@ -1147,6 +1148,113 @@ static void upsample_conv_tile_panels(const ConvShape& s, const T* padded, const
   }
 }
 
+// A float32 3x3 'same' convolution as Winograd's F(2x2, 3x3): each 2x2 block of outputs from the 4x4 block
+// of padded input around it, as 16 products of the transformed input (B^T d B) and the transformed kernel
+// (G g G^T, pack_winograd_kernel) per input channel, summed over the channels, then A^T m A: 16 products
+// per 4 outputs where the nine taps take 36, so 2.25x fewer FMAs. The transforms only add, subtract and
+// halve, so the sums stay at float32's error (tests/test_float32_kernels.py bounds it against float64).
+// Used where the image has even height and width (conv_tiles); bf16 keeps the direct form, whose inputs
+// VDPBF16PS takes as stored (the transformed inputs would need rounding to bf16 again).
+static bool winograd_applies(const ConvShape& s) {
+  return s.f32 && s.products() == ConvProducts::kPanels && !s.upsample && s.h % 2 == 0 && s.w % 2 == 0;
+}
+
+// G g G^T for each (input, output) channel of a (3, 3, Cin, Cout) kernel, packed as pack_conv_kernel packs
+// its taps: tap u * 4 + v is row u of G against column v of G^T, G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1].
+static std::vector<float> pack_winograd_kernel(const float* kernel, int64_t c_in, int64_t c_out) {
+  static constexpr float kG[4][3] = {{1.0f, 0.0f, 0.0f}, {0.5f, 0.5f, 0.5f}, {0.5f, -0.5f, 0.5f}, {0.0f, 0.0f, 1.0f}};
+  const int64_t size = c_in * c_out;
+  std::vector<float> taps(16 * size);
+  for (int tap = 0; tap < 16; ++tap) {
+    const int u = tap / 4, v = tap % 4;
+    for (int64_t i = 0; i < size; i += 16) {
+      const Lanes lanes = lanes_left(size - i);
+      Vec sum = vzero();
+      for (int ky = 0; ky < 3; ++ky)
+        for (int kx = 0; kx < 3; ++kx) {
+          const float weight = kG[u][ky] * kG[v][kx];
+          if (weight != 0.0f) sum = vfmadd(vset1(weight), vload(kernel + (ky * 3 + kx) * size + i, lanes), sum);
+        }
+      vstore(taps.data() + tap * size + i, lanes, sum);
+    }
+  }
+  return pack_conv_kernel(taps.data(), c_in, c_out, 16);
+}
+
+// B^T x B for one 4x4 block of sixteen-lane vectors, in place: B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
+static inline void winograd_input(Vec d[4][4]) {
+  for (int c = 0; c < 4; ++c) {
+    const Vec d0 = d[0][c], d1 = d[1][c], d2 = d[2][c], d3 = d[3][c];
+    d[0][c] = vsub(d0, d2), d[1][c] = vadd(d1, d2), d[2][c] = vsub(d2, d1), d[3][c] = vsub(d1, d3);
+  }
+  for (int r = 0; r < 4; ++r) {
+    const Vec d0 = d[r][0], d1 = d[r][1], d2 = d[r][2], d3 = d[r][3];
+    d[r][0] = vsub(d0, d2), d[r][1] = vadd(d1, d2), d[r][2] = vsub(d2, d1), d[r][3] = vsub(d1, d3);
+  }
+}
+
+// The scratch of one worker's Winograd tile: kDotRows blocks' transformed inputs [16][kDotRows][Cin] and
+// their products with one panel [16][kDotRows][32], in float32.
+static int64_t winograd_scratch_count(const ConvShape& s) { return 16 * kDotRows * (s.c_in + kPanel); }
+
+// One tile of output rows (an even number of them) in Winograd's form: per group of kDotRows 2x2 output
+// blocks, their inputs transformed once, then per panel of 32 output channels the sixteen products
+// (`accumulate`, as the direct form's taps) and A^T m A with the bias. Block (i, j) of the tile reads padded
+// rows 2i .. 2i + 3 and columns 2j .. 2j + 3 and writes output rows 2i, 2i + 1 and columns 2j, 2j + 1.
+static void winograd_tile_panels(const ConvShape& s, const float* padded, const float* packed, const float* bias,
+                                 int64_t rows, float* out, float* scratch) {
+  const int64_t wp = s.wp(), across = s.w / 2, blocks = (rows / 2) * across, cin = s.c_in;
+  float* inputs = scratch;                               // [16][kDotRows][Cin]
+  float* products = scratch + 16 * kDotRows * cin;       // [16][kDotRows][32]
+  for (int64_t b0 = 0; b0 < blocks; b0 += kDotRows) {
+    const int64_t count = std::min<int64_t>(kDotRows, blocks - b0);
+    for (int64_t t = 0; t < kDotRows; ++t) {
+      if (t >= count) {  // rows past the last block: zeros, their products dropped
+        for (int xi = 0; xi < 16; ++xi) std::fill_n(inputs + (xi * kDotRows + t) * cin, cin, 0.0f);
+        continue;
+      }
+      const int64_t i = (b0 + t) / across, j = (b0 + t) % across;
+      const float* corner = padded + (2 * i * wp + 2 * j) * cin;
+      for (int64_t c = 0; c < cin; c += 16) {
+        const Lanes lanes = lanes_left(cin - c);
+        Vec d[4][4];
+        for (int r = 0; r < 4; ++r)
+          for (int q = 0; q < 4; ++q) d[r][q] = vload(corner + (r * wp + q) * cin + c, lanes);
+        winograd_input(d);
+        for (int xi = 0; xi < 16; ++xi) vstore(inputs + (xi * kDotRows + t) * cin + c, lanes, d[xi / 4][xi % 4]);
+      }
+    }
+    for (int64_t p = 0; p < s.c_out; p += kPanel) {
+      const float* panel = packed + p * 16 * cin;
+      for (int xi = 0; xi < 16; ++xi)
+        accumulate<kDotRows, false>(inputs + xi * kDotRows * cin, cin, panel + xi * cin * kPanel, cin,
+                                    products + xi * kDotRows * kPanel, kPanel);
+      const int64_t channels = std::min(kPanel, s.c_out - p);
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t i = (b0 + t) / across, j = (b0 + t) % across;
+        alignas(64) float outputs[4][kPanel];  // the block's four pixels: (0, 0), (0, 1), (1, 0), (1, 1)
+        for (int64_t half = 0; half < kPanel; half += 16) {
+          Vec m[4][4];
+          for (int xi = 0; xi < 16; ++xi) m[xi / 4][xi % 4] = vload(products + (xi * kDotRows + t) * kPanel + half);
+          // A^T m A, A^T = [1 1 1 0; 0 1 -1 -1]: rows first, then columns.
+          Vec r[2][4];
+          for (int q = 0; q < 4; ++q) {
+            r[0][q] = vadd(vadd(m[0][q], m[1][q]), m[2][q]);
+            r[1][q] = vsub(vsub(m[1][q], m[2][q]), m[3][q]);
+          }
+          for (int a = 0; a < 2; ++a) {
+            vstore(outputs[2 * a] + half, vadd(vadd(r[a][0], r[a][1]), r[a][2]));
+            vstore(outputs[2 * a + 1] + half, vsub(vsub(r[a][1], r[a][2]), r[a][3]));
+          }
+        }
+        for (int pixel = 0; pixel < 4; ++pixel)
+          store_conv_outputs(outputs[pixel], bias + p, channels,
+                             out + ((2 * i + pixel / 2) * s.w + 2 * j + pixel % 2) * s.c_out + p);
+      }
+    }
+  }
+}
+
 // Output rows per task. On the tiles and in panels: a tile's padded input within about 1 MB (the rows
 // above and below are made again by the next tile). On MKL: its float32 sums within about 512 KB. The
 // image's rows are then split evenly into a whole number of tiles per core where they allow it, so
@@ -1158,7 +1266,8 @@ static int64_t conv_tile_rows(const ConvShape& s) {
       std::max(least, s.packed() ? (1 << 20) / padded_row_bytes - 3 : (128 << 10) / (s.wp() * s.c_out));
   const int64_t cores = worker_count(), tiles = (s.h + most - 1) / most;
   const int64_t even = s.batch % cores == 0 ? tiles : round_up(tiles, cores);  // a batch of whole images evens out
-  return std::max(least, std::min(s.h, (s.h + even - 1) / even));
+  const int64_t tile = std::max(least, std::min(s.h, (s.h + even - 1) / even));
+  return winograd_applies(s) ? round_up(tile, 2) : tile;  // Winograd's tiles take whole pairs of rows
 }
 
 // A worker's padded input rows for a tile (and MKL's float32 sums), each element written before it is read.
@@ -1186,10 +1295,17 @@ template <typename T, typename Fill>
 static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* out, Fill fill) {
   const int64_t tile_rows = conv_tile_rows(s), tiles = (s.h + tile_rows - 1) / tile_rows, row = s.wp() * s.c_in;
   const std::vector<float> bias32 = widened_bias(bias, s.c_out);
-  const std::vector<T> packed = s.upsample ? pack_upsample_kernel(kernel, s.c_in, s.c_out)
-                                : s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<T>();
+  const bool winograd = winograd_applies(s);
+  std::vector<T> packed;
+  if constexpr (std::is_same_v<T, float>)
+    if (winograd) packed = pack_winograd_kernel(kernel, s.c_in, s.c_out);
+  if (!winograd)
+    packed = s.upsample ? pack_upsample_kernel(kernel, s.c_in, s.c_out)
+             : s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<T>();
   const int workers = workers_for(s.batch * tiles);
-  const int64_t padded_count = padded_size(s, tile_rows), sums_count = s.packed() ? 0 : tile_rows * s.wp() * s.c_out;
+  // `sums`: MKL's float32 sums, or Winograd's transformed inputs and products.
+  const int64_t padded_count = padded_size(s, tile_rows),
+                sums_count = winograd ? winograd_scratch_count(s) : s.packed() ? 0 : tile_rows * s.wp() * s.c_out;
   const bool keep = padded_count * int64_t{sizeof(T)} + sums_count * int64_t{sizeof(float)} <= kKeptScratchBytes;
   std::vector<ConvScratch<T>> scratch(keep ? 0 : workers);
   for (auto& w : scratch) w.fit(padded_count, sums_count);
@@ -1201,6 +1317,12 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
     // The second row below and the slack are read for dropped positions only.
     std::fill(padded + (rows + 2) * row, padded + padded_size(s, rows), T{0});
     T* tile_out = out + (b * s.h + y0) * s.scale() * s.scale() * s.w * s.c_out;
+    if constexpr (std::is_same_v<T, float>) {
+      if (winograd) {
+        winograd_tile_panels(s, padded, packed.data(), bias32.data(), rows, tile_out, w.sums.data());
+        return;
+      }
+    }
     if (s.products() == ConvProducts::kPanels) {
       if (s.upsample)
         upsample_conv_tile_panels(s, padded, packed.data(), bias32.data(), rows, tile_out);
