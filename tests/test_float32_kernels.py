@@ -166,7 +166,7 @@ def test_in_the_float32_shim_non_finite_values_stay_non_finite(plugin: str) -> N
         np.testing.assert_array_equal(np.isnan(ours), np.isnan(xla))
         np.testing.assert_array_equal(np.isinf(ours), np.isinf(xla))
         assert not np.isfinite(ours).all()
-    # The merged taps turn inf * w1 + inf * w2 into inf * (w1 + w2), and Winograd's transforms an inf into
+    # The merged taps turn inf * w1 + inf * w2 into inf * (w1 + w2), and Winograd's transforms turn an inf into
     # +inf and -inf terms of one sum (NaN where the taps give inf): the same outputs are non-finite.
     for module in (f32_upsample(16, 16), f32_conv(16, 16)):
         ours, xla = (np.asarray(conv_under(form)(module, x)) for form in (plugin, None))
