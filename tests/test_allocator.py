@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from flux2klein_cli.core.devices.runtime import has_glibc_malloc
+
+GLIBC_ONLY = pytest.mark.skipif(not has_glibc_malloc(), reason="glibc's malloc only")
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_PAGES = (64 << 20) // os.sysconf("SC_PAGE_SIZE")
 
@@ -66,8 +69,7 @@ def faults_per_round(mode: str) -> list[int]:
     return run_rounds(mode)[-1]
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"),
-                    reason="glibc's malloc only")
+@GLIBC_ONLY
 def test_a_freed_block_is_the_next_rounds_without_new_page_faults() -> None:
     plain = faults_per_round("plain")
     if min(plain[1:]) < BLOCK_PAGES // 2:  # the control: each round faults the block in again, so the check can fail
@@ -77,8 +79,7 @@ def test_a_freed_block_is_the_next_rounds_without_new_page_faults() -> None:
         assert max(tuned[1:]) < BLOCK_PAGES // 10, (mode, tuned, plain)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"),
-                    reason="glibc's malloc only")
+@GLIBC_ONLY
 def test_malloc_settings_the_user_made_are_left_as_they_are() -> None:
     assert run_rounds("tuned")[0] == ["MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"]
     assert run_rounds("tuned", MALLOC_ARENA_MAX="4")[0] == ["MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_"]

@@ -93,12 +93,17 @@ ALLOCATOR_SETTINGS = ((M_ARENA_MAX, 1, "MALLOC_ARENA_MAX", "arena_max"),
                       (M_TRIM_THRESHOLD, 2**31 - 1, "MALLOC_TRIM_THRESHOLD_", "trim_threshold"))
 
 
+def has_glibc_malloc() -> bool:
+    """Whether this process's C library is glibc on Linux (the one whose malloc tune_allocator sets)."""
+    return sys.platform == "linux" and os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc")
+
+
 def tune_allocator() -> list[str]:
     """Set glibc's malloc for a model process (ALLOCATOR_SETTINGS), each one the user did not set
     (their MALLOC_* variable or GLIBC_TUNABLES wins); the variables it set (none on other C
     libraries). The console entry calls it first, before any other thread allocates: a thread
     that has an arena of its own keeps it."""
-    if sys.platform != "linux" or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"):
+    if not has_glibc_malloc():
         return []
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
