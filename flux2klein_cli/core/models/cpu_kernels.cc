@@ -1148,108 +1148,167 @@ static void upsample_conv_tile_panels(const ConvShape& s, const T* padded, const
   }
 }
 
-// A float32 3x3 'same' convolution as Winograd's F(2x2, 3x3): each 2x2 block of outputs from the 4x4 block
-// of padded input around it, as 16 products of the transformed input (B^T d B) and the transformed kernel
-// (G g G^T, pack_winograd_kernel) per input channel, summed over the channels, then A^T m A: 16 products
-// per 4 outputs where the nine taps take 36, so 2.25x fewer FMAs. The transforms only add, subtract and
-// halve, so the sums stay at float32's error (tests/test_float32_kernels.py bounds it against float64).
-// Used where the image has even height and width (conv_tiles); bf16 keeps the direct form, whose inputs
-// VDPBF16PS takes as stored (the transformed inputs would need rounding to bf16 again).
-static bool winograd_applies(const ConvShape& s) {
-  return s.f32 && s.products() == ConvProducts::kPanels && !s.upsample && s.h % 2 == 0 && s.w % 2 == 0;
+// A float32 3x3 'same' convolution in Winograd's form: each m x m block of outputs from the (m + 2) x (m + 2)
+// block of padded input around it, as (m + 2)^2 products of the transformed input (B^T d B) and the transformed
+// kernel (G g G^T, pack_winograd_kernel) per input channel, summed over the channels, then A^T M A. F(4x4, 3x3)
+// where height and width are multiples of 4: 36 products per 16 outputs where the nine taps take 144 (4x fewer
+// FMAs); F(2x2, 3x3) where they are only even: 16 per 4 (2.25x). F(2x2)'s transforms only add, subtract and
+// halve, so its sums stay at XLA's float32 error; F(4x4)'s (Lavin and Gray's points 0, +-1, +-2) multiply by up
+// to 8, and its error against float64 is a few times XLA's, still near float32's rounding
+// (tests/test_float32_kernels.py bounds both). bf16 keeps the direct form, whose inputs VDPBF16PS takes as
+// stored (the transformed inputs would need rounding to bf16 again).
+enum class Winograd { kNone, kF2, kF4 };
+
+static Winograd winograd_form(const ConvShape& s) {
+  if (!s.f32 || s.products() != ConvProducts::kPanels || s.upsample) return Winograd::kNone;
+  if (s.h % 4 == 0 && s.w % 4 == 0) return Winograd::kF4;
+  return s.h % 2 == 0 && s.w % 2 == 0 ? Winograd::kF2 : Winograd::kNone;
 }
 
+// One form's size (outputs per block side) and its three transforms on (kIn x kIn) blocks of 16-lane vectors.
+struct WinogradF2 {
+  static constexpr int kOut = 2, kIn = 4;
+  static constexpr float kG[kIn][3] = {{1.0f, 0.0f, 0.0f}, {0.5f, 0.5f, 0.5f}, {0.5f, -0.5f, 0.5f}, {0.0f, 0.0f, 1.0f}};
+  // B^T d for one column of four: B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
+  static inline void input(Vec& d0, Vec& d1, Vec& d2, Vec& d3) {
+    const Vec a = d0, b = d1, c = d2, e = d3;
+    d0 = vsub(a, c), d1 = vadd(b, c), d2 = vsub(c, b), d3 = vsub(b, e);
+  }
+  static inline void input(Vec d[kIn][kIn]) {
+    for (int c = 0; c < kIn; ++c) input(d[0][c], d[1][c], d[2][c], d[3][c]);
+    for (int r = 0; r < kIn; ++r) input(d[r][0], d[r][1], d[r][2], d[r][3]);
+  }
+  // A^T m for one column of four: A^T = [1 1 1 0; 0 1 -1 -1].
+  static inline void output(const Vec m[kIn], Vec o[kOut]) {
+    o[0] = vadd(vadd(m[0], m[1]), m[2]);
+    o[1] = vsub(vsub(m[1], m[2]), m[3]);
+  }
+};
+
+struct WinogradF4 {
+  static constexpr int kOut = 4, kIn = 6;
+  static constexpr float kG[kIn][3] = {{0.25f, 0.0f, 0.0f},
+                                       {-1.0f / 6, -1.0f / 6, -1.0f / 6},
+                                       {-1.0f / 6, 1.0f / 6, -1.0f / 6},
+                                       {1.0f / 24, 1.0f / 12, 1.0f / 6},
+                                       {1.0f / 24, -1.0f / 12, 1.0f / 6},
+                                       {0.0f, 0.0f, 1.0f}};
+  // B^T d for one column of six: B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0;
+  // 0 2 -1 -2 1 0; 0 4 0 -5 0 1].
+  static inline void input(Vec& d0, Vec& d1, Vec& d2, Vec& d3, Vec& d4, Vec& d5) {
+    const Vec four = vset1(4.0f), five = vset1(5.0f), two = vset1(2.0f);
+    const Vec s12 = vadd(d1, d2), s34 = vadd(d3, d4), m12 = vsub(d1, d2), m43 = vsub(d4, d3);
+    const Vec m31 = vsub(d3, d1), m42 = vsub(d4, d2);
+    const Vec t0 = vfnmadd(five, d2, vfmadd(four, d0, d4)), t5 = vfnmadd(five, d3, vfmadd(four, d1, d5));
+    d1 = vfnmadd(four, s12, s34), d2 = vfmadd(four, m12, m43);
+    d3 = vfmadd(two, m31, m42), d4 = vfnmadd(two, m31, m42);
+    d0 = t0, d5 = t5;
+  }
+  static inline void input(Vec d[kIn][kIn]) {
+    for (int c = 0; c < kIn; ++c) input(d[0][c], d[1][c], d[2][c], d[3][c], d[4][c], d[5][c]);
+    for (int r = 0; r < kIn; ++r) input(d[r][0], d[r][1], d[r][2], d[r][3], d[r][4], d[r][5]);
+  }
+  // A^T m for one column of six: A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1].
+  static inline void output(const Vec m[kIn], Vec o[kOut]) {
+    const Vec s12 = vadd(m[1], m[2]), s34 = vadd(m[3], m[4]), d12 = vsub(m[1], m[2]), d34 = vsub(m[3], m[4]);
+    o[0] = vadd(vadd(m[0], s12), s34);
+    o[1] = vfmadd(vset1(2.0f), d34, d12);
+    o[2] = vfmadd(vset1(4.0f), s34, s12);
+    o[3] = vadd(vfmadd(vset1(8.0f), d34, d12), m[5]);
+  }
+};
+
 // G g G^T for each (input, output) channel of a (3, 3, Cin, Cout) kernel, packed as pack_conv_kernel packs
-// its taps: tap u * 4 + v is row u of G against column v of G^T, G = [1 0 0; 1/2 1/2 1/2; 1/2 -1/2 1/2; 0 0 1].
+// its taps: tap u * kIn + v is row u of G against column v of G^T.
+template <typename Form>
 static std::vector<float> pack_winograd_kernel(const float* kernel, int64_t c_in, int64_t c_out) {
-  static constexpr float kG[4][3] = {{1.0f, 0.0f, 0.0f}, {0.5f, 0.5f, 0.5f}, {0.5f, -0.5f, 0.5f}, {0.0f, 0.0f, 1.0f}};
+  constexpr int taps_count = Form::kIn * Form::kIn;
   const int64_t size = c_in * c_out;
-  std::vector<float> taps(16 * size);
-  for (int tap = 0; tap < 16; ++tap) {
-    const int u = tap / 4, v = tap % 4;
+  std::vector<float> taps(taps_count * size);
+  for (int tap = 0; tap < taps_count; ++tap) {
+    const int u = tap / Form::kIn, v = tap % Form::kIn;
     for (int64_t i = 0; i < size; i += 16) {
       const Lanes lanes = lanes_left(size - i);
       Vec sum = vzero();
       for (int ky = 0; ky < 3; ++ky)
         for (int kx = 0; kx < 3; ++kx) {
-          const float weight = kG[u][ky] * kG[v][kx];
+          const float weight = Form::kG[u][ky] * Form::kG[v][kx];
           if (weight != 0.0f) sum = vfmadd(vset1(weight), vload(kernel + (ky * 3 + kx) * size + i, lanes), sum);
         }
       vstore(taps.data() + tap * size + i, lanes, sum);
     }
   }
-  return pack_conv_kernel(taps.data(), c_in, c_out, 16);
+  return pack_conv_kernel(taps.data(), c_in, c_out, taps_count);
 }
 
-// B^T x B for one 4x4 block of sixteen-lane vectors, in place: B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
-static inline void winograd_input(Vec d[4][4]) {
-  for (int c = 0; c < 4; ++c) {
-    const Vec d0 = d[0][c], d1 = d[1][c], d2 = d[2][c], d3 = d[3][c];
-    d[0][c] = vsub(d0, d2), d[1][c] = vadd(d1, d2), d[2][c] = vsub(d2, d1), d[3][c] = vsub(d1, d3);
-  }
-  for (int r = 0; r < 4; ++r) {
-    const Vec d0 = d[r][0], d1 = d[r][1], d2 = d[r][2], d3 = d[r][3];
-    d[r][0] = vsub(d0, d2), d[r][1] = vadd(d1, d2), d[r][2] = vsub(d2, d1), d[r][3] = vsub(d1, d3);
-  }
+static std::vector<float> pack_winograd_kernel(Winograd form, const float* kernel, int64_t c_in, int64_t c_out) {
+  return form == Winograd::kF4 ? pack_winograd_kernel<WinogradF4>(kernel, c_in, c_out)
+                               : pack_winograd_kernel<WinogradF2>(kernel, c_in, c_out);
 }
 
-// The scratch of one worker's Winograd tile: kDotRows blocks' transformed inputs [16][kDotRows][Cin] and
-// their products with one panel [16][kDotRows][32], in float32.
-static int64_t winograd_scratch_count(const ConvShape& s) { return 16 * kDotRows * (s.c_in + kPanel); }
+// The scratch of one worker's Winograd tile: kDotRows blocks' transformed inputs [taps][kDotRows][Cin] and
+// their products with one panel [taps][kDotRows][32], in float32.
+static int64_t winograd_scratch_count(Winograd form, const ConvShape& s) {
+  const int64_t taps = form == Winograd::kF4 ? 36 : 16;
+  return taps * kDotRows * (s.c_in + kPanel);
+}
 
-// One tile of output rows (an even number of them) in Winograd's form: per group of kDotRows 2x2 output
-// blocks, their inputs transformed once, then per panel of 32 output channels the sixteen products
-// (`accumulate`, as the direct form's taps) and A^T m A with the bias. Block (i, j) of the tile reads padded
-// rows 2i .. 2i + 3 and columns 2j .. 2j + 3 and writes output rows 2i, 2i + 1 and columns 2j, 2j + 1.
+// One tile of output rows (a whole number of block rows) in Winograd's form: per group of kDotRows output
+// blocks, their inputs transformed once, then per panel of 32 output channels the products (`accumulate`, as
+// the direct form's taps) and A^T M A with the bias. Block (i, j) of the tile reads padded rows m i .. m i +
+// m + 1 and columns m j .. m j + m + 1, and writes output rows m i .. m i + m - 1 and those columns.
+template <typename Form>
 static void winograd_tile_panels(const ConvShape& s, const float* padded, const float* packed, const float* bias,
                                  int64_t rows, float* out, float* scratch) {
-  const int64_t wp = s.wp(), across = s.w / 2, blocks = (rows / 2) * across, cin = s.c_in;
-  float* inputs = scratch;                               // [16][kDotRows][Cin]
-  float* products = scratch + 16 * kDotRows * cin;       // [16][kDotRows][32]
+  constexpr int m = Form::kOut, n = Form::kIn, taps = n * n;
+  const int64_t wp = s.wp(), across = s.w / m, blocks = (rows / m) * across, cin = s.c_in;
+  float* inputs = scratch;                                 // [taps][kDotRows][Cin]
+  float* products = scratch + taps * kDotRows * cin;       // [taps][kDotRows][32]
   for (int64_t b0 = 0; b0 < blocks; b0 += kDotRows) {
     const int64_t count = std::min<int64_t>(kDotRows, blocks - b0);
     for (int64_t t = 0; t < kDotRows; ++t) {
       if (t >= count) {  // rows past the last block: zeros, their products dropped
-        for (int xi = 0; xi < 16; ++xi) std::fill_n(inputs + (xi * kDotRows + t) * cin, cin, 0.0f);
+        for (int xi = 0; xi < taps; ++xi) std::fill_n(inputs + (xi * kDotRows + t) * cin, cin, 0.0f);
         continue;
       }
       const int64_t i = (b0 + t) / across, j = (b0 + t) % across;
-      const float* corner = padded + (2 * i * wp + 2 * j) * cin;
+      const float* corner = padded + (m * i * wp + m * j) * cin;
       for (int64_t c = 0; c < cin; c += 16) {
         const Lanes lanes = lanes_left(cin - c);
-        Vec d[4][4];
-        for (int r = 0; r < 4; ++r)
-          for (int q = 0; q < 4; ++q) d[r][q] = vload(corner + (r * wp + q) * cin + c, lanes);
-        winograd_input(d);
-        for (int xi = 0; xi < 16; ++xi) vstore(inputs + (xi * kDotRows + t) * cin + c, lanes, d[xi / 4][xi % 4]);
+        Vec d[n][n];
+        for (int r = 0; r < n; ++r)
+          for (int q = 0; q < n; ++q) d[r][q] = vload(corner + (r * wp + q) * cin + c, lanes);
+        Form::input(d);
+        for (int xi = 0; xi < taps; ++xi) vstore(inputs + (xi * kDotRows + t) * cin + c, lanes, d[xi / n][xi % n]);
       }
     }
     for (int64_t p = 0; p < s.c_out; p += kPanel) {
-      const float* panel = packed + p * 16 * cin;
-      for (int xi = 0; xi < 16; ++xi)
+      const float* panel = packed + p * taps * cin;
+      for (int xi = 0; xi < taps; ++xi)
         accumulate<kDotRows, false>(inputs + xi * kDotRows * cin, cin, panel + xi * cin * kPanel, cin,
                                     products + xi * kDotRows * kPanel, kPanel);
       const int64_t channels = std::min(kPanel, s.c_out - p);
       for (int64_t t = 0; t < count; ++t) {
         const int64_t i = (b0 + t) / across, j = (b0 + t) % across;
-        alignas(64) float outputs[4][kPanel];  // the block's four pixels: (0, 0), (0, 1), (1, 0), (1, 1)
+        alignas(64) float outputs[m * m][kPanel];  // the block's pixels, row by row
         for (int64_t half = 0; half < kPanel; half += 16) {
-          Vec m[4][4];
-          for (int xi = 0; xi < 16; ++xi) m[xi / 4][xi % 4] = vload(products + (xi * kDotRows + t) * kPanel + half);
-          // A^T m A, A^T = [1 1 1 0; 0 1 -1 -1]: rows first, then columns.
-          Vec r[2][4];
-          for (int q = 0; q < 4; ++q) {
-            r[0][q] = vadd(vadd(m[0][q], m[1][q]), m[2][q]);
-            r[1][q] = vsub(vsub(m[1][q], m[2][q]), m[3][q]);
+          // A^T M A: the columns of M first (r = A^T M), then the rows of r.
+          Vec r[m][n];
+          for (int q = 0; q < n; ++q) {
+            Vec column[n], reduced[m];
+            for (int u = 0; u < n; ++u) column[u] = vload(products + ((u * n + q) * kDotRows + t) * kPanel + half);
+            Form::output(column, reduced);
+            for (int a = 0; a < m; ++a) r[a][q] = reduced[a];
           }
-          for (int a = 0; a < 2; ++a) {
-            vstore(outputs[2 * a] + half, vadd(vadd(r[a][0], r[a][1]), r[a][2]));
-            vstore(outputs[2 * a + 1] + half, vsub(vsub(r[a][1], r[a][2]), r[a][3]));
+          for (int a = 0; a < m; ++a) {
+            Vec pixels[m];
+            Form::output(r[a], pixels);
+            for (int b = 0; b < m; ++b) vstore(outputs[a * m + b] + half, pixels[b]);
           }
         }
-        for (int pixel = 0; pixel < 4; ++pixel)
+        for (int pixel = 0; pixel < m * m; ++pixel)
           store_conv_outputs(outputs[pixel], bias + p, channels,
-                             out + ((2 * i + pixel / 2) * s.w + 2 * j + pixel % 2) * s.c_out + p);
+                             out + ((m * i + pixel / m) * s.w + m * j + pixel % m) * s.c_out + p);
       }
     }
   }
@@ -1267,7 +1326,8 @@ static int64_t conv_tile_rows(const ConvShape& s) {
   const int64_t cores = worker_count(), tiles = (s.h + most - 1) / most;
   const int64_t even = s.batch % cores == 0 ? tiles : round_up(tiles, cores);  // a batch of whole images evens out
   const int64_t tile = std::max(least, std::min(s.h, (s.h + even - 1) / even));
-  return winograd_applies(s) ? round_up(tile, 2) : tile;  // Winograd's tiles take whole pairs of rows
+  const Winograd form = winograd_form(s);  // Winograd's tiles take whole rows of blocks
+  return form == Winograd::kF4 ? round_up(tile, 4) : form == Winograd::kF2 ? round_up(tile, 2) : tile;
 }
 
 // A worker's padded input rows for a tile (and MKL's float32 sums), each element written before it is read.
@@ -1295,17 +1355,18 @@ template <typename T, typename Fill>
 static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* out, Fill fill) {
   const int64_t tile_rows = conv_tile_rows(s), tiles = (s.h + tile_rows - 1) / tile_rows, row = s.wp() * s.c_in;
   const std::vector<float> bias32 = widened_bias(bias, s.c_out);
-  const bool winograd = winograd_applies(s);
+  const Winograd form = winograd_form(s);
+  const bool winograd = form != Winograd::kNone;
   std::vector<T> packed;
   if constexpr (std::is_same_v<T, float>)
-    if (winograd) packed = pack_winograd_kernel(kernel, s.c_in, s.c_out);
+    if (winograd) packed = pack_winograd_kernel(form, kernel, s.c_in, s.c_out);
   if (!winograd)
     packed = s.upsample ? pack_upsample_kernel(kernel, s.c_in, s.c_out)
              : s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<T>();
   const int workers = workers_for(s.batch * tiles);
   // `sums`: MKL's float32 sums, or Winograd's transformed inputs and products.
   const int64_t padded_count = padded_size(s, tile_rows),
-                sums_count = winograd ? winograd_scratch_count(s) : s.packed() ? 0 : tile_rows * s.wp() * s.c_out;
+                sums_count = winograd ? winograd_scratch_count(form, s) : s.packed() ? 0 : tile_rows * s.wp() * s.c_out;
   const bool keep = padded_count * int64_t{sizeof(T)} + sums_count * int64_t{sizeof(float)} <= kKeptScratchBytes;
   std::vector<ConvScratch<T>> scratch(keep ? 0 : workers);
   for (auto& w : scratch) w.fit(padded_count, sums_count);
@@ -1318,8 +1379,12 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
     std::fill(padded + (rows + 2) * row, padded + padded_size(s, rows), T{0});
     T* tile_out = out + (b * s.h + y0) * s.scale() * s.scale() * s.w * s.c_out;
     if constexpr (std::is_same_v<T, float>) {
-      if (winograd) {
-        winograd_tile_panels(s, padded, packed.data(), bias32.data(), rows, tile_out, w.sums.data());
+      if (form == Winograd::kF4) {
+        winograd_tile_panels<WinogradF4>(s, padded, packed.data(), bias32.data(), rows, tile_out, w.sums.data());
+        return;
+      }
+      if (form == Winograd::kF2) {
+        winograd_tile_panels<WinogradF2>(s, padded, packed.data(), bias32.data(), rows, tile_out, w.sums.data());
         return;
       }
     }
