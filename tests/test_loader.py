@@ -161,6 +161,56 @@ def test_transposing_copies_are_exact(shape, types, path, monkeypatch: pytest.Mo
     assert bool(calls) == (path == "shim" and types != ("bf16", "f32"))
 
 
+# The instructions each shim build needs of the CPU that calls its transposing copy.
+BUILD_NEEDS = {"bf16": {"avx512f", "avx512bw", "avx512_bf16"}, "f32": {"avx512f", "avx512bw", "avx512dq"},
+               "avx2": {"avx2", "fma"}}
+
+
+def _build_unrunnable(build: str) -> str | None:
+    from flux2klein_cli.core.devices import cpu
+    from flux2klein_cli.core.models import cpu_shim
+
+    if not cpu.is_x86() or not BUILD_NEEDS[build] <= set(cpu.cpu_flags()):
+        return f"the CPU lacks {sorted(BUILD_NEEDS[build])}"
+    return "no C++ compiler" if cpu_shim.compiler() is None else None
+
+
+@pytest.mark.slow  # builds each shim where it is not built yet (about a minute each)
+@pytest.mark.parametrize("build", [pytest.param(build, marks=pytest.mark.skipif(
+    _build_unrunnable(build) is not None, reason=str(_build_unrunnable(build)))) for build in BUILD_NEEDS])
+def test_each_shim_builds_transposing_copy_is_exact(build: str) -> None:
+    """flux2klein_transpose_copy of every shim build (the AVX-512 ones transpose 16 x 16 blocks of 32-bit
+    values in one go, AVX2's in four 8 x 8 ones; 16-bit blocks in AVX2 registers in all three), called
+    directly: whole blocks, edges of every size, rows off the strips of columns, strided rows on both
+    sides, and float32 -> bf16 with the values whose rounding is easy to get wrong. Nothing past each row
+    of the destination is written."""
+    import ctypes
+
+    from flux2klein_cli.core.models import cpu_shim
+
+    shim = cpu_shim.shim_path(build)
+    assert cpu_shim.build_shim(shim, build) is None
+    copy = ctypes.CDLL(str(shim)).flux2klein_transpose_copy
+    copy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                     ctypes.c_int64, ctypes.c_int]
+    rng = np.random.default_rng(3)
+    kinds = {0: (np.float32, np.uint16), 1: (np.uint16, np.uint16), 2: (np.uint32, np.uint32)}
+    for kind, (source, target) in kinds.items():
+        for rows, cols in [(16, 16), (48, 80), (37, 19), (600, 300), (4100, 17), (33, 520), (9, 700)]:
+            if source is np.float32:
+                stored = rng.standard_normal((rows, cols + 5)).astype(np.float32)
+                stored.flat[: F32_EDGES.size] = F32_EDGES
+                expected = stored[:, :cols].T.astype(ml_dtypes.bfloat16).view(np.uint16)
+            else:
+                stored = rng.integers(0, np.iinfo(source).max, size=(rows, cols + 5), dtype=source)
+                expected = stored[:, :cols].T
+            dest = np.full((cols, rows + 3), 7, target)
+            assert copy(stored.ctypes.data, rows, cols, cols + 5, dest.ctypes.data, rows + 3, kind) == 0
+            assert np.array_equal(dest[:, :rows], expected), (kind, rows, cols)
+            assert (dest[:, rows:] == 7).all()
+    assert copy(stored.ctypes.data, 4, 4, 4, dest.ctypes.data, 4, 3) == 1
+
+
 def test_a_large_buffer_is_resident_when_made_and_jax_adopts_it_without_a_copy() -> None:
     """aligned_empty's large buffers come with their pages mapped (MAP_POPULATE on Linux): writing one
     takes next to no page faults, where a buffer from malloc takes one per page or block of pages.

@@ -1837,24 +1837,96 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1_f32, Conv1x1<ffi::DataTy
 
 // The loader's transposing copy (core/weights/loader.py, copy_into): a torch (out, in) weight into the
 // (in, out) array JAX takes, converted on the way. numpy moves a transposed view one element at a time,
-// strided, at about 1 GB/s here; this reads 16 rows of 16 values as vectors, converts them, and writes
-// each column of the block as one run: 5-10 GB/s on one core. stored is (rows, cols) with row stride
-// `stored_stride` elements, dest (cols, rows) with row stride `dest_stride`. Kinds: 0 float32 -> bfloat16
-// (rounded as to_bf16x16, so as ml_dtypes and XLA round), 1 16-bit values as they are, 2 32-bit values as
-// they are. Returns 0, or 1 for an unknown kind. AVX-512F only (no tiles, no MKL): it runs wherever the shim
-// loads, called from several reader threads at once.
+// strided, at about 1 GB/s here. This reads 16 rows of 16 values (converting them), transposes the block in
+// registers and writes each of its columns as one run. The blocks go down the rows in strips of
+// kTransposeStrip columns: the strip's destination rows are written along as the rows go by, where a sweep
+// across whole rows touched a new page of the destination with every column. stored is (rows, cols) with
+// row stride `stored_stride` elements, dest (cols, rows) with row stride `dest_stride`. Kinds: 0 float32 ->
+// bfloat16 (rounded as to_bf16x16, so as ml_dtypes and XLA round), 1 16-bit values as they are, 2 32-bit
+// values as they are. Returns 0, or 1 for an unknown kind. No tiles, no MKL: it runs wherever the shim
+// loads (AVX2 and up), called from several reader threads at once.
+constexpr int64_t kTransposeStrip = 256;
+
+// Column j of a 16 x 16 block (rows 64-byte aligned) to out + j * out_stride: 16-bit values in AVX2
+// registers (interleaving pairs, then 32-bit, 64-bit and 128-bit halves leaves register j holding column j).
+static inline void store_transposed(const uint16_t (*block)[16], uint16_t* out, int64_t out_stride) {
+  __m256i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm256_load_si256(reinterpret_cast<const __m256i*>(block[i]));
+  for (int i = 0; i < 16; i += 2)
+    t[i] = _mm256_unpacklo_epi16(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_epi16(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm256_unpacklo_epi32(t[i], t[i + 2]), r[i + 1] = _mm256_unpackhi_epi32(t[i], t[i + 2]);
+    r[i + 2] = _mm256_unpacklo_epi32(t[i + 1], t[i + 3]), r[i + 3] = _mm256_unpackhi_epi32(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int k = 0; k < 4; ++k)
+      t[i + 2 * k] = _mm256_unpacklo_epi64(r[i + k], r[i + k + 4]),
+                t[i + 2 * k + 1] = _mm256_unpackhi_epi64(r[i + k], r[i + k + 4]);
+  for (int k = 0; k < 8; ++k) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * out_stride), _mm256_permute2x128_si256(t[k], t[k + 8], 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (k + 8) * out_stride),
+                        _mm256_permute2x128_si256(t[k], t[k + 8], 0x31));
+  }
+}
+
+// The same for 32-bit values: one 16 x 16 transpose in AVX-512 registers, else four 8 x 8 ones in AVX2's.
+static inline void store_transposed(const uint32_t (*block)[16], uint32_t* out, int64_t out_stride) {
+#if FLUX2KLEIN_WIDE
+  __m512i r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_load_si512(block[i]);
+  for (int i = 0; i < 16; i += 2)
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88), t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm512_storeu_si512(out + i * out_stride, _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88));
+    _mm512_storeu_si512(out + (i + 8) * out_stride, _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd));
+    _mm512_storeu_si512(out + (i + 4) * out_stride, _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88));
+    _mm512_storeu_si512(out + (i + 12) * out_stride, _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd));
+  }
+#else
+  for (int h = 0; h < 2; ++h)  // rows 8h .. 8h + 7 of the block: columns' halves h
+    for (int q = 0; q < 2; ++q) {  // columns 8q .. 8q + 7
+      __m256 r[8], t[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_load_ps(reinterpret_cast<const float*>(block[8 * h + i] + 8 * q));
+      for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+      for (int i = 0; i < 8; i += 4) {
+        r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int k = 0; k < 4; ++k) {
+        _mm256_storeu_ps(reinterpret_cast<float*>(out + (8 * q + k) * out_stride + 8 * h),
+                         _mm256_permute2f128_ps(r[k], r[k + 4], 0x20));
+        _mm256_storeu_ps(reinterpret_cast<float*>(out + (8 * q + k + 4) * out_stride + 8 * h),
+                         _mm256_permute2f128_ps(r[k], r[k + 4], 0x31));
+      }
+    }
+#endif
+}
+
 template <typename Out, typename Load>
 static void transpose_blocks(int64_t rows, int64_t cols, Out* dest, int64_t dest_stride, Load load) {
   alignas(64) Out block[16][16];
-  for (int64_t r0 = 0; r0 < rows; r0 += 16)
-    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-      const int64_t nr = std::min<int64_t>(16, rows - r0), nc = std::min<int64_t>(16, cols - c0);
-      for (int64_t i = 0; i < nr; ++i) load(r0 + i, c0, nc, block[i]);
-      for (int64_t j = 0; j < nc; ++j) {
-        Out* column = dest + (c0 + j) * dest_stride + r0;
-        for (int64_t i = 0; i < nr; ++i) column[i] = block[i][j];
+  for (int64_t strip = 0; strip < cols; strip += kTransposeStrip)
+    for (int64_t r0 = 0; r0 < rows; r0 += 16)
+      for (int64_t c0 = strip; c0 < std::min(cols, strip + kTransposeStrip); c0 += 16) {
+        const int64_t nr = std::min<int64_t>(16, rows - r0), nc = std::min<int64_t>(16, cols - c0);
+        for (int64_t i = 0; i < nr; ++i) load(r0 + i, c0, nc, block[i]);
+        if (nr == 16 && nc == 16) {
+          store_transposed(block, dest + c0 * dest_stride + r0, dest_stride);
+          continue;
+        }
+        for (int64_t j = 0; j < nc; ++j) {  // the edges: value by value
+          Out* column = dest + (c0 + j) * dest_stride + r0;
+          for (int64_t i = 0; i < nr; ++i) column[i] = block[i][j];
+        }
       }
-    }
 }
 
 extern "C" int flux2klein_transpose_copy(const void* stored, int64_t rows, int64_t cols, int64_t stored_stride,
@@ -1873,11 +1945,17 @@ extern "C" int flux2klein_transpose_copy(const void* stored, int64_t rows, int64
   } else if (kind == 1) {
     const auto* in = static_cast<const uint16_t*>(stored);
     transpose_blocks(rows, cols, static_cast<uint16_t*>(dest), dest_stride,
-                     [&](int64_t r, int64_t c, int64_t n, uint16_t* to) { std::memcpy(to, in + r * stored_stride + c, n * 2); });
+                     [&](int64_t r, int64_t c, int64_t n, uint16_t* to) {
+                       if (n == 16) std::memcpy(to, in + r * stored_stride + c, 32);  // a constant size: inlined
+                       else std::memcpy(to, in + r * stored_stride + c, n * 2);
+                     });
   } else if (kind == 2) {
     const auto* in = static_cast<const uint32_t*>(stored);
     transpose_blocks(rows, cols, static_cast<uint32_t*>(dest), dest_stride,
-                     [&](int64_t r, int64_t c, int64_t n, uint32_t* to) { std::memcpy(to, in + r * stored_stride + c, n * 4); });
+                     [&](int64_t r, int64_t c, int64_t n, uint32_t* to) {
+                       if (n == 16) std::memcpy(to, in + r * stored_stride + c, 64);
+                       else std::memcpy(to, in + r * stored_stride + c, n * 4);
+                     });
   } else {
     return 1;
   }
