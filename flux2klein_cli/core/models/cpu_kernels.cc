@@ -1152,16 +1152,23 @@ static void upsample_conv_tile_panels(const ConvShape& s, const T* padded, const
 // block of padded input around it, as (m + 2)^2 products of the transformed input (B^T d B) and the transformed
 // kernel (G g G^T, pack_winograd_kernel) per input channel, summed over the channels, then A^T M A. F(4x4, 3x3)
 // where height and width are multiples of 4: 36 products per 16 outputs where the nine taps take 144 (4x fewer
-// FMAs); F(2x2, 3x3) where they are only even: 16 per 4 (2.25x). F(2x2)'s transforms only add, subtract and
+// FMAs) where its kernel is small enough (kWinograd4KernelBytes); F(2x2, 3x3) where they are only even, or the
+// kernel is larger: 16 per 4 (2.25x). F(2x2)'s transforms only add, subtract and
 // halve, so its sums stay at XLA's float32 error; F(4x4)'s (Lavin and Gray's points 0, +-1, +-2) multiply by up
 // to 8, and its error against float64 is a few times XLA's, still near float32's rounding
 // (tests/test_float32_kernels.py bounds both). bf16 keeps the direct form, whose inputs VDPBF16PS takes as
 // stored (the transformed inputs would need rounding to bf16 again).
+// The tile loop streams the whole packed kernel once per group of kDotRows blocks, so F(4x4) is taken only
+// where its kernel (36 taps of Cin x Cout) stays in a last-level cache: at 512 channels (38 MB) it ran 2.5-3.8x
+// slower than F(2x2) (17 MB), at 256 (9.4 MB) as fast or 25% faster, at 128 17-30% faster (docs/benchmarks.md).
+constexpr int64_t kWinograd4KernelBytes = 16 << 20;
+
 enum class Winograd { kNone, kF2, kF4 };
 
 static Winograd winograd_form(const ConvShape& s) {
   if (!s.f32 || s.products() != ConvProducts::kPanels || s.upsample) return Winograd::kNone;
-  if (s.h % 4 == 0 && s.w % 4 == 0) return Winograd::kF4;
+  if (s.h % 4 == 0 && s.w % 4 == 0 && 36 * s.c_in * s.c_out * int64_t{sizeof(float)} <= kWinograd4KernelBytes)
+    return Winograd::kF4;
   return s.h % 2 == 0 && s.w % 2 == 0 ? Winograd::kF2 : Winograd::kNone;
 }
 
