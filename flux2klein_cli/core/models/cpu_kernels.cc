@@ -1854,7 +1854,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_avx512_conv1x1_f32, Conv1x1<ffi::DataTy
 // loads (AVX2 and up), called from several reader threads at once.
 constexpr int64_t kTransposeStrip = 256;
 
-// Column j of a 16 x 16 block (rows 64-byte aligned) to out + j * out_stride: 16-bit values in AVX2
+// Column j of a 16 x 16 block (its rows aligned to their size) to out + j * out_stride: 16-bit values in AVX2
 // registers (interleaving pairs, then 32-bit, 64-bit and 128-bit halves leaves register j holding column j).
 static inline void store_transposed(const uint16_t (*block)[16], uint16_t* out, int64_t out_stride) {
   __m256i r[16], t[16];
@@ -1868,7 +1868,7 @@ static inline void store_transposed(const uint16_t (*block)[16], uint16_t* out, 
   for (int i = 0; i < 16; i += 8)
     for (int k = 0; k < 4; ++k)
       t[i + 2 * k] = _mm256_unpacklo_epi64(r[i + k], r[i + k + 4]),
-                t[i + 2 * k + 1] = _mm256_unpackhi_epi64(r[i + k], r[i + k + 4]);
+      t[i + 2 * k + 1] = _mm256_unpackhi_epi64(r[i + k], r[i + k + 4]);
   for (int k = 0; k < 8; ++k) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k * out_stride), _mm256_permute2x128_si256(t[k], t[k + 8], 0x20));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (k + 8) * out_stride),
