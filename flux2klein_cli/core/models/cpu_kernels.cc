@@ -1158,23 +1158,9 @@ static void upsample_conv_tile_panels(const ConvShape& s, const T* padded, const
 // to 8, and its error against float64 is a few times XLA's, still near float32's rounding
 // (tests/test_float32_kernels.py bounds both). bf16 keeps the direct form, whose inputs VDPBF16PS takes as
 // stored (the transformed inputs would need rounding to bf16 again).
-// The tile loop streams the whole packed kernel once per group of kDotRows blocks, so F(4x4) is taken only
-// where its kernel (36 taps of Cin x Cout) stays in a last-level cache: at 512 channels (38 MB) it ran 2.5-3.8x
-// slower than F(2x2) (17 MB), at 256 (9.4 MB) as fast or 25% faster, at 128 17-30% faster (docs/benchmarks.md).
-constexpr int64_t kWinograd4KernelBytes = 16 << 20;
-
-enum class Winograd { kNone, kF2, kF4 };
-
-static Winograd winograd_form(const ConvShape& s) {
-  if (!s.f32 || s.products() != ConvProducts::kPanels || s.upsample) return Winograd::kNone;
-  if (s.h % 4 == 0 && s.w % 4 == 0 && 36 * s.c_in * s.c_out * int64_t{sizeof(float)} <= kWinograd4KernelBytes)
-    return Winograd::kF4;
-  return s.h % 2 == 0 && s.w % 2 == 0 ? Winograd::kF2 : Winograd::kNone;
-}
-
 // One form's size (outputs per block side) and its three transforms on (kIn x kIn) blocks of 16-lane vectors.
 struct WinogradF2 {
-  static constexpr int kOut = 2, kIn = 4;
+  static constexpr int kOut = 2, kIn = 4, kTaps = kIn * kIn;
   static constexpr float kG[kIn][3] = {{1.0f, 0.0f, 0.0f}, {0.5f, 0.5f, 0.5f}, {0.5f, -0.5f, 0.5f}, {0.0f, 0.0f, 1.0f}};
   // B^T d for one column of four: B^T = [1 0 -1 0; 0 1 1 0; 0 -1 1 0; 0 1 0 -1].
   static inline void input(Vec& d0, Vec& d1, Vec& d2, Vec& d3) {
@@ -1193,7 +1179,7 @@ struct WinogradF2 {
 };
 
 struct WinogradF4 {
-  static constexpr int kOut = 4, kIn = 6;
+  static constexpr int kOut = 4, kIn = 6, kTaps = kIn * kIn;
   static constexpr float kG[kIn][3] = {{0.25f, 0.0f, 0.0f},
                                        {-1.0f / 6, -1.0f / 6, -1.0f / 6},
                                        {-1.0f / 6, 1.0f / 6, -1.0f / 6},
@@ -1225,11 +1211,26 @@ struct WinogradF4 {
   }
 };
 
+// The tile loop streams the whole packed kernel once per group of kDotRows blocks, so F(4x4) is taken only
+// where its kernel (36 taps of Cin x Cout) stays in a last-level cache: at 512 channels (38 MB) it ran 2.5-3.8x
+// slower than F(2x2) (17 MB), at 256 (9.4 MB) as fast or 25% faster, at 128 17-30% faster (docs/benchmarks.md).
+constexpr int64_t kWinograd4KernelBytes = 16 << 20;
+
+enum class Winograd { kNone, kF2, kF4 };
+
+static Winograd winograd_form(const ConvShape& s) {
+  if (!s.f32 || s.products() != ConvProducts::kPanels || s.upsample) return Winograd::kNone;
+  const int64_t f4_kernel_bytes = WinogradF4::kTaps * s.c_in * s.c_out * int64_t{sizeof(float)};
+  if (s.h % 4 == 0 && s.w % 4 == 0 && f4_kernel_bytes <= kWinograd4KernelBytes)
+    return Winograd::kF4;
+  return s.h % 2 == 0 && s.w % 2 == 0 ? Winograd::kF2 : Winograd::kNone;
+}
+
 // G g G^T for each (input, output) channel of a (3, 3, Cin, Cout) kernel, packed as pack_conv_kernel packs
 // its taps: tap u * kIn + v is row u of G against column v of G^T.
 template <typename Form>
 static std::vector<float> pack_winograd_kernel(const float* kernel, int64_t c_in, int64_t c_out) {
-  constexpr int taps_count = Form::kIn * Form::kIn;
+  constexpr int taps_count = Form::kTaps;
   const int64_t size = c_in * c_out;
   std::vector<float> taps(taps_count * size);
   for (int tap = 0; tap < taps_count; ++tap) {
@@ -1256,7 +1257,7 @@ static std::vector<float> pack_winograd_kernel(Winograd form, const float* kerne
 // The scratch of one worker's Winograd tile: kDotRows blocks' transformed inputs [taps][kDotRows][Cin] and
 // their products with one panel [taps][kDotRows][32], in float32.
 static int64_t winograd_scratch_count(Winograd form, const ConvShape& s) {
-  const int64_t taps = form == Winograd::kF4 ? 36 : 16;
+  const int64_t taps = form == Winograd::kF4 ? WinogradF4::kTaps : WinogradF2::kTaps;
   return taps * kDotRows * (s.c_in + kPanel);
 }
 
@@ -1267,7 +1268,7 @@ static int64_t winograd_scratch_count(Winograd form, const ConvShape& s) {
 template <typename Form>
 static void winograd_tile_panels(const ConvShape& s, const float* padded, const float* packed, const float* bias,
                                  int64_t rows, float* out, float* scratch) {
-  constexpr int m = Form::kOut, n = Form::kIn, taps = n * n;
+  constexpr int m = Form::kOut, n = Form::kIn, taps = Form::kTaps;
   const int64_t wp = s.wp(), across = s.w / m, blocks = (rows / m) * across, cin = s.c_in;
   float* inputs = scratch;                                 // [taps][kDotRows][Cin]
   float* products = scratch + taps * kDotRows * cin;       // [taps][kDotRows][32]
