@@ -115,12 +115,11 @@ def assert_as_close_as_xla(ours: np.ndarray, xla: np.ndarray, exact: np.ndarray,
 
 def conv_bounds(h: int, w: int, c_in: int, c_out: int, size: int = 3) -> dict[str, float]:
     """assert_as_close_as_xla's bounds for a float32 convolution in the shim: Winograd's F(4x4, 3x3) (a 3x3
-    convolution whose height and width are multiples of 4, and whose 36 transformed taps take 16 MiB at
-    most: cpu_kernels.cc's kWinograd4KernelBytes) multiplies by up to 8 in its transforms, and its error
-    against float64 was 4-7x XLA's on average, at most 9e-6 of the largest output (channels up to 128);
-    the other forms stay at XLA's error, which the wider kernels' test shape holds them to."""
-    f4 = size == 3 and h % 4 == 0 and w % 4 == 0 and 36 * c_in * c_out * 4 <= 16 << 20
-    return {"times": 8, "reach": 2e-5} if f4 else {}
+    convolution whose height and width are multiples of 4) multiplies by up to 8 in its transforms, and its
+    error against float64 grows with the input channels: 4x XLA's on average at 64, 5x at 128, 8x at 344,
+    9-10x at 512, at most 2e-5 of the largest output; the other forms stay at XLA's error."""
+    f4 = size == 3 and h % 4 == 0 and w % 4 == 0
+    return {"times": 12, "reach": 3e-5} if f4 else {}
 
 
 @pytest.mark.parametrize("plugin", F32_PLUGINS)
@@ -131,9 +130,10 @@ def conv_bounds(h: int, w: int, c_in: int, c_out: int, size: int = 3) -> dict[st
 def test_float32_convolutions_in_the_shim_are_as_close_to_float64_as_xlas(plugin: str, shape: tuple[int, ...],
                                                                            size: int) -> None:
     """A 3x3 convolution whose height and width are multiples of 4 runs in Winograd's F(4x4, 3x3) form, of
-    other even sizes (and kernels too wide for F(4x4)) in F(2x2, 3x3) (its transforms only add, subtract and
-    halve: the error stays XLA's), of odd ones in the nine taps: all three here, with channel counts off the
-    panels' 32 and blocks off whole groups of the products' rows."""
+    other even sizes in F(2x2, 3x3) (its transforms only add, subtract and halve: the error stays XLA's), of
+    odd ones in the nine taps: all three here, with channel counts off the panels' 32, blocks off whole groups
+    of the products' rows, and a wide kernel (344 x 352: eleven panels, a 17 MB F(4x4) kernel packed on
+    every core)."""
     b, h, w, c_in, c_out = shape
     module = f32_conv(c_in, c_out, size=size)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.float32)

@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -1152,8 +1153,7 @@ static void upsample_conv_tile_panels(const ConvShape& s, const T* padded, const
 // block of padded input around it, as (m + 2)^2 products of the transformed input (B^T d B) and the transformed
 // kernel (G g G^T, pack_winograd_kernel) per input channel, summed over the channels, then A^T M A. F(4x4, 3x3)
 // where height and width are multiples of 4: 36 products per 16 outputs where the nine taps take 144 (4x fewer
-// FMAs) where its kernel is small enough (kWinograd4KernelBytes); F(2x2, 3x3) where they are only even, or the
-// kernel is larger: 16 per 4 (2.25x). F(2x2)'s transforms only add, subtract and
+// FMAs); F(2x2, 3x3) where they are only even: 16 per 4 (2.25x). F(2x2)'s transforms only add, subtract and
 // halve, so its sums stay at XLA's float32 error; F(4x4)'s (Lavin and Gray's points 0, +-1, +-2) multiply by up
 // to 8, and its error against float64 is a few times XLA's, still near float32's rounding
 // (tests/test_float32_kernels.py bounds both). bf16 keeps the direct form, whose inputs VDPBF16PS takes as
@@ -1211,72 +1211,86 @@ struct WinogradF4 {
   }
 };
 
-// The tile loop streams the whole packed kernel once per group of kDotRows blocks, so F(4x4) is taken only
-// where its kernel (36 taps of Cin x Cout) stays in a last-level cache: at 512 channels (38 MB) it ran 2.5-3.8x
-// slower than F(2x2) (17 MB), at 256 (9.4 MB) as fast or 25% faster, at 128 17-30% faster (docs/benchmarks.md).
-constexpr int64_t kWinograd4KernelBytes = 16 << 20;
-
 enum class Winograd { kNone, kF2, kF4 };
+
+// The packed kernel a Winograd chunk of blocks reads (winograd_chunk_blocks).
+constexpr int64_t kWinogradChunkKernelBytes = 4 << 20;
 
 static Winograd winograd_form(const ConvShape& s) {
   if (!s.f32 || s.products() != ConvProducts::kPanels || s.upsample) return Winograd::kNone;
-  const int64_t f4_kernel_bytes = WinogradF4::kTaps * s.c_in * s.c_out * int64_t{sizeof(float)};
-  if (s.h % 4 == 0 && s.w % 4 == 0 && f4_kernel_bytes <= kWinograd4KernelBytes)
-    return Winograd::kF4;
+  if (s.h % 4 == 0 && s.w % 4 == 0) return Winograd::kF4;
   return s.h % 2 == 0 && s.w % 2 == 0 ? Winograd::kF2 : Winograd::kNone;
 }
 
 // G g G^T for each (input, output) channel of a (3, 3, Cin, Cout) kernel, packed as pack_conv_kernel packs
-// its taps: tap u * kIn + v is row u of G against column v of G^T.
+// its taps (tap u * kIn + v is row u of G against column v of G^T): each panel's taps straight from the
+// kernel, sixteen output channels at a time, the tasks (a panel's tap each) shared between the cores. This
+// runs on every call, and at 512 channels F(4x4)'s kernel is 38 MB: made in one thread, element by element,
+// it took longer than the convolution's products.
 template <typename Form>
-static std::vector<float> pack_winograd_kernel(const float* kernel, int64_t c_in, int64_t c_out) {
-  constexpr int taps_count = Form::kTaps;
-  const int64_t size = c_in * c_out;
-  std::vector<float> taps(taps_count * size);
-  for (int tap = 0; tap < taps_count; ++tap) {
-    const int u = tap / Form::kIn, v = tap % Form::kIn;
-    for (int64_t i = 0; i < size; i += 16) {
-      const Lanes lanes = lanes_left(size - i);
-      Vec sum = vzero();
-      for (int ky = 0; ky < 3; ++ky)
-        for (int kx = 0; kx < 3; ++kx) {
-          const float weight = Form::kG[u][ky] * Form::kG[v][kx];
-          if (weight != 0.0f) sum = vfmadd(vset1(weight), vload(kernel + (ky * 3 + kx) * size + i, lanes), sum);
-        }
-      vstore(taps.data() + tap * size + i, lanes, sum);
-    }
-  }
-  return pack_conv_kernel(taps.data(), c_in, c_out, taps_count);
+static std::unique_ptr<float[]> pack_winograd_kernel(const float* kernel, int64_t c_in, int64_t c_out) {
+  constexpr int taps = Form::kTaps;
+  const int64_t panels = (c_out + kPanel - 1) / kPanel;
+  std::unique_ptr<float[]> packed(new float[panels * kPanel * taps * c_in]);
+  parallel_tasks(panels * taps, workers_for(panels * taps), [&](int64_t task, int) {
+    const int64_t p = task / taps * kPanel;
+    const int tap = static_cast<int>(task % taps), u = tap / Form::kIn, v = tap % Form::kIn;
+    float weights[9];
+    for (int k = 0; k < 9; ++k) weights[k] = Form::kG[u][k / 3] * Form::kG[v][k % 3];
+    float* out = packed.get() + p * taps * c_in + tap * c_in * kPanel;
+    for (int64_t c = 0; c < c_in; ++c, out += kPanel)
+      for (int64_t half = 0; half < kPanel; half += 16) {  // columns past Cout: zeros
+        const Lanes lanes = lanes_left(std::max<int64_t>(0, c_out - p - half));
+        Vec sum = vzero();
+        for (int k = 0; k < 9; ++k)
+          if (weights[k] != 0.0f)
+            sum = vfmadd(vset1(weights[k]), vload(kernel + (k * c_in + c) * c_out + p + half, lanes), sum);
+        vstore(out + half, sum);
+      }
+  });
+  return packed;
 }
 
-static std::vector<float> pack_winograd_kernel(Winograd form, const float* kernel, int64_t c_in, int64_t c_out) {
+static std::unique_ptr<float[]> pack_winograd_kernel(Winograd form, const float* kernel, int64_t c_in, int64_t c_out) {
   return form == Winograd::kF4 ? pack_winograd_kernel<WinogradF4>(kernel, c_in, c_out)
                                : pack_winograd_kernel<WinogradF2>(kernel, c_in, c_out);
 }
 
-// The scratch of one worker's Winograd tile: kDotRows blocks' transformed inputs [taps][kDotRows][Cin] and
-// their products with one panel [taps][kDotRows][32], in float32.
-static int64_t winograd_scratch_count(Winograd form, const ConvShape& s) {
-  const int64_t taps = form == Winograd::kF4 ? WinogradF4::kTaps : WinogradF2::kTaps;
-  return taps * kDotRows * (s.c_in + kPanel);
+static int64_t winograd_size(Winograd form) { return form == Winograd::kF4 ? WinogradF4::kOut : WinogradF2::kOut; }
+static int64_t winograd_taps(Winograd form) { return form == Winograd::kF4 ? WinogradF4::kTaps : WinogradF2::kTaps; }
+
+// Blocks per chunk of a Winograd tile: the loop reads the whole packed kernel once per chunk, so a kernel
+// larger than kWinogradChunkKernelBytes takes chunks of as many more groups of kDotRows blocks. One group per
+// chunk (its transformed inputs and products in L1 and L2) was the fastest while the kernel stayed in the
+// last-level cache; at 512 channels (F(4x4)'s kernel is 38 MB) it ran out of memory bandwidth.
+static int64_t winograd_chunk_blocks(Winograd form, const ConvShape& s) {
+  const int64_t kernel_bytes = winograd_taps(form) * s.c_in * s.c_out * int64_t{sizeof(float)};
+  return kDotRows * std::max<int64_t>(1, kernel_bytes / kWinogradChunkKernelBytes);
 }
 
-// One tile of output rows (a whole number of block rows) in Winograd's form: per group of kDotRows output
-// blocks, their inputs transformed once, then per panel of 32 output channels the products (`accumulate`, as
-// the direct form's taps) and A^T M A with the bias. Block (i, j) of the tile reads padded rows m i .. m i +
-// m + 1 and columns m j .. m j + m + 1, and writes output rows m i .. m i + m - 1 and those columns.
+// The scratch of one worker's Winograd tile: a chunk's transformed inputs [taps][blocks][Cin] and their
+// products with one panel [taps][blocks][32], in float32.
+static int64_t winograd_scratch_count(Winograd form, const ConvShape& s) {
+  return winograd_taps(form) * winograd_chunk_blocks(form, s) * (s.c_in + kPanel);
+}
+
+// One tile of output rows (a whole number of block rows) in Winograd's form, chunk by chunk of blocks: the
+// chunk's inputs transformed once, then per panel of 32 output channels and per tap the products of the
+// chunk's blocks (`accumulate`, in groups of kDotRows as the direct form's taps) against that tap's slice of
+// the panel, and A^T M A with the bias. Block (i, j) of the tile reads padded rows m i .. m i + m + 1 and
+// columns m j .. m j + m + 1, and writes output rows m i .. m i + m - 1 and those columns.
 template <typename Form>
 static void winograd_tile_panels(const ConvShape& s, const float* padded, const float* packed, const float* bias,
-                                 int64_t rows, float* out, float* scratch) {
+                                 int64_t rows, float* out, float* scratch, int64_t chunk) {
   constexpr int m = Form::kOut, n = Form::kIn, taps = Form::kTaps;
   const int64_t wp = s.wp(), across = s.w / m, blocks = (rows / m) * across, cin = s.c_in;
-  float* inputs = scratch;                                 // [taps][kDotRows][Cin]
-  float* products = scratch + taps * kDotRows * cin;       // [taps][kDotRows][32]
-  for (int64_t b0 = 0; b0 < blocks; b0 += kDotRows) {
-    const int64_t count = std::min<int64_t>(kDotRows, blocks - b0);
-    for (int64_t t = 0; t < kDotRows; ++t) {
-      if (t >= count) {  // rows past the last block: zeros, their products dropped
-        for (int xi = 0; xi < taps; ++xi) std::fill_n(inputs + (xi * kDotRows + t) * cin, cin, 0.0f);
+  for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+    const int64_t count = std::min(chunk, blocks - b0), stride = round_up(count, kDotRows);  // whole groups
+    float* inputs = scratch;                             // [taps][stride][Cin]
+    float* products = scratch + taps * stride * cin;     // [taps][stride][32]
+    for (int64_t t = 0; t < stride; ++t) {
+      if (t >= count) {  // the last group's rows past the last block: zeros, their products dropped
+        for (int xi = 0; xi < taps; ++xi) std::fill_n(inputs + (xi * stride + t) * cin, cin, 0.0f);
         continue;
       }
       const int64_t i = (b0 + t) / across, j = (b0 + t) % across;
@@ -1287,14 +1301,15 @@ static void winograd_tile_panels(const ConvShape& s, const float* padded, const 
         for (int r = 0; r < n; ++r)
           for (int q = 0; q < n; ++q) d[r][q] = vload(corner + (r * wp + q) * cin + c, lanes);
         Form::input(d);
-        for (int xi = 0; xi < taps; ++xi) vstore(inputs + (xi * kDotRows + t) * cin + c, lanes, d[xi / n][xi % n]);
+        for (int xi = 0; xi < taps; ++xi) vstore(inputs + (xi * stride + t) * cin + c, lanes, d[xi / n][xi % n]);
       }
     }
     for (int64_t p = 0; p < s.c_out; p += kPanel) {
       const float* panel = packed + p * taps * cin;
       for (int xi = 0; xi < taps; ++xi)
-        accumulate<kDotRows, false>(inputs + xi * kDotRows * cin, cin, panel + xi * cin * kPanel, cin,
-                                    products + xi * kDotRows * kPanel, kPanel);
+        for (int64_t g = 0; g < stride; g += kDotRows)
+          accumulate<kDotRows, false>(inputs + (xi * stride + g) * cin, cin, panel + xi * cin * kPanel, cin,
+                                      products + (xi * stride + g) * kPanel, kPanel);
       const int64_t channels = std::min(kPanel, s.c_out - p);
       for (int64_t t = 0; t < count; ++t) {
         const int64_t i = (b0 + t) / across, j = (b0 + t) % across;
@@ -1304,7 +1319,7 @@ static void winograd_tile_panels(const ConvShape& s, const float* padded, const 
           Vec r[m][n];
           for (int q = 0; q < n; ++q) {
             Vec column[n], reduced[m];
-            for (int u = 0; u < n; ++u) column[u] = vload(products + ((u * n + q) * kDotRows + t) * kPanel + half);
+            for (int u = 0; u < n; ++u) column[u] = vload(products + ((u * n + q) * stride + t) * kPanel + half);
             Form::output(column, reduced);
             for (int a = 0; a < m; ++a) r[a][q] = reduced[a];
           }
@@ -1323,18 +1338,21 @@ static void winograd_tile_panels(const ConvShape& s, const float* padded, const 
 }
 
 // Output rows per task. On the tiles and in panels: a tile's padded input within about 1 MB (the rows
-// above and below are made again by the next tile). On MKL: its float32 sums within about 512 KB. The
-// image's rows are then split evenly into a whole number of tiles per core where they allow it, so
-// that no core waits on another's last, longer tile.
+// above and below are made again by the next tile), and in Winograd's form at least one chunk of blocks. On
+// MKL: its float32 sums within about 512 KB. The image's rows are then split evenly into a whole number of
+// tiles per core where they allow it, so that no core waits on another's last, longer tile.
 static int64_t conv_tile_rows(const ConvShape& s) {
+  const Winograd form = winograd_form(s);  // Winograd's tiles take whole rows of blocks
   const int64_t least = s.packed() ? 4 : 1;
   const int64_t padded_row_bytes = s.wp() * s.c_in * (s.f32 ? 4 : 2);
-  const int64_t most =
-      std::max(least, s.packed() ? (1 << 20) / padded_row_bytes - 3 : (128 << 10) / (s.wp() * s.c_out));
+  int64_t most = std::max(least, s.packed() ? (1 << 20) / padded_row_bytes - 3 : (128 << 10) / (s.wp() * s.c_out));
+  if (form != Winograd::kNone) {
+    const int64_t m = winograd_size(form), across = s.w / m;
+    most = std::max(most, (winograd_chunk_blocks(form, s) + across - 1) / across * m);
+  }
   const int64_t cores = worker_count(), tiles = (s.h + most - 1) / most;
   const int64_t even = s.batch % cores == 0 ? tiles : round_up(tiles, cores);  // a batch of whole images evens out
   const int64_t tile = std::max(least, std::min(s.h, (s.h + even - 1) / even));
-  const Winograd form = winograd_form(s);  // Winograd's tiles take whole rows of blocks
   return form == Winograd::kF4 ? round_up(tile, 4) : form == Winograd::kF2 ? round_up(tile, 2) : tile;
 }
 
@@ -1365,16 +1383,20 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
   const std::vector<float> bias32 = widened_bias(bias, s.c_out);
   const Winograd form = winograd_form(s);
   const bool winograd = form != Winograd::kNone;
+  const int64_t chunk = winograd ? winograd_chunk_blocks(form, s) : 0;
   std::vector<T> packed;
+  std::unique_ptr<float[]> winograd_packed;
   if constexpr (std::is_same_v<T, float>)
-    if (winograd) packed = pack_winograd_kernel(form, kernel, s.c_in, s.c_out);
+    if (winograd) winograd_packed = pack_winograd_kernel(form, kernel, s.c_in, s.c_out);
   if (!winograd)
     packed = s.upsample ? pack_upsample_kernel(kernel, s.c_in, s.c_out)
              : s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<T>();
   const int workers = workers_for(s.batch * tiles);
   // `sums`: MKL's float32 sums, or Winograd's transformed inputs and products.
   const int64_t padded_count = padded_size(s, tile_rows),
-                sums_count = winograd ? winograd_scratch_count(form, s) : s.packed() ? 0 : tile_rows * s.wp() * s.c_out;
+                sums_count = winograd   ? winograd_scratch_count(form, s)
+                             : s.packed() ? 0
+                                          : tile_rows * s.wp() * s.c_out;
   const bool keep = padded_count * int64_t{sizeof(T)} + sums_count * int64_t{sizeof(float)} <= kKeptScratchBytes;
   std::vector<ConvScratch<T>> scratch(keep ? 0 : workers);
   for (auto& w : scratch) w.fit(padded_count, sums_count);
@@ -1388,11 +1410,13 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
     T* tile_out = out + (b * s.h + y0) * s.scale() * s.scale() * s.w * s.c_out;
     if constexpr (std::is_same_v<T, float>) {
       if (form == Winograd::kF4) {
-        winograd_tile_panels<WinogradF4>(s, padded, packed.data(), bias32.data(), rows, tile_out, w.sums.data());
+        winograd_tile_panels<WinogradF4>(s, padded, winograd_packed.get(), bias32.data(), rows, tile_out,
+                                         w.sums.data(), chunk);
         return;
       }
       if (form == Winograd::kF2) {
-        winograd_tile_panels<WinogradF2>(s, padded, packed.data(), bias32.data(), rows, tile_out, w.sums.data());
+        winograd_tile_panels<WinogradF2>(s, padded, winograd_packed.get(), bias32.data(), rows, tile_out,
+                                         w.sums.data(), chunk);
         return;
       }
     }
