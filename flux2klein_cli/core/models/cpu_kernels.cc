@@ -26,10 +26,11 @@
 //   single block's q/k norms and rotations), and flux2klein_avx512_gemm (the Linear layers' products,
 //   rounded to bf16 as they are stored). Attention and the convolutions have float32 forms too, the
 //   same loops in FMAs (flux2klein_avx512_attention_f32, _masked_attention_f32, _conv3x3_f32,
-//   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32; the 3x3 ones of even height and width in
-//   Winograd's F(2x2, 3x3), 2.25x fewer products), which the AVX-512 float32 plugin
-//   (core/models/float32_kernels.py) takes on CPUs with AVX-512 and no bf16, and the AVX2 float32
-//   plugin on CPUs with AVX2 and no AVX-512.
+//   _norm_silu_conv3x3_f32, _conv1x1_f32, _upsample_conv3x3_f32; the 3x3 ones in Winograd's F(4x4, 3x3)
+//   where height and width are multiples of 4, 4x fewer products, the upsample's as four such convolutions
+//   of its input, 1.8x fewer than its merged taps; other even sizes in F(2x2, 3x3), 2.25x fewer), which the
+//   AVX-512 float32 plugin (core/models/float32_kernels.py) takes on CPUs with AVX-512 and no bf16, and the
+//   AVX2 float32 plugin on CPUs with AVX2 and no AVX-512.
 // MKL is opened at run time (dlopen) by the AMX plugin only, so this file builds with no MKL headers.
 // Built three ways (core/models/cpu_shim.py): with AVX-512, bf16 and AMX on, for CPUs with AVX-512 bf16
 // (the AMX instructions run only in the AMX plugin's handlers); and with AVX-512 alone (F, BW, VL, DQ,
@@ -950,8 +951,9 @@ enum class ConvProducts { kAmx, kMkl, kPanels };
 struct ConvShape {
   int64_t batch, h, w, c_in, c_out;
   bool avx512 = false;  // the AVX-512 bf16 plugin's call: VDPBF16PS (or FMAs in float32), no AMX or MKL
-  // A nearest 2x upsample first (the AVX-512 bf16 plugin's only): h and w are the input's, the output is
-  // (2h, 2w), and the kernel is packed as the sixteen merged taps of upsample_conv_tile_panels.
+  // A nearest 2x upsample first (the AVX-512 plugins' only): h and w are the input's, the output is (2h, 2w),
+  // and the kernel is packed as the sixteen merged taps of upsample_conv_tile_panels (or, in Winograd's form,
+  // as four phases, pack_winograd_kernel).
   bool upsample = false;
   bool f32 = false;  // float32 input, kernel and output (the AVX-512 plugin's FMA form)
   int64_t wp() const { return w + 2; }
@@ -1217,27 +1219,43 @@ enum class Winograd { kNone, kF2, kF4 };
 constexpr int64_t kWinogradChunkKernelBytes = 4 << 20;
 
 static Winograd winograd_form(const ConvShape& s) {
-  if (!s.f32 || s.products() != ConvProducts::kPanels || s.upsample) return Winograd::kNone;
+  if (!s.f32 || s.products() != ConvProducts::kPanels) return Winograd::kNone;
   if (s.h % 4 == 0 && s.w % 4 == 0) return Winograd::kF4;
-  return s.h % 2 == 0 && s.w % 2 == 0 ? Winograd::kF2 : Winograd::kNone;
+  // An upsample in F(2x2) would take 16 products per four input pixels for each of its four phases: as
+  // many as its merged taps do.
+  return s.h % 2 == 0 && s.w % 2 == 0 && !s.upsample ? Winograd::kF2 : Winograd::kNone;
 }
+
+// The packed kernel's phases: a nearest 2x upsample's output pixel (2r + a, 2c + b) is phase 2a + b of input
+// pixel (r, c) (upsample_conv_tile_panels); a plain convolution has one.
+static int64_t winograd_phases(const ConvShape& s) { return s.upsample ? 4 : 1; }
+
+// The row of the 3x3 window around input row r (r - 1, r, r + 1) that kernel row ky of a nearest 2x upsample
+// then a 3x3 convolution reads for output row 2r + a: [a][ky]. Output row 2r reads upsampled rows 2r - 1, 2r
+// and 2r + 1, which are input rows r - 1, r and r.
+constexpr int kUpsampledWindowRow[2][3] = {{0, 1, 1}, {1, 1, 2}};
 
 // G g G^T for each (input, output) channel of a (3, 3, Cin, Cout) kernel, packed as pack_conv_kernel packs
 // its taps (tap u * kIn + v is row u of G against column v of G^T): each panel's taps straight from the
 // kernel, sixteen output channels at a time, the tasks (a panel's tap each) shared between the cores. This
 // runs on every call, and at 512 channels F(4x4)'s kernel is 38 MB: made in one thread, element by element,
-// it took longer than the convolution's products.
-template <typename Form>
+// it took longer than the convolution's products. A nearest 2x upsample's (Upsample) holds each of its four
+// phases' panels in turn (the phase's Cout rounded up to whole panels), the phase a 3x3 convolution of the
+// input whose window rows the kernel's rows fall on as kUpsampledWindowRow says (and so its columns).
+template <typename Form, bool Upsample>
 static std::unique_ptr<float[]> pack_winograd_kernel(const float* kernel, int64_t c_in, int64_t c_out) {
-  constexpr int taps = Form::kTaps;
-  const int64_t panels = (c_out + kPanel - 1) / kPanel;
-  std::unique_ptr<float[]> packed(new float[panels * kPanel * taps * c_in]);
-  parallel_tasks(panels * taps, workers_for(panels * taps), [&](int64_t task, int) {
-    const int64_t p = task / taps * kPanel;
+  constexpr int taps = Form::kTaps, phases = Upsample ? 4 : 1;
+  const int64_t panels = (c_out + kPanel - 1) / kPanel;  // per phase
+  std::unique_ptr<float[]> packed(new float[phases * panels * kPanel * taps * c_in]);
+  parallel_tasks(phases * panels * taps, workers_for(phases * panels * taps), [&](int64_t task, int) {
+    const int64_t panel = task / taps, p = panel % panels * kPanel;
     const int tap = static_cast<int>(task % taps), u = tap / Form::kIn, v = tap % Form::kIn;
+    const int a = static_cast<int>(panel / panels) / 2, b = static_cast<int>(panel / panels) % 2;
     float weights[9];
-    for (int k = 0; k < 9; ++k) weights[k] = Form::kG[u][k / 3] * Form::kG[v][k % 3];
-    float* out = packed.get() + p * taps * c_in + tap * c_in * kPanel;
+    for (int k = 0; k < 9; ++k)
+      weights[k] = Upsample ? Form::kG[u][kUpsampledWindowRow[a][k / 3]] * Form::kG[v][kUpsampledWindowRow[b][k % 3]]
+                            : Form::kG[u][k / 3] * Form::kG[v][k % 3];
+    float* out = packed.get() + panel * kPanel * taps * c_in + tap * c_in * kPanel;
     for (int64_t c = 0; c < c_in; ++c, out += kPanel)
       for (int64_t half = 0; half < kPanel; half += 16) {  // columns past Cout: zeros
         const Lanes lanes = lanes_left(std::max<int64_t>(0, c_out - p - half));
@@ -1251,9 +1269,10 @@ static std::unique_ptr<float[]> pack_winograd_kernel(const float* kernel, int64_
   return packed;
 }
 
-static std::unique_ptr<float[]> pack_winograd_kernel(Winograd form, const float* kernel, int64_t c_in, int64_t c_out) {
-  return form == Winograd::kF4 ? pack_winograd_kernel<WinogradF4>(kernel, c_in, c_out)
-                               : pack_winograd_kernel<WinogradF2>(kernel, c_in, c_out);
+static std::unique_ptr<float[]> pack_winograd_kernel(Winograd form, const ConvShape& s, const float* kernel) {
+  if (s.upsample) return pack_winograd_kernel<WinogradF4, true>(kernel, s.c_in, s.c_out);  // F(4x4) only
+  return form == Winograd::kF4 ? pack_winograd_kernel<WinogradF4, false>(kernel, s.c_in, s.c_out)
+                               : pack_winograd_kernel<WinogradF2, false>(kernel, s.c_in, s.c_out);
 }
 
 static int64_t winograd_size(Winograd form) { return form == Winograd::kF4 ? WinogradF4::kOut : WinogradF2::kOut; }
@@ -1264,7 +1283,8 @@ static int64_t winograd_taps(Winograd form) { return form == Winograd::kF4 ? Win
 // chunk (its transformed inputs and products in L1 and L2) was the fastest while the kernel stayed in the
 // last-level cache; at 512 channels (F(4x4)'s kernel is 38 MB) it ran out of memory bandwidth.
 static int64_t winograd_chunk_blocks(Winograd form, const ConvShape& s) {
-  const int64_t kernel_bytes = winograd_taps(form) * s.c_in * s.c_out * int64_t{sizeof(float)};
+  const int64_t kernel_bytes =
+      winograd_taps(form) * s.c_in * winograd_phases(s) * round_up(s.c_out, kPanel) * int64_t{sizeof(float)};
   return kDotRows * std::max<int64_t>(1, kernel_bytes / kWinogradChunkKernelBytes);
 }
 
@@ -1278,8 +1298,9 @@ static int64_t winograd_scratch_count(Winograd form, const ConvShape& s) {
 // chunk's inputs transformed once, then per panel of 32 output channels and per tap the products of the
 // chunk's blocks (`accumulate`, in groups of kDotRows as the direct form's taps) against that tap's slice of
 // the panel, and A^T M A with the bias. Block (i, j) of the tile reads padded rows m i .. m i + m + 1 and
-// columns m j .. m j + m + 1, and writes output rows m i .. m i + m - 1 and those columns.
-template <typename Form>
+// columns m j .. m j + m + 1, and writes output rows m i .. m i + m - 1 and those columns; with Upsample, each
+// phase (a, b)'s panels write output pixel (2y + a, 2x + b) for the block's pixel (y, x).
+template <typename Form, bool Upsample>
 static void winograd_tile_panels(const ConvShape& s, const float* padded, const float* packed, const float* bias,
                                  int64_t rows, float* out, float* scratch, int64_t chunk) {
   constexpr int m = Form::kOut, n = Form::kIn, taps = Form::kTaps;
@@ -1304,8 +1325,10 @@ static void winograd_tile_panels(const ConvShape& s, const float* padded, const 
         for (int xi = 0; xi < taps; ++xi) vstore(inputs + (xi * stride + t) * cin + c, lanes, d[xi / n][xi % n]);
       }
     }
-    for (int64_t p = 0; p < s.c_out; p += kPanel) {
-      const float* panel = packed + p * taps * cin;
+    const int64_t panels = (s.c_out + kPanel - 1) / kPanel;  // per phase
+    for (int64_t k = 0; k < (Upsample ? 4 : 1) * panels; ++k) {
+      const float* panel = packed + k * kPanel * taps * cin;
+      const int64_t p = k % panels * kPanel, a = k / panels / 2, b = k / panels % 2;
       for (int xi = 0; xi < taps; ++xi)
         for (int64_t g = 0; g < stride; g += kDotRows)
           accumulate<kDotRows, false>(inputs + (xi * stride + g) * cin, cin, panel + xi * cin * kPanel, cin,
@@ -1329,9 +1352,11 @@ static void winograd_tile_panels(const ConvShape& s, const float* padded, const 
             for (int b = 0; b < m; ++b) vstore(outputs[a * m + b] + half, pixels[b]);
           }
         }
-        for (int pixel = 0; pixel < m * m; ++pixel)
-          store_conv_outputs(outputs[pixel], bias + p, channels,
-                             out + ((m * i + pixel / m) * s.w + m * j + pixel % m) * s.c_out + p);
+        for (int pixel = 0; pixel < m * m; ++pixel) {
+          const int64_t y = m * i + pixel / m, x = m * j + pixel % m;
+          const int64_t at = Upsample ? (2 * y + a) * 2 * s.w + 2 * x + b : y * s.w + x;
+          store_conv_outputs(outputs[pixel], bias + p, channels, out + at * s.c_out + p);
+        }
       }
     }
   }
@@ -1387,7 +1412,7 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
   std::vector<T> packed;
   std::unique_ptr<float[]> winograd_packed;
   if constexpr (std::is_same_v<T, float>)
-    if (winograd) winograd_packed = pack_winograd_kernel(form, kernel, s.c_in, s.c_out);
+    if (winograd) winograd_packed = pack_winograd_kernel(form, s, kernel);
   if (!winograd)
     packed = s.upsample ? pack_upsample_kernel(kernel, s.c_in, s.c_out)
              : s.packed() ? pack_conv_kernel(kernel, s.c_in, s.c_out) : std::vector<T>();
@@ -1409,16 +1434,14 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
     std::fill(padded + (rows + 2) * row, padded + padded_size(s, rows), T{0});
     T* tile_out = out + (b * s.h + y0) * s.scale() * s.scale() * s.w * s.c_out;
     if constexpr (std::is_same_v<T, float>) {
-      if (form == Winograd::kF4) {
-        winograd_tile_panels<WinogradF4>(s, padded, winograd_packed.get(), bias32.data(), rows, tile_out,
-                                         w.sums.data(), chunk);
-        return;
-      }
-      if (form == Winograd::kF2) {
-        winograd_tile_panels<WinogradF2>(s, padded, winograd_packed.get(), bias32.data(), rows, tile_out,
-                                         w.sums.data(), chunk);
-        return;
-      }
+      const float* wk = winograd_packed.get();
+      float* sums = w.sums.data();
+      if (form == Winograd::kF4 && s.upsample)
+        return winograd_tile_panels<WinogradF4, true>(s, padded, wk, bias32.data(), rows, tile_out, sums, chunk);
+      if (form == Winograd::kF4)
+        return winograd_tile_panels<WinogradF4, false>(s, padded, wk, bias32.data(), rows, tile_out, sums, chunk);
+      if (form == Winograd::kF2)
+        return winograd_tile_panels<WinogradF2, false>(s, padded, wk, bias32.data(), rows, tile_out, sums, chunk);
     }
     if (s.products() == ConvProducts::kPanels) {
       if (s.upsample)

@@ -103,7 +103,7 @@ class Float32Kernels:
         return avx512_bf16.conv1x1(x, kernel, bias, fallback, target=self.CONV1X1_TARGET)
 
     def upsample_conv3x3(self, x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
-        """avx512_bf16.upsample_conv3x3's float32 form (the merged taps float32 sums)."""
+        """avx512_bf16.upsample_conv3x3's float32 form (the merged taps float32 sums, or Winograd's F(4x4))."""
         return avx512_bf16.upsample_conv3x3(x, kernel, bias, fallback, target=self.UPSAMPLE_CONV_TARGET)
 
 
