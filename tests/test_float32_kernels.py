@@ -297,6 +297,41 @@ def test_a_bf16_model_on_a_cpu_without_bf16_takes_the_float32_kernels(plugin: st
             np.testing.assert_allclose(ours, xla, rtol=1e-5, atol=1e-5 * np.abs(xla).max())
 
 
+def test_a_bf16_vae_computes_in_float32_under_the_avx512_bf16_plugin() -> None:
+    """TraceOptions.for_vae: under the AVX-512 bf16 plugin (a CPU with a bf16 dot: bf16 operands elsewhere) a
+    bf16 VAE's encode and decode trace with float32 activations, their convolutions the plugin's float32
+    calls (Winograd's form) and none of its bf16 ones, and decode as XLA's float32-activation form of the
+    same model does; the other plugins' and platforms' forms stay as they are."""
+    from dataclasses import replace
+
+    from flux2klein_cli.core.models.vae import Flux2VAE, VAEConfig
+    from tests.fixtures.tiny_configs import vae_config
+
+    bf16_cpu = TraceOptions("cpu", "blocked", kernels="avx512-bf16", bf16_compute="f32-accumulate")
+    assert bf16_cpu.for_vae() == replace(bf16_cpu, bf16_compute="f32")
+    for kept in (replace(bf16_cpu, kernels="amx"), replace(bf16_cpu, kernels=None), TraceOptions("tpu", "splash"),
+                 TraceOptions("cpu", "blocked", kernels="avx512-f32", bf16_compute="f32")):
+        assert kept.for_vae() == kept
+    vae = Flux2VAE(VAEConfig.from_dict(vae_config(levels=3)), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(4)
+    for _, var in nnx.to_flat_state(nnx.state(vae, nnx.Param)):
+        value = var.get_value()
+        var.set_value(jnp.asarray(0.1 * rng.standard_normal(value.shape), value.dtype))
+    graphdef, state = nnx.split(vae)
+    latents = jnp.asarray(rng.standard_normal((1, 4, 4, vae.config.patched_channels)), jnp.float32)
+    pixels = jnp.asarray(rng.uniform(-1, 1, (1, 32, 32, 3)), jnp.bfloat16)
+    decode = traced_under(lambda s, z: nnx.merge(graphdef, s).decode(z), bf16_cpu)
+    encode = traced_under(lambda s, x: nnx.merge(graphdef, s).encode(x), bf16_cpu)
+    for held in (hlo(decode, state, latents), hlo(encode, state, pixels)):
+        assert f"@{avx512_bf16.NORM_CONV_TARGET}{F32}(" in held
+        assert f"@{avx512_bf16.NORM_CONV_TARGET}(" not in held and f"@{avx512_bf16.CONV_TARGET}(" not in held
+    if plugin_missing("avx512-bf16") is None:  # this host runs its float32 kernels
+        widened_xla = TraceOptions("cpu", "blocked", bf16_compute="f32")
+        xla = traced_under(lambda s, z: nnx.merge(graphdef, s).decode(z), widened_xla)
+        ours, want = (np.asarray(jax.jit(fn)(state, latents), np.float64) for fn in (decode, xla))
+        np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 # Instructions past Skylake-SP's AVX-512 (F, CD, BW, DQ, VL): bf16, AMX, VNNI, VBMI and VBMI2, IFMA,
 # BITALG and VPOPCNTDQ, VP2INTERSECT, GFNI, VAES, VPCLMULQDQ.
 NEWER_THAN_SKYLAKE = re.compile(

@@ -412,13 +412,14 @@ class Flux2VAE(nnx.Module):
         f = self.config.spatial_factor
         if h % f or w % f:
             raise ValueError(f"VAE encode needs height and width divisible by {f}, got {h}x{w}")
-        # 1. The encoder, then quant_conv: the posterior's mean and log-variance.
-        moments = self.encoder(pixels.astype(trace.current().activation_dtype(self.dtype)))
-        if self.quant_conv is not None:
-            moments = self.quant_conv(moments)
-        # 2. The mean alone (no sampling), 2x2-patchified and normalised by the latent statistics.
-        mean = moments[..., : self.config.latent_channels]
-        return self.bn.normalize(patchify(mean))
+        with trace.tracing(trace.current().for_vae()):  # the VAE's own forms (TraceOptions.for_vae)
+            # 1. The encoder, then quant_conv: the posterior's mean and log-variance.
+            moments = self.encoder(pixels.astype(trace.current().activation_dtype(self.dtype)))
+            if self.quant_conv is not None:
+                moments = self.quant_conv(moments)
+            # 2. The mean alone (no sampling), 2x2-patchified and normalised by the latent statistics.
+            mean = moments[..., : self.config.latent_channels]
+            return self.bn.normalize(patchify(mean))
 
     def decode(self, latents: jax.Array) -> jax.Array:
         """Normalised patchified latents (B, h, w, 4 * latent_channels) -> images
@@ -427,12 +428,13 @@ class Flux2VAE(nnx.Module):
             raise ValueError(
                 f"VAE decode expects {self.config.patched_channels} latent channels, got {latents.shape[-1]}"
             )
-        # 1. Undo the normalisation and the 2x2 patches.
-        z = unpatchify(self.bn.denormalize(latents)).astype(trace.current().activation_dtype(self.dtype))
-        # 2. post_quant_conv, then the decoder.
-        if self.post_quant_conv is not None:
-            z = self.post_quant_conv(z)
-        return self.decoder(z).astype(jnp.float32)
+        with trace.tracing(trace.current().for_vae()):  # the VAE's own forms (TraceOptions.for_vae)
+            # 1. Undo the normalisation and the 2x2 patches.
+            z = unpatchify(self.bn.denormalize(latents)).astype(trace.current().activation_dtype(self.dtype))
+            # 2. post_quant_conv, then the decoder.
+            if self.post_quant_conv is not None:
+                z = self.post_quant_conv(z)
+            return self.decoder(z).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------- weights
