@@ -11,6 +11,7 @@ import functools
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -23,6 +24,8 @@ from flux2klein_cli.core.devices import cpu
 from flux2klein_cli.core.models import avx512_bf16, cpu_shim, float32_kernels, kernels
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
+from flux2klein_cli.core.models.vae import Flux2VAE, VAEConfig
+from tests.fixtures.tiny_configs import vae_config
 from tests.test_cpu_matmul import (
     attention_under,
     conv_under,
@@ -302,11 +305,6 @@ def test_a_bf16_vae_computes_in_float32_under_the_avx512_bf16_plugin() -> None:
     bf16 VAE's encode and decode trace with float32 activations, their convolutions the plugin's float32
     calls (Winograd's form) and none of its bf16 ones, and decode as XLA's float32-activation form of the
     same model does; the other plugins' and platforms' forms stay as they are."""
-    from dataclasses import replace
-
-    from flux2klein_cli.core.models.vae import Flux2VAE, VAEConfig
-    from tests.fixtures.tiny_configs import vae_config
-
     bf16_cpu = TraceOptions("cpu", "blocked", kernels="avx512-bf16", bf16_compute="f32-accumulate")
     assert bf16_cpu.for_vae() == replace(bf16_cpu, bf16_compute="f32")
     for kept in (replace(bf16_cpu, kernels="amx"), replace(bf16_cpu, kernels=None), TraceOptions("tpu", "splash"),

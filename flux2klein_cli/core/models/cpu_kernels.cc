@@ -1328,7 +1328,7 @@ static void winograd_tile_panels(const ConvShape& s, const float* padded, const 
     const int64_t panels = (s.c_out + kPanel - 1) / kPanel;  // per phase
     for (int64_t k = 0; k < (Upsample ? 4 : 1) * panels; ++k) {
       const float* panel = packed + k * kPanel * taps * cin;
-      const int64_t p = k % panels * kPanel, a = k / panels / 2, b = k / panels % 2;
+      const int64_t p = k % panels * kPanel, phase_row = k / panels / 2, phase_col = k / panels % 2;
       for (int xi = 0; xi < taps; ++xi)
         for (int64_t g = 0; g < stride; g += kDotRows)
           accumulate<kDotRows, false>(inputs + (xi * stride + g) * cin, cin, panel + xi * cin * kPanel, cin,
@@ -1354,7 +1354,7 @@ static void winograd_tile_panels(const ConvShape& s, const float* padded, const 
         }
         for (int pixel = 0; pixel < m * m; ++pixel) {
           const int64_t y = m * i + pixel / m, x = m * j + pixel % m;
-          const int64_t at = Upsample ? (2 * y + a) * 2 * s.w + 2 * x + b : y * s.w + x;
+          const int64_t at = Upsample ? (2 * y + phase_row) * 2 * s.w + 2 * x + phase_col : y * s.w + x;
           store_conv_outputs(outputs[pixel], bias + p, channels, out + at * s.c_out + p);
         }
       }

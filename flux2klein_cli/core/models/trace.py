@@ -123,8 +123,8 @@ class TraceOptions:
         """The forms the VAE traces in (models/vae.py, its encode and decode): these, except that a bf16 VAE
         computes with float32 activations under the AVX-512 bf16 plugin too, as on a CPU without bf16. Its
         float32 3x3 convolutions take Winograd's form, up to 4x fewer products at half VDPBF16PS's rate,
-        where its bf16 ones take the nine taps: the 4B model's VAE decoded 512x512 in 4.9 s instead of 5.5
-        (docs/benchmarks.md). The AMX plugin's bf16 convolutions run on the tiles, faster again."""
+        where its bf16 ones take the nine taps (docs/benchmarks.md). The AMX plugin's bf16 convolutions run
+        on the tiles, faster again."""
         if self.kernels == "avx512-bf16" and self.bf16_compute == "f32-accumulate":
             return replace(self, bf16_compute="f32")
         return self
