@@ -1215,8 +1215,8 @@ struct WinogradF4 {
 
 enum class Winograd { kNone, kF2, kF4 };
 
-// The packed kernel a Winograd chunk of blocks reads (winograd_chunk_blocks).
-constexpr int64_t kWinogradChunkKernelBytes = 4 << 20;
+// A Winograd chunk of blocks (winograd_chunk_blocks): the packed kernel it reads, its scratch at most.
+constexpr int64_t kWinogradChunkKernelBytes = 4 << 20, kWinogradChunkScratchBytes = 8 << 20;
 
 static Winograd winograd_form(const ConvShape& s) {
   if (!s.f32 || s.products() != ConvProducts::kPanels) return Winograd::kNone;
@@ -1278,20 +1278,27 @@ static std::unique_ptr<float[]> pack_winograd_kernel(Winograd form, const ConvSh
 static int64_t winograd_size(Winograd form) { return form == Winograd::kF4 ? WinogradF4::kOut : WinogradF2::kOut; }
 static int64_t winograd_taps(Winograd form) { return form == Winograd::kF4 ? WinogradF4::kTaps : WinogradF2::kTaps; }
 
-// Blocks per chunk of a Winograd tile: the loop reads the whole packed kernel once per chunk, so a kernel
-// larger than kWinogradChunkKernelBytes takes chunks of as many more groups of kDotRows blocks. One group per
-// chunk (its transformed inputs and products in L1 and L2) was the fastest while the kernel stayed in the
-// last-level cache; at 512 channels (F(4x4)'s kernel is 38 MB) it ran out of memory bandwidth.
+// Blocks per chunk of a Winograd tile: the loop reads the whole packed kernel once per chunk. Up to
+// kWinogradChunkKernelBytes of kernel a chunk is one group of kDotRows blocks (its transformed inputs and
+// products in L1 and L2: the fastest while the kernel stays in the last-level cache); a larger kernel takes
+// 12 blocks per kWinogradChunkKernelBytes (at 512 channels F(4x4)'s kernel is 38 MB, the upsample's four
+// phases' 151 MB, and one group per read ran out of memory bandwidth), in whole groups, as many as
+// kWinogradChunkScratchBytes of scratch holds.
 static int64_t winograd_chunk_blocks(Winograd form, const ConvShape& s) {
   const int64_t kernel_bytes =
       winograd_taps(form) * s.c_in * winograd_phases(s) * round_up(s.c_out, kPanel) * int64_t{sizeof(float)};
-  return kDotRows * std::max<int64_t>(1, kernel_bytes / kWinogradChunkKernelBytes);
+  if (kernel_bytes <= kWinogradChunkKernelBytes) return kDotRows;
+  const int64_t block_bytes = winograd_taps(form) * (s.c_in + kPanel) * int64_t{sizeof(float)};
+  const int64_t blocks =
+      std::min(12 * (kernel_bytes / kWinogradChunkKernelBytes), kWinogradChunkScratchBytes / block_bytes);
+  return std::max<int64_t>(kDotRows, blocks / kDotRows * kDotRows);
 }
 
-// The scratch of one worker's Winograd tile: a chunk's transformed inputs [taps][blocks][Cin] and their
-// products with one panel [taps][blocks][32], in float32.
-static int64_t winograd_scratch_count(Winograd form, const ConvShape& s) {
-  return winograd_taps(form) * winograd_chunk_blocks(form, s) * (s.c_in + kPanel);
+// The scratch of one worker's Winograd tile of `rows` output rows: a chunk's transformed inputs
+// [taps][blocks][Cin] and their products with one panel [taps][blocks][32], in float32.
+static int64_t winograd_scratch_count(Winograd form, const ConvShape& s, int64_t rows) {
+  const int64_t m = winograd_size(form), tile_blocks = round_up((rows / m) * (s.w / m), kDotRows);
+  return winograd_taps(form) * std::min(winograd_chunk_blocks(form, s), tile_blocks) * (s.c_in + kPanel);
 }
 
 // One tile of output rows (a whole number of block rows) in Winograd's form, chunk by chunk of blocks: the
@@ -1419,7 +1426,7 @@ static void conv_tiles(const ConvShape& s, const T* kernel, const T* bias, T* ou
   const int workers = workers_for(s.batch * tiles);
   // `sums`: MKL's float32 sums, or Winograd's transformed inputs and products.
   const int64_t padded_count = padded_size(s, tile_rows),
-                sums_count = winograd   ? winograd_scratch_count(form, s)
+                sums_count = winograd   ? winograd_scratch_count(form, s, tile_rows)
                              : s.packed() ? 0
                                           : tile_rows * s.wp() * s.c_out;
   const bool keep = padded_count * int64_t{sizeof(T)} + sums_count * int64_t{sizeof(float)} <= kKeptScratchBytes;
