@@ -224,12 +224,15 @@ def test_a_large_buffer_is_resident_when_made_and_jax_adopts_it_without_a_copy()
         after = resource.getrusage(resource.RUSAGE_THREAD if sys.platform == "linux" else resource.RUSAGE_SELF)
         return after.ru_minflt - before.ru_minflt
 
+    faults_while_filling(np.empty((3, 5), np.float32))  # the fill's own code and stack pages, faulted here
     for shape in ((1024, 1024), (3, 5)):
         out = aligned_empty(shape, np.dtype(np.float32))
         assert out.shape == shape and out.flags.c_contiguous and out.flags.writeable and out.ctypes.data % 64 == 0
         faults = faults_while_filling(out)
         if sys.platform == "linux" and out.nbytes >= (1 << 20):
-            assert faults <= 2, f"{faults} page faults writing a populated {out.nbytes >> 20} MiB buffer"
+            # an unpopulated 4 MiB mapping takes 1,024 (one per 4 KiB page); a few stray faults
+            # (the allocator, a timer's stack) are not the buffer's
+            assert faults <= 16, f"{faults} page faults writing a populated {out.nbytes >> 20} MiB buffer"
         device = jax.make_array_from_callback(shape, jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0]),
                                               lambda index, h=out: h)
         assert device.addressable_data(0).unsafe_buffer_pointer() == out.ctypes.data
