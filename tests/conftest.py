@@ -24,6 +24,12 @@ if "FLUX2KLEIN_COMPILE_CACHE" not in os.environ:  # a private store for the sess
     _SESSION_STORE = tempfile.mkdtemp(prefix="flux2klein-executables-")
     os.environ["FLUX2KLEIN_COMPILE_CACHE"] = _SESSION_STORE
     atexit.register(shutil.rmtree, _SESSION_STORE, ignore_errors=True)
+# One build of the CPU kernel shim for the session (about 20 s of the compiler each): the tests that
+# run on a cache root of their own would otherwise each build it. Tests of the first build unset it.
+if "FLUX2KLEIN_NATIVE_CACHE" not in os.environ:
+    _SESSION_NATIVE = tempfile.mkdtemp(prefix="flux2klein-native-")
+    os.environ["FLUX2KLEIN_NATIVE_CACHE"] = _SESSION_NATIVE
+    atexit.register(shutil.rmtree, _SESSION_NATIVE, ignore_errors=True)
 
 import importlib.util  # noqa: E402
 

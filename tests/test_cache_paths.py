@@ -20,6 +20,7 @@ SUB_ROOTS = [f for name, f in inspect.getmembers(cache_paths, inspect.isfunction
 
 def test_every_sub_root_moves_with_flux2klein_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("FLUX2KLEIN_COMPILE_CACHE", raising=False)
+    monkeypatch.delenv("FLUX2KLEIN_NATIVE_CACHE", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path / "mine"))
     assert len(SUB_ROOTS) >= 6
@@ -32,6 +33,21 @@ def test_every_sub_root_moves_with_flux2klein_cache(monkeypatch: pytest.MonkeyPa
     from flux2klein_cli.core.models import cpu_shim
 
     assert cpu_shim.shim_path().is_relative_to(tmp_path / "mine")
+
+
+def test_the_store_and_the_shim_move_on_their_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """FLUX2KLEIN_COMPILE_CACHE and FLUX2KLEIN_NATIVE_CACHE move one folder each; the rest stay under the root."""
+    from flux2klein_cli.core.models import cpu_shim
+
+    monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path / "root"))
+    monkeypatch.setenv("FLUX2KLEIN_COMPILE_CACHE", str(tmp_path / "store"))
+    monkeypatch.setenv("FLUX2KLEIN_NATIVE_CACHE", str(tmp_path / "shim"))
+    assert ExecutableStore().root == tmp_path / "store"
+    assert cpu_shim.shim_path().parent == tmp_path / "shim"
+    moved = {cache_paths.executables_dir, cache_paths.native_dir}
+    for sub_root in SUB_ROOTS:
+        if sub_root not in moved:
+            assert sub_root().is_relative_to(tmp_path / "root"), sub_root
 
 
 def test_without_flux2klein_cache_the_root_is_under_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

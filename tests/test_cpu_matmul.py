@@ -129,6 +129,7 @@ def test_opt_out_and_missing_pieces_fall_back(monkeypatch: pytest.MonkeyPatch, f
     assert "oneMKL is not installed" in kernels.detect(flags).reason
     monkeypatch.setattr(kernels, "find_mkl", lambda: "/nowhere/libmkl_rt.so.3")
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("FLUX2KLEIN_NATIVE_CACHE", raising=False)  # the suite's shared shim
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
     monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened the shim yet
@@ -331,6 +332,7 @@ def test_an_avx512_bf16_cpu_takes_the_avx512_plugin(monkeypatch: pytest.MonkeyPa
     sse = kernels.detect(frozenset({"sse4_2"}))
     assert sse.name is None and "neither AVX-512" in sse.reason
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("FLUX2KLEIN_NATIVE_CACHE", raising=False)  # the suite's shared shim
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(cpu_shim.shutil, "which", lambda name: None)
     monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened the shim yet
@@ -355,6 +357,7 @@ def test_a_report_names_the_plugin_without_building_its_shim(monkeypatch: pytest
     monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("FLUX2KLEIN_NATIVE_CACHE", raising=False)  # the suite's shared shim
     monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened the shim yet
     monkeypatch.setattr(cpu_shim, "build_shim", lambda out: pytest.fail("a report built the shim"))
     monkeypatch.setattr(cpu_shim.ctypes, "CDLL", lambda path: pytest.fail("a report loaded the shim"))

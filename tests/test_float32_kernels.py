@@ -411,6 +411,7 @@ def first_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
     monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
     monkeypatch.setenv("FLUX2KLEIN_CACHE", str(tmp_path))
+    monkeypatch.delenv("FLUX2KLEIN_NATIVE_CACHE", raising=False)  # the suite's shared shim
     monkeypatch.setattr(cpu_shim, "_opened", {})
     monkeypatch.setenv("CXX", "/usr/bin/true")
     return tmp_path

@@ -2,10 +2,10 @@
 (the variables are read in core/settings.py).
 
 The root is `$FLUX2KLEIN_CACHE`, else `$XDG_CACHE_HOME/flux2klein`, else `~/.cache/flux2klein`.
-Each cache is a folder under it; the executable store may be moved on its own
-(`$FLUX2KLEIN_COMPILE_CACHE`), and jax's persistent XLA cache is a folder here only when
-FLUX2KLEIN_XLA_CACHE says `on` (core/devices/runtime.py reads that switch). Hub snapshots are not
-ours: huggingface_hub places them (HF_HOME, HF_HUB_CACHE).
+Each cache is a folder under it; the executable store (`$FLUX2KLEIN_COMPILE_CACHE`) and the
+built CPU kernel shim (`$FLUX2KLEIN_NATIVE_CACHE`) may be moved on their own, and jax's persistent
+XLA cache is a folder here only when FLUX2KLEIN_XLA_CACHE says `on` (core/devices/runtime.py reads
+that switch). Hub snapshots are not ours: huggingface_hub places them (HF_HOME, HF_HUB_CACHE).
 """
 
 from __future__ import annotations
@@ -52,6 +52,11 @@ def xla_dir() -> Path:
 
 
 def native_dir() -> Path:
-    """Native code built on first use (the CPU kernel shim)."""
+    """Native code built on first use (the CPU kernel shim): `$FLUX2KLEIN_NATIVE_CACHE`, else `native/`
+    under the root. Its own variable because a build takes about 20 s and depends on the source,
+    jaxlib and the flags alone, so jobs that each start on a fresh cache root can share one."""
+    value = settings.native_cache()
+    if value:
+        return Path(value).expanduser()
     return cache_root() / "native"
 

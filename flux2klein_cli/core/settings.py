@@ -19,6 +19,7 @@ from flux2klein_cli.core.errors import UserInputError
 PREFIX = "FLUX2KLEIN_"
 CACHE = "FLUX2KLEIN_CACHE"  # the cache root (core/cache_paths.py)
 COMPILE_CACHE = "FLUX2KLEIN_COMPILE_CACHE"  # the executable store's folder
+NATIVE_CACHE = "FLUX2KLEIN_NATIVE_CACHE"  # the built CPU kernel shim's folder
 XLA_CACHE = "FLUX2KLEIN_XLA_CACHE"  # jax's persistent cache: off (default), on, or a folder (devices/runtime.py)
 # auto: the kernel plugin where the CPU has one (AMX with oneMKL) and float32 accumulation of bf16
 # dots; xla: XLA's own forms as the models write them (core/models/trace.py).
@@ -63,6 +64,10 @@ def xdg_cache_home() -> str | None:
 
 def compile_cache() -> str | None:
     return _get(COMPILE_CACHE)
+
+
+def native_cache() -> str | None:
+    return _get(NATIVE_CACHE)
 
 
 def xla_cache() -> str | None:
