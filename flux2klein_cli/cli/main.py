@@ -250,15 +250,22 @@ def console() -> NoReturn:
     Python's own exit makes it (other threads joined, exit hooks run, streams flushed), without
     the interpreter's teardown after that: freeing jax's, flax's and XLA's objects one by one,
     which the OS does at once (figures in docs/benchmarks.md). In-process callers keep `main`, and
-    their C library's malloc as they set it: the process entry sets its own (runtime.tune_allocator)."""
-    from flux2klein_cli.core.devices.runtime import tune_allocator
+    their C library's malloc as they set it: the process entry sets its own (runtime.tune_allocator),
+    except for a command that runs no program (runtime.ALLOCATOR_UNTUNED_COMMANDS)."""
+    from flux2klein_cli.core.devices.runtime import ALLOCATOR_UNTUNED_COMMANDS, tune_allocator
 
-    tune_allocator()
+    if _command(sys.argv[1:]) not in ALLOCATOR_UNTUNED_COMMANDS:
+        tune_allocator()
     try:
         main()
     except SystemExit as e:
         _exit_now(e.code)
     raise AssertionError("main() returns only by SystemExit")
+
+
+def _command(args: list[str]) -> str | None:
+    """The command a command line names (the app takes no option with a value before it)."""
+    return next((arg for arg in args if not arg.startswith("-")), None)
 
 
 def _exit_now(code: object) -> NoReturn:
