@@ -86,8 +86,8 @@ def tune_collector() -> None:
 # threads, so every call (every image) faulted fresh zeroed pages in for them. With one arena, no
 # mappings of their own for large blocks, and freed memory kept (up to mallopt's largest
 # threshold, 2 GiB), the next call reuses the pages; all three are needed (docs/benchmarks.md).
-# `compile` runs no program, and one arena serializes its parallel compiles' allocations: it keeps
-# glibc's own settings (25-35% faster, docs/benchmarks.md).
+# `compile` runs no program, and one arena serializes the allocations of its compiles' threads: it
+# keeps glibc's own settings (docs/benchmarks.md).
 ALLOCATOR_UNTUNED_COMMANDS = frozenset({"compile"})
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # <malloc.h>
 # (mallopt option, value, the variable and the tunable that set it at start-up)
