@@ -376,6 +376,26 @@ def test_a_report_names_the_plugin_without_building_its_shim(monkeypatch: pytest
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_a_report_says_a_shim_folder_others_can_write_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                                  fresh_status: None, tmp_path: Path) -> None:
+    """FLUX2KLEIN_NATIVE_CACHE naming a folder other users can write: the run would refuse to build or
+    load a shim there and take XLA's forms, so the report says that, not that the first run builds it."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setattr(kernels.cpu, "is_x86", lambda: True)
+    monkeypatch.delenv("FLUX2KLEIN_CPU_MATMUL", raising=False)
+    monkeypatch.setenv("FLUX2KLEIN_NATIVE_CACHE", str(shared))
+    monkeypatch.setattr(cpu_shim, "_opened", {})  # as in a process that has not opened the shim yet
+    monkeypatch.setenv("CXX", "/usr/bin/true")
+    monkeypatch.setattr(kernels, "find_mkl", lambda: None)
+    report = kernels.detect(cpu.cpu_flags(CPUINFO_AVX512), build=False)
+    assert report.name is None and "writable by other users" in report.reason, report
+    shared.chmod(0o700)
+    report = kernels.detect(cpu.cpu_flags(CPUINFO_AVX512), build=False)
+    assert report.name == "avx512-bf16" and "built on the first run" in report.reason, report
+
+
 @avx512
 def test_a_process_opens_the_shim_once_whatever_the_cache_folder(monkeypatch: pytest.MonkeyPatch,
                                                                  fresh_status: None, tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ BUILDS = {
 }
 SOURCE = Path(__file__).with_name("cpu_kernels.cc")
 NO_COMPILER = "no C++ compiler to build the CPU kernel shim"
+DEFERRED = "its shim is built on the first run that uses it"
 
 
 def shim_path(build: str = "bf16") -> Path:
@@ -54,10 +55,19 @@ def compiler() -> str | None:
 
 def unbuilt_reason(build: str = "bf16") -> str | None:
     """Without building anything: None when this process opened `build` of the shim or its file is
-    there, else what the first run that needs it will do (build it, or fall back to XLA's path)."""
-    if build in _opened or shim_path(build).exists():
+    there, else what the first run that needs it will do: build it (DEFERRED), or fall back to XLA's
+    path, for want of a compiler or because its folder is one the build would refuse."""
+    if build in _opened:
         return None
-    return NO_COMPILER if compiler() is None else "its shim is built on the first run that uses it"
+    shim = shim_path(build)
+    if shim.parent.exists():
+        try:
+            trust.check_private_dir(shim.parent, "native code folder")
+        except (trust.Untrusted, OSError) as e:
+            return str(e)
+    if shim.exists():
+        return None
+    return NO_COMPILER if compiler() is None else DEFERRED
 
 
 def build_shim(out: Path, build: str = "bf16") -> str | None:

@@ -126,7 +126,7 @@ def _unbuilt(name: str, chosen: str, refused: str = "", shim_build: str = "bf16"
     reason = _shim().unbuilt_reason(shim_build)
     if reason is None:
         return None
-    if reason == _shim().NO_COMPILER:
+    if reason != _shim().DEFERRED:  # no compiler, or a folder the build refuses
         return Status(None, f"{refused}{reason}")
     return Status(name, f"{chosen}; {reason}")
 
