@@ -378,8 +378,9 @@ def test_a_report_names_the_plugin_without_building_its_shim(monkeypatch: pytest
 
 def test_a_report_says_a_shim_folder_others_can_write_is_refused(monkeypatch: pytest.MonkeyPatch,
                                                                   fresh_status: None, tmp_path: Path) -> None:
-    """FLUX2KLEIN_NATIVE_CACHE naming a folder other users can write: the run would refuse to build or
-    load a shim there and take XLA's forms, so the report says that, not that the first run builds it."""
+    """FLUX2KLEIN_NATIVE_CACHE naming a folder other users can write, or holding a shim file they can:
+    the run refuses to build or load a shim there and takes XLA's forms, so the report says that, not
+    that the first run builds it."""
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
@@ -391,9 +392,15 @@ def test_a_report_says_a_shim_folder_others_can_write_is_refused(monkeypatch: py
     monkeypatch.setattr(kernels, "find_mkl", lambda: None)
     report = kernels.detect(cpu.cpu_flags(CPUINFO_AVX512), build=False)
     assert report.name is None and "writable by other users" in report.reason, report
+    assert "writable by other users" in cpu_shim.build_shim(cpu_shim.shim_path()) and not any(shared.iterdir())
     shared.chmod(0o700)
     report = kernels.detect(cpu.cpu_flags(CPUINFO_AVX512), build=False)
     assert report.name == "avx512-bf16" and "built on the first run" in report.reason, report
+    planted = cpu_shim.shim_path()  # a shim file others can write is refused as the run refuses it
+    planted.write_bytes(b"")
+    planted.chmod(0o666)
+    report = kernels.detect(cpu.cpu_flags(CPUINFO_AVX512), build=False)
+    assert report.name is None and "writable by other users" in report.reason, report
 
 
 @avx512

@@ -60,26 +60,33 @@ def unbuilt_reason(build: str = "bf16") -> str | None:
     if build in _opened:
         return None
     shim = shim_path(build)
-    if shim.parent.exists():
-        try:
-            trust.check_private_dir(shim.parent, "native code folder")
-        except (trust.Untrusted, OSError) as e:
-            return str(e)
-    if shim.exists():
-        return None
+    refusal = _refusal(shim)
+    if refusal is not None or shim.exists():
+        return refusal
     return NO_COMPILER if compiler() is None else DEFERRED
+
+
+def _refusal(shim: Path) -> str | None:
+    """Why a run would not build or load `shim`: its folder or file (where they exist) is not private."""
+    try:
+        if shim.parent.exists():
+            trust.check_private_dir(shim.parent, "native code folder")
+        if shim.exists():
+            trust.check_private_file(shim, "CPU kernel shim")  # it is loaded into the process
+    except (trust.Untrusted, OSError) as e:
+        return str(e)
+    return None
 
 
 def build_shim(out: Path, build: str = "bf16") -> str | None:
     """Compile `build` of cpu_kernels.cc to `out` unless it is there; None when done, else why not."""
     try:
         trust.make_private_dir(out.parent)
-        trust.check_private_dir(out.parent, "native code folder")
-        if out.exists():
-            trust.check_private_file(out, "CPU kernel shim")  # it is loaded into this process
-            return None
     except (trust.Untrusted, OSError) as e:
         return str(e)
+    refusal = _refusal(out)
+    if refusal is not None or out.exists():
+        return refusal
     cxx = compiler()
     if not cxx:
         return NO_COMPILER
