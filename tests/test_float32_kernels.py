@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 from flux2klein_cli.core.devices import cpu
-from flux2klein_cli.core.models import avx512_bf16, cpu_shim, float32_kernels, kernels
+from flux2klein_cli.core.models import avx512_bf16, cpu_matmul, cpu_shim, float32_kernels, kernels
 from flux2klein_cli.core.models.layers import linear
 from flux2klein_cli.core.models.trace import TraceOptions, traced_under
 from flux2klein_cli.core.models.vae import Flux2VAE, VAEConfig
@@ -50,11 +50,12 @@ F32 = avx512_bf16.F32
 # The plugins with float32 kernels, each test skipped where this host cannot load it.
 F32_PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) is not None,
                                                           reason=str(plugin_missing(name))))
-               for name in ("avx512-bf16", *float32_kernels.BY_NAME)]
+               for name in ("avx512-bf16", "amx", *float32_kernels.BY_NAME)]
 
 
 def f32_target(plugin: str, name: str) -> str:
-    """The float32 target `plugin` registers for `name` (a *_TARGET of the plugin modules)."""
+    """The float32 target `plugin` registers for `name` (a *_TARGET of the plugin modules): the AMX
+    plugin's are the AVX-512 bf16 plugin's."""
     if plugin in float32_kernels.BY_NAME:
         return getattr(float32_kernels.BY_NAME[plugin], name)
     return getattr(avx512_bf16, name) + F32
@@ -76,7 +77,7 @@ def conv_exact(module: nnx.Module, x: jax.Array) -> np.ndarray:
     return sum(padded[:, dy : dy + h, dx : dx + w] @ kernel[dy, dx] for dy in range(size) for dx in range(size)) + bias
 
 
-@pytest.mark.parametrize("plugin", ["avx512-bf16", *float32_kernels.BY_NAME])
+@pytest.mark.parametrize("plugin", ["avx512-bf16", "amx", *float32_kernels.BY_NAME])
 def test_a_float32_vae_takes_the_float32_targets_and_its_narrow_convolutions_stay_xlas(plugin: str) -> None:
     """Lowering only (no CPU needed): which calls a float32 model's programs hold under the plugin."""
     options = plugin_options(plugin)
@@ -99,10 +100,9 @@ def test_a_float32_vae_takes_the_float32_targets_and_its_narrow_convolutions_sta
     # XLA's float32 Linear products ran as fast as the shim's loop: they keep XLA's dot.
     wide = linear(512, 640, dtype=jnp.float32, rngs=nnx.Rngs(0))
     assert "custom_call" not in traced(wide, jax.ShapeDtypeStruct((2, 320, 512), jnp.float32))
-    # The AMX plugin has no float32 forms.
-    graphdef, state = nnx.split(f32_conv(16, 20))
-    assert "custom_call" not in hlo(traced_under(lambda s, x: nnx.merge(graphdef, s)(x), plugin_options("amx")),
-                                    state, x)
+    if plugin == "amx":  # a bf16 module's convolutions keep the tiles' targets, at any width
+        bf16_conv = traced(vae_conv(16, 3), x.astype(jnp.bfloat16))
+        assert f"@{cpu_matmul.CONV_TARGET}(" in bf16_conv and F32 not in bf16_conv
 
 
 def assert_as_close_as_xla(ours: np.ndarray, xla: np.ndarray, exact: np.ndarray, times: float = 2,

@@ -3,10 +3,11 @@ core/models/trace.py, asks here).
 
 Four plugins exist, all on the native shim cpu_kernels.cc (core/models/cpu_shim.py), which needs a C++
 compiler on first use:
-  * `amx` (core/models/cpu_matmul.py): oneMKL's bf16 GEMM and the AMX tiles' intrinsics, for Intel
-    CPUs with AMX: the Linear dots, attention and the VAE's 3x3 convolutions. It applies where the
-    CPU reports `amx_bf16`, `amx_tile` and `avx512_bf16` and oneMKL's runtime library is installed
-    (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the environment's lib/);
+  * `amx` (core/models/amx_plugin.py): oneMKL's bf16 GEMM and the AMX tiles' intrinsics
+    (core/models/cpu_matmul.py), for Intel CPUs with AMX: the Linear dots, attention and the VAE's 3x3
+    convolutions, and a float32 model's attention and convolutions in the next plugin's float32
+    forms. It applies where the CPU reports `amx_bf16`, `amx_tile` and `avx512_bf16` and oneMKL's
+    runtime library is installed (`pip install 'flux2klein-cli[amx]'`: libmkl_rt in the environment's lib/);
   * `avx512-bf16` (core/models/avx512_bf16.py): attention and the VAE's 3x3 convolutions in
     VDPBF16PS, for other x86 CPUs with `avx512_bf16` (AMD Zen 4 and later, or an AMX CPU without
     oneMKL), where XLA runs bf16 Linear dots on the bf16 unit but widens convolutions to float32;
@@ -89,13 +90,13 @@ def _amx(flags: frozenset[str], build: bool) -> Status:
     mkl = find_mkl()
     if mkl is None:
         return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
-    chosen = f"oneMKL bf16 GEMM ({mkl})"
+    chosen = f"oneMKL bf16 GEMM ({mkl}); float32 attention and VAE convolutions in AVX-512 FMAs"
     unbuilt = None if build else _unbuilt("amx", chosen)
     if unbuilt is not None:
         return unbuilt
-    from flux2klein_cli.core.models import cpu_matmul
+    from flux2klein_cli.core.models import amx_plugin
 
-    why = cpu_matmul.load(mkl)
+    why = amx_plugin.load(mkl)
     return Status(None, why) if why is not None else Status("amx", chosen)
 
 
@@ -155,9 +156,9 @@ def plugin_module(name: str) -> ModuleType | Any:
     """The module of a plugin named in trace options (see PLUGINS); a float32 plugin's is its
     Float32Kernels, which answers as a module does."""
     if name == "amx":
-        from flux2klein_cli.core.models import cpu_matmul
+        from flux2klein_cli.core.models import amx_plugin
 
-        return cpu_matmul
+        return amx_plugin
     if name == "avx512-bf16":
         from flux2klein_cli.core.models import avx512_bf16
 

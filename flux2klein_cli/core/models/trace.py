@@ -13,9 +13,10 @@ core/compile puts the options in its key. The options decide:
     where the CPU has a bf16 dot instruction, and elsewhere with float32 activations throughout
     (the weights stay bf16 in memory and are widened where they are used): such a CPU has no bf16
     arithmetic, and XLA widens every bf16 operand to float32 anyway;
-  * a kernel plugin (`kernels`): the AMX plugin (core/models/cpu_matmul.py) on CPUs with AMX and
-    oneMKL takes the Linear dots, attention and the VAE's 3x3 convolutions; it is imported only
-    there (core/models/kernels.py);
+  * a kernel plugin (`kernels`): on CPUs with AMX and oneMKL the AMX plugin
+    (core/models/amx_plugin.py) takes the Linear dots, attention and the VAE's 3x3 convolutions,
+    and the other x86 CPUs' plugins what XLA runs slowly there; each is imported only where it
+    applies (core/models/kernels.py);
   * int8 models' dots (`int8_compute`) and what idle mesh axes do (`idle_axes`).
 
 Layers ask the options, never the process: no `jax.default_backend()` in model code.
