@@ -91,7 +91,7 @@ def plugin_missing(plugin: str) -> str | None:
 PLUGINS = [pytest.param(name, marks=pytest.mark.skipif(plugin_missing(name) is not None,
                                                       reason=str(plugin_missing(name))))
            for name in kernels.PLUGINS if name not in float32_kernels.BY_NAME]
-# Tests of what only the AVX-512 bf16 plugin has (the upsample convolution, SwiGLU).
+# Tests of what only the AVX-512 bf16 plugin has (the bf16 upsample convolution, the bf16 GEMM).
 avx512 = pytest.mark.skipif(plugin_missing("avx512-bf16") is not None, reason=str(plugin_missing("avx512-bf16")))
 
 
@@ -573,9 +573,9 @@ def test_the_vaes_conv_in_the_shim_matches_nnx_conv(plugin: str, shape: tuple[in
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
 
 
-@avx512
+@pytest.mark.parametrize("plugin", PLUGINS)
 @pytest.mark.parametrize("shape", [(1, 37, 24, 12, 8), (2, 5, 0, 20, 0), (1, 300, 96, 48, 32), (3, 1, 6, 17, 5)])
-def test_the_transformers_swiglu_in_the_shim_matches_xlas_form(shape: tuple[int, ...]) -> None:
+def test_the_transformers_swiglu_in_the_shim_matches_xlas_form(plugin: str, shape: tuple[int, ...]) -> None:
     """SwiGLU of x[..., start:] joined after the attention output (the single block's), or alone (the
     feed-forward's), in one shim pass: the XLA form's roundings (SiLU in float32 rounded to bf16, then
     the bf16 product), equal but for rare one-ulp differences of the two SiLUs."""
@@ -585,9 +585,11 @@ def test_the_transformers_swiglu_in_the_shim_matches_xlas_form(shape: tuple[int,
     rng = np.random.default_rng(3)
     x = jnp.asarray(3 * rng.standard_normal((b, s, start + 2 * hidden)), jnp.bfloat16)
     after = jnp.asarray(rng.standard_normal((b, s, joined)), jnp.bfloat16) if joined else None
+    ours_traced = traced_under(lambda x, a: swiglu(x, start=start, after=a), plugin_options(plugin))
+    assert f"@{avx512_bf16.SWIGLU_TARGET}(" in hlo(ours_traced, x, after)  # the AMX plugin's too
     ours, xla = (np.asarray(jax.jit(traced_under(lambda x, a: swiglu(x, start=start, after=a),
                                                  plugin_options(form)))(x, after), np.float32)
-                 for form in ("avx512-bf16", None))
+                 for form in (plugin, None))
     assert ours.shape == (b, s, joined + hidden)
     assert np.mean(ours != xla) < 1e-3
     np.testing.assert_allclose(ours, xla, rtol=2 ** -7, atol=2 ** -7 * np.abs(xla).max())
@@ -610,9 +612,10 @@ def torch_rounded_norm_rope(proj: np.ndarray, weight: np.ndarray, cos: np.ndarra
     return bf16(z * cos[None, :, None, :] + rotated * sin[None, :, None, :])
 
 
-@avx512
+@pytest.mark.parametrize("plugin", PLUGINS)
 @pytest.mark.parametrize("shape", [(1, 300, 4, 128, 0), (2, 37, 3, 32, 64), (1, 5, 1, 18, 7)])
-def test_the_single_blocks_queries_keys_and_values_in_one_shim_pass_round_as_torch_does(shape: tuple[int, ...]) -> None:
+def test_the_single_blocks_queries_keys_and_values_in_one_shim_pass_round_as_torch_does(
+        plugin: str, shape: tuple[int, ...]) -> None:
     """The single block's q and k (RMSNorm, its weight, the rotation) and v from its fused projection in
     one shim pass: every step rounded to bf16 as torch rounds it (XLA's form skips some of those
     roundings: its excess precision), equal to that form but for rare one-ulp differences of the
@@ -628,7 +631,7 @@ def test_the_single_blocks_queries_keys_and_values_in_one_shim_pass_round_as_tor
     angles = rng.uniform(0, 40, (s, head_dim // 2)).repeat(2, axis=1)
     rope = (jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32))
     proj = jnp.asarray(3 * rng.standard_normal((b, s, 3 * heads * head_dim + extra)), jnp.bfloat16)
-    traced = traced_under(lambda p, r: module.qkv_heads(p, r), plugin_options("avx512-bf16"))
+    traced = traced_under(lambda p, r: module.qkv_heads(p, r), plugin_options(plugin))
     assert f"@{avx512_bf16.QKV_HEADS_TARGET}(" in hlo(traced, proj, rope)
     assert avx512_bf16.QKV_HEADS_TARGET not in hlo(traced, proj, rope, platform="tpu")
     q, k, v = (np.asarray(a, np.float32) for a in jax.jit(traced)(proj, rope))

@@ -103,6 +103,9 @@ def test_a_float32_vae_takes_the_float32_targets_and_its_narrow_convolutions_sta
     if plugin == "amx":  # a bf16 module's convolutions keep the tiles' targets, at any width
         bf16_conv = traced(vae_conv(16, 3), x.astype(jnp.bfloat16))
         assert f"@{cpu_matmul.CONV_TARGET}(" in bf16_conv and F32 not in bf16_conv
+        # and a bf16 upsample its upsampled copy and the tiles (the AVX-512 form was slower there)
+        bf16_upsample = traced(vae_upsample(16, 16), x.astype(jnp.bfloat16))
+        assert f"@{cpu_matmul.CONV_TARGET}(" in bf16_upsample and avx512_bf16.UPSAMPLE_CONV_TARGET not in bf16_upsample
 
 
 def assert_as_close_as_xla(ours: np.ndarray, xla: np.ndarray, exact: np.ndarray, times: float = 2,

@@ -90,9 +90,33 @@ def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: ja
                                                                           fallback)
 
 
+def swiglu_eligible(x: jax.Array, after: jax.Array | None) -> bool:
+    """avx512_bf16.swiglu_eligible."""
+    return avx512_bf16.swiglu_eligible(x, after)
+
+
+def swiglu(x: jax.Array, start: int, after: jax.Array | None, fallback: Any) -> jax.Array:
+    """avx512_bf16.swiglu: the transformer's SwiGLU and the single block's join in one AVX-512 pass (XLA's
+    were two)."""
+    return avx512_bf16.swiglu(x, start, after, fallback)
+
+
+def qkv_heads_eligible(proj: jax.Array, heads: int, head_dim: int) -> bool:
+    """avx512_bf16.qkv_heads_eligible."""
+    return avx512_bf16.qkv_heads_eligible(proj, heads, head_dim)
+
+
+def qkv_heads(proj: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array,
+              heads: int, eps: float, fallback: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """avx512_bf16.qkv_heads: the single block's q/k norms and rotations in one AVX-512 pass."""
+    return avx512_bf16.qkv_heads(proj, q_weight, k_weight, cos, sin, heads, eps, fallback)
+
+
 def upsample_conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
     """float32: avx512_bf16's float32 form (Winograd's F(4x4) where it applies); bf16: `fallback(x)`, the
-    upsampled copy then cpu_matmul.conv3x3 on the tiles."""
+    upsampled copy then cpu_matmul.conv3x3 on the tiles (avx512_bf16's bf16 form, a quarter of the
+    products in VDPBF16PS, made the medium decode a quarter slower)."""
     if _float32(x):
         return avx512_bf16.upsample_conv3x3(x, kernel, bias, fallback)
     return fallback(x)
+
