@@ -448,6 +448,23 @@ def test_on_amx_a_bf16_linear_runs_onemkl_and_agrees_with_xla() -> None:
     np.testing.assert_allclose(got, exact, rtol=2e-2, atol=2e-2 * np.abs(exact).max())
 
 
+@amx
+def test_on_amx_a_float32_linear_runs_onemkls_sgemm_as_close_to_float64_as_xlas_dot() -> None:
+    rng = np.random.default_rng(4)
+    layer = linear(300, 70, dtype=jnp.float32, rngs=nnx.Rngs(0), bias=True)
+    layer.kernel[...] = jnp.asarray(rng.standard_normal((300, 70)), jnp.float32)
+    layer.bias[...] = jnp.asarray(rng.standard_normal(70), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 37, 300)), jnp.float32)
+    ours_traced, xla_traced = (traced_under(lambda m, x: m(x), plugin_options(form)) for form in ("amx", None))
+    assert f"@{cpu_matmul.F32_TARGET}(" in hlo(ours_traced, layer, x)
+    assert cpu_matmul.F32_TARGET not in hlo(ours_traced, layer, x, platform="tpu")
+    ours, xla = (np.asarray(nnx.jit(form)(layer, x)) for form in (ours_traced, xla_traced))
+    exact = (np.asarray(x, np.float64) @ np.asarray(layer.kernel[...], np.float64)
+             + np.asarray(layer.bias[...], np.float64))
+    assert ours.dtype == np.float32 and ours.shape == exact.shape
+    assert np.abs(ours - exact).max() <= 2 * max(np.abs(xla - exact).max(), 1e-6 * np.abs(exact).max())
+
+
 @host_plugin
 def test_bf16_pipeline_is_as_close_to_diffusers_float32_as_diffusers_bf16(tiny_checkpoint: Path) -> None:
     from flux2klein_cli.core.engine.plan import RunFields

@@ -3,8 +3,10 @@ dots, attention and VAE convolutions on oneMKL and the AMX tiles (core/models/cp
 float32 model's attention and VAE convolutions in the AVX-512 bf16 plugin's float32 forms
 (core/models/avx512_bf16.py, the `*_f32` targets of the same shim build: AVX-512 FMAs, which every AMX
 CPU has). The tiles hold no float32 product; before these forms a float32 model on an AMX CPU kept
-XLA's, a third slower a medium image (docs/benchmarks.md). A float32 model's Linear dots stay XLA's,
-as on the other plugins.
+XLA's, a third slower a medium image (docs/benchmarks.md). A float32 model's Linear dots take oneMKL's
+sgemm (cpu_matmul.dot_general), faster than XLA's dot there. The transformer's elementwise passes that
+avx512_bf16 fuses (SwiGLU with the single block's join, the single block's q/k norms and rotations) take
+its kernels in bf16 too.
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ def _float32(*arrays: Any) -> bool:
 
 
 def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
-    """cpu_matmul.dot_eligible: bf16 Linear dots only (XLA's float32 dot is as fast as the shim's loop)."""
-    return cpu_matmul.dot_eligible(lhs, rhs, dimension_numbers, preferred_element_type, kwargs)
+    """A Linear layer's bf16 product (cpu_matmul.dot_eligible) or float32 one: oneMKL's sgemm ran the
+    medium model's 10-15% faster than XLA's dot, its float32 image 3-5% faster (docs/benchmarks.md)."""
+    return (cpu_matmul.dot_eligible(lhs, rhs, dimension_numbers, preferred_element_type, kwargs)
+            or cpu_matmul.float32_dot_eligible(lhs, rhs, dimension_numbers, preferred_element_type, kwargs))
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any, fallback: Any) -> jax.Array:
-    """cpu_matmul.dot_general."""
+    """cpu_matmul.dot_general: bf16 on oneMKL's bf16 GEMM, float32 on its sgemm."""
     return cpu_matmul.dot_general(lhs, rhs, preferred_element_type, fallback)
 
 

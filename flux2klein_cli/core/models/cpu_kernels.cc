@@ -4,6 +4,7 @@
 // (cblas_gemm_bf16bf16f32) or the tiles' intrinsics directly where MKL's products are too small to
 // reach their rate:
 //   flux2klein_amx_gemm:              bf16 (M, K) x bf16 (K, N) -> f32 (M, N), on MKL;
+//   flux2klein_amx_sgemm:             f32 (M, K) x f32 (K, N) -> f32 (M, N), on MKL;
 //   flux2klein_amx_attention:         unmasked attention, bf16 (B, Sq, H, D) queries (already scaled)
 //                                     against (B, Sk, H, D) keys and values -> bf16 (B, Sq, H, D), a
 //                                     block of queries at a time so its scores stay in the core's
@@ -75,8 +76,11 @@ using Element = std::conditional_t<D == ffi::DataType::F32, float, uint16_t>;
 
 using GemmBf16 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const void*, int64_t, const void*,
                           int64_t, float, float*, int64_t);
+using GemmF32 = void (*)(int, int, int, int64_t, int64_t, int64_t, float, const float*, int64_t, const float*,
+                         int64_t, float, float*, int64_t);
 using SetThreadsLocal = int (*)(int);
 static GemmBf16 gemm_bf16 = nullptr;
+static GemmF32 gemm_f32 = nullptr;
 static SetThreadsLocal set_threads_local = nullptr;
 constexpr int kRowMajor = 101, kNoTrans = 111;
 constexpr int64_t kQueryBlock = 128;  // 128 x 1536 float32 scores: 768 KB, inside a core's L2
@@ -86,8 +90,9 @@ extern "C" int flux2klein_amx_open(const char* path) {
   void* lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
   if (lib == nullptr) return 1;
   gemm_bf16 = reinterpret_cast<GemmBf16>(dlsym(lib, "cblas_gemm_bf16bf16f32"));
+  gemm_f32 = reinterpret_cast<GemmF32>(dlsym(lib, "cblas_sgemm"));
   set_threads_local = reinterpret_cast<SetThreadsLocal>(dlsym(lib, "MKL_Set_Num_Threads_Local"));
-  if (gemm_bf16 == nullptr || set_threads_local == nullptr) return 2;
+  if (gemm_bf16 == nullptr || gemm_f32 == nullptr || set_threads_local == nullptr) return 2;
   // ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: a process asks Linux (5.16 and later) once before its
   // first tile instruction. MKL asks too; the attention's own tile code needs it granted here.
   return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : 3;
@@ -181,6 +186,22 @@ static ffi::Error Gemm(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_gemm, Gemm,
                               ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// float32 (M, K) x (K, N) -> (M, N) on MKL's sgemm, its own threads as in Gemm.
+static ffi::Error GemmFloat32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  if (gemm_f32 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (M, K) x (K, N)");
+  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  gemm_f32(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, x.typed_data(), k, w.typed_data(), n, 0.0f,
+           y->typed_data(), n);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_sgemm, GemmFloat32,
+                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 #endif
 

@@ -27,6 +27,7 @@ import numpy as np
 from flux2klein_cli.core.models import cpu_shim
 
 TARGET = "flux2klein_amx_bf16_gemm"
+F32_TARGET = "flux2klein_amx_f32_gemm"
 ATTENTION_TARGET = "flux2klein_amx_bf16_attention"
 MASKED_ATTENTION_TARGET = "flux2klein_amx_bf16_masked_attention"
 CONV_TARGET = "flux2klein_amx_bf16_conv3x3"
@@ -47,7 +48,8 @@ def load(mkl: str) -> str | None:
         return "Linux does not let this process use the AMX tiles (it needs kernel 5.16 or later)"
     if opened != 0:
         return f"{mkl} has no cblas_gemm_bf16bf16f32 or MKL_Set_Num_Threads_Local"
-    return cpu_shim.register({TARGET: "flux2klein_amx_gemm", ATTENTION_TARGET: "flux2klein_amx_attention",
+    return cpu_shim.register({TARGET: "flux2klein_amx_gemm", F32_TARGET: "flux2klein_amx_sgemm",
+                              ATTENTION_TARGET: "flux2klein_amx_attention",
                               MASKED_ATTENTION_TARGET: "flux2klein_amx_masked_attention",
                               CONV_TARGET: "flux2klein_amx_conv3x3",
                               NORM_CONV_TARGET: "flux2klein_amx_norm_silu_conv3x3"}, lib)
@@ -58,24 +60,37 @@ def single_cpu_device() -> bool:
     return len(jax.devices("cpu")) == 1
 
 
+def _linear_product(lhs: Any, rhs: Any, dimension_numbers: Any, kwargs: dict) -> bool:
+    """Whether a product is a Linear layer's (..., K) x (K, N) on one CPU device."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    return (rhs.ndim == 2 and lhs.ndim >= 1 and tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb
+            and not rb and kwargs.get("out_sharding") is None and single_cpu_device())
+
+
 def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
     """Whether `dot_general` takes these: bf16 (..., K) x (K, N) on one CPU device."""
-    (lc, rc), (lb, rb) = dimension_numbers
-    return (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16 and rhs.ndim == 2 and lhs.ndim >= 1
-            and tuple(lc) == (lhs.ndim - 1,) and tuple(rc) == (0,) and not lb and not rb
+    return (lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16
             and preferred_element_type in (None, jnp.bfloat16, jnp.float32)
-            and kwargs.get("out_sharding") is None and single_cpu_device())
+            and _linear_product(lhs, rhs, dimension_numbers, kwargs))
+
+
+def float32_dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any,
+                         kwargs: dict) -> bool:
+    """Whether `dot_general` takes these: float32 (..., K) x (K, N) on one CPU device."""
+    return (lhs.dtype == jnp.float32 and rhs.dtype == jnp.float32 and preferred_element_type in (None, jnp.float32)
+            and _linear_product(lhs, rhs, dimension_numbers, kwargs))
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any, fallback: Any) -> jax.Array:
     """bf16 (..., K) x (K, N) through oneMKL (float32 sums), in `preferred_element_type` (else bf16);
-    `fallback(lhs, rhs)` on other platforms."""
+    float32 on MKL's sgemm; `fallback(lhs, rhs)` on other platforms."""
     out_dtype = preferred_element_type or lhs.dtype
+    target = F32_TARGET if lhs.dtype == jnp.float32 else TARGET
 
     def amx(x: jax.Array, w: jax.Array) -> jax.Array:
         lead, k, n = x.shape[:-1], w.shape[0], w.shape[1]
         rows = x.reshape(-1, k)
-        call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
                                 vmap_method="sequential")
         return call(rows, w).reshape(*lead, n).astype(out_dtype)
 
