@@ -24,6 +24,9 @@ SPAWNED = time.perf_counter() - (time.time() - float(os.environ.get("T_SPAWN", t
 TIMED = (  # (module, attribute path): wrapped as soon as the module has it
     ("flux2klein_cli.core.runs.generate", "run_generate"),
     ("flux2klein_cli.core.engine.opening", "Opening.admitted"),
+    ("flux2klein_cli.core.devices.distributed", "run_mesh"),
+    ("flux2klein_cli.core.engine.cost", "parameter_bytes"),
+    ("flux2klein_cli.core.weights.converted", "abstract_component"),
     ("flux2klein_cli.core.engine.opening", "Opening.load"),
     ("flux2klein_cli.core.pipeline.pipeline", "load_models"),
     ("flux2klein_cli.core.pipeline.pipeline", "load_tokenizer_and_scheduler"),

@@ -38,7 +38,7 @@ def _float32(*arrays: Any) -> bool:
 
 def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_type: Any, kwargs: dict) -> bool:
     """A Linear layer's bf16 product (cpu_matmul.dot_eligible) or float32 one: oneMKL's sgemm ran the
-    medium model's 10-15% faster than XLA's dot, its float32 image 3-5% faster (docs/benchmarks.md)."""
+    medium model's faster than XLA's dot, its float32 image 3-5% faster (docs/benchmarks.md)."""
     return (cpu_matmul.dot_eligible(lhs, rhs, dimension_numbers, preferred_element_type, kwargs)
             or cpu_matmul.float32_dot_eligible(lhs, rhs, dimension_numbers, preferred_element_type, kwargs))
 
