@@ -4,16 +4,16 @@ XLA's CPU backend converts every bf16 dot to float32 before its own kernels (and
 with `--xla_cpu_use_onednn`), so on an AMX CPU a bf16 linear layer runs at the float32 rate, far
 below torch's (docs/benchmarks.md). oneMKL's `cblas_gemm_bf16bf16f32` uses the AMX tiles. The shim
 (cpu_kernels.cc, built and opened by cpu_shim.py) builds kernels on it and on the tiles' intrinsics:
-the Linear layers' dots (`dot_general`), unmasked attention (`attention`), the text encoder's masked
-attention (`masked_attention`) and the VAE's 3x3 convolutions (`conv3x3`, `norm_silu_conv3x3`),
-each with the numerics of the XLA form it replaces.
+the Linear layers' dots (`dot_general`; a float32 model's on oneMKL's `cblas_sgemm`), unmasked
+attention (`attention`), the text encoder's masked attention (`masked_attention`) and the VAE's 3x3
+convolutions (`conv3x3`, `norm_silu_conv3x3`), each with the numerics of the XLA form it replaces.
 
-The backend dispatch (core/models/trace.py) imports this module only where it applies
-(core/models/kernels.py: an AMX CPU with oneMKL installed, FLUX2KLEIN_CPU_MATMUL not `xla`), and
-`load` then builds the shim on first use, opens oneMKL in it and registers its targets. The trace
-options name the plugin (`TraceOptions.kernels`, part of every program's key); the model code asks
-them. In a traced program each custom call sits in the CPU branch of `lax.platform_dependent`: a
-program lowered for an accelerator never contains it.
+The backend dispatch (core/models/trace.py) asks it through core/models/amx_plugin.py, imported
+only where it applies (core/models/kernels.py: an AMX CPU with oneMKL installed,
+FLUX2KLEIN_CPU_MATMUL not `xla`), and `load` then builds the shim on first use, opens oneMKL in it
+and registers its targets. The trace options name the plugin (`TraceOptions.kernels`, part of every
+program's key); the model code asks them. In a traced program each custom call sits in the CPU
+branch of `lax.platform_dependent`: a program lowered for an accelerator never contains it.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def load(mkl: str) -> str | None:
     if opened == 3:
         return "Linux does not let this process use the AMX tiles (it needs kernel 5.16 or later)"
     if opened != 0:
-        return f"{mkl} has no cblas_gemm_bf16bf16f32 or MKL_Set_Num_Threads_Local"
+        return f"{mkl} has no cblas_gemm_bf16bf16f32, cblas_sgemm or MKL_Set_Num_Threads_Local"
     return cpu_shim.register({TARGET: "flux2klein_amx_gemm", F32_TARGET: "flux2klein_amx_sgemm",
                               ATTENTION_TARGET: "flux2klein_amx_attention",
                               MASKED_ATTENTION_TARGET: "flux2klein_amx_masked_attention",
