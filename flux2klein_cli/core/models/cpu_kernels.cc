@@ -170,39 +170,30 @@ static void parallel_tasks(int64_t tasks, int workers, Work work) {
 }
 
 #if FLUX2KLEIN_BF16
-static ffi::Error Gemm(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
-  if (gemm_bf16 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
+// (M, K) x (K, N) -> float32 (M, N) on oneMKL: bf16 operands on its bf16 GEMM, float32 ones on its sgemm.
+template <ffi::DataType D>
+static ffi::Error Gemm(ffi::Buffer<D> x, ffi::Buffer<D> w, ffi::ResultBuffer<ffi::F32> y) {
+  constexpr bool kFloat32 = D == ffi::DataType::F32;
+  if ((kFloat32 ? gemm_f32 == nullptr : gemm_bf16 == nullptr))
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (M, K) x (K, N)");
   const int64_t m = xd[0], k = xd[1], n = wd[1];
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.untyped_data());
   float* yp = y->typed_data();
   // MKL's own threads: with them sleeping between products (KMP_BLOCKTIME=0, set in cpu_matmul.py)
   // they were as fast as splitting the rows between the cores, or faster, at every width.
-  gemm_bf16(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, xp, k, w.untyped_data(), n, 0.0f, yp, n);
+  if constexpr (kFloat32)
+    gemm_f32(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, x.typed_data(), k, w.typed_data(), n, 0.0f, yp, n);
+  else
+    gemm_bf16(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, x.untyped_data(), k, w.untyped_data(), n, 0.0f, yp, n);
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_gemm, Gemm,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::BF16>>().Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-// float32 (M, K) x (K, N) -> (M, N) on MKL's sgemm, its own threads as in Gemm.
-static ffi::Error GemmFloat32(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  if (gemm_f32 == nullptr) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "oneMKL is not loaded");
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error(ffi::ErrorCode::kInvalidArgument, "expected (M, K) x (K, N)");
-  const int64_t m = xd[0], k = xd[1], n = wd[1];
-  gemm_f32(kRowMajor, kNoTrans, kNoTrans, m, n, k, 1.0f, x.typed_data(), k, w.typed_data(), n, 0.0f,
-           y->typed_data(), n);
-  return ffi::Error::Success();
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_sgemm, GemmFloat32,
-                              ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define FLUX2KLEIN_GEMM_BINDING(D) \
+  ffi::Ffi::Bind().Arg<ffi::Buffer<D>>().Arg<ffi::Buffer<D>>().Ret<ffi::Buffer<ffi::F32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_gemm, Gemm<ffi::DataType::BF16>, FLUX2KLEIN_GEMM_BINDING(ffi::BF16));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(flux2klein_amx_sgemm, Gemm<ffi::DataType::F32>, FLUX2KLEIN_GEMM_BINDING(ffi::F32));
 #endif
 
 // Sixteen float32 lanes, the unit every float32 loop below works in: one AVX-512 register, or in the

@@ -90,7 +90,7 @@ def _amx(flags: frozenset[str], build: bool) -> Status:
     mkl = find_mkl()
     if mkl is None:
         return Status(None, "oneMKL is not installed (pip install 'flux2klein-cli[amx]')")
-    chosen = f"oneMKL bf16 GEMM ({mkl}); float32 attention and VAE convolutions in AVX-512 FMAs"
+    chosen = f"oneMKL bf16 and float32 GEMMs ({mkl}); float32 attention and VAE convolutions in AVX-512 FMAs"
     unbuilt = None if build else _unbuilt("amx", chosen)
     if unbuilt is not None:
         return unbuilt
