@@ -43,14 +43,10 @@ def dot_eligible(lhs: Any, rhs: Any, dimension_numbers: Any, preferred_element_t
             or cpu_matmul.float32_dot_eligible(lhs, rhs, dimension_numbers, preferred_element_type, kwargs))
 
 
-def dot_general(lhs: jax.Array, rhs: jax.Array, preferred_element_type: Any, fallback: Any) -> jax.Array:
-    """cpu_matmul.dot_general: bf16 on oneMKL's bf16 GEMM, float32 on its sgemm."""
-    return cpu_matmul.dot_general(lhs, rhs, preferred_element_type, fallback)
+dot_general = cpu_matmul.dot_general  # bf16 on oneMKL's bf16 GEMM, float32 on its sgemm
 
 
-def attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array) -> bool:
-    """cpu_matmul.attention_eligible, bf16 or float32."""
-    return avx512_bf16.attention_eligible(q, k, v)
+attention_eligible = avx512_bf16.attention_eligible  # bf16 or float32 shapes
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any) -> jax.Array:
@@ -58,9 +54,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, fallback: Any) -> jax.Ar
     return (avx512_bf16 if _float32(q) else cpu_matmul).attention(q, k, v, fallback)
 
 
-def masked_attention_eligible(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> bool:
-    """cpu_matmul.masked_attention_eligible, bf16 or float32."""
-    return avx512_bf16.masked_attention_eligible(q, k, v, mask)
+masked_attention_eligible = avx512_bf16.masked_attention_eligible  # bf16 or float32 shapes
 
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, scale: float,
@@ -94,26 +88,10 @@ def norm_silu_conv3x3(x: jax.Array, mean: jax.Array, scale: jax.Array, shift: ja
                                                                           fallback)
 
 
-def swiglu_eligible(x: jax.Array, after: jax.Array | None) -> bool:
-    """avx512_bf16.swiglu_eligible."""
-    return avx512_bf16.swiglu_eligible(x, after)
-
-
-def swiglu(x: jax.Array, start: int, after: jax.Array | None, fallback: Any) -> jax.Array:
-    """avx512_bf16.swiglu: the transformer's SwiGLU and the single block's join in one AVX-512 pass (XLA's
-    were two)."""
-    return avx512_bf16.swiglu(x, start, after, fallback)
-
-
-def qkv_heads_eligible(proj: jax.Array, heads: int, head_dim: int) -> bool:
-    """avx512_bf16.qkv_heads_eligible."""
-    return avx512_bf16.qkv_heads_eligible(proj, heads, head_dim)
-
-
-def qkv_heads(proj: jax.Array, q_weight: jax.Array, k_weight: jax.Array, cos: jax.Array, sin: jax.Array,
-              heads: int, eps: float, fallback: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """avx512_bf16.qkv_heads: the single block's q/k norms and rotations in one AVX-512 pass."""
-    return avx512_bf16.qkv_heads(proj, q_weight, k_weight, cos, sin, heads, eps, fallback)
+# The transformer's SwiGLU with the single block's join, and the single block's q/k norms and rotations,
+# each one AVX-512 pass (XLA's were several).
+swiglu_eligible, swiglu = avx512_bf16.swiglu_eligible, avx512_bf16.swiglu
+qkv_heads_eligible, qkv_heads = avx512_bf16.qkv_heads_eligible, avx512_bf16.qkv_heads
 
 
 def upsample_conv3x3(x: jax.Array, kernel: jax.Array, bias: jax.Array, fallback: Any) -> jax.Array:
