@@ -95,6 +95,7 @@ class Opening(Generic[T]):
         if self.admission is not None:
             return self.admission
         self._on_phase("loading model")
+        self._back_abstract_builds()
         if self.model_dir is None:
             self.model_dir = self._resolve(self.options.model)
         configs = configs_from_snapshot(self.model_dir)
@@ -107,6 +108,18 @@ class Opening(Generic[T]):
         check_mesh(self.mesh, configs.transformer)
         self.admission = Admission(configs, self.options.dtype, self.mesh)
         return self.admission
+
+    def _back_abstract_builds(self) -> None:
+        """The models' abstract builds (the admission's, the loader's, the executables') kept in the
+        executable store beside its programs, when this engine uses one."""
+        from flux2klein_cli.core.models.layers import back_abstract_builds
+
+        if not self.options.store:
+            back_abstract_builds(None)
+            return
+        from flux2klein_cli.core.compile.abstract_store import AbstractModelStore
+
+        back_abstract_builds(AbstractModelStore(self.options.compile_cache, save=self.options.save_executables))
 
     def admitted(self, warn: Warn, plan_of: Callable[[T], Any] = lambda planned: planned) -> T:
         """`resolve`, then the plan (`plan_of(planned)`) refused if this host cannot hold it (a

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +27,38 @@ _ABSTRACT: OrderedDict[Hashable, tuple[Any, Any]] = OrderedDict()
 _ABSTRACT_KEPT = 8  # models (config, dtype, form) whose abstract build a process keeps
 
 
+class AbstractBacking(Protocol):
+    """Abstract builds kept beyond this process (core/compile/abstract_store.py)."""
+
+    def get(self, key: Hashable) -> tuple[Any, Any] | None: ...
+
+    def put(self, key: Hashable, built: tuple[Any, Any]) -> None: ...
+
+
+_backing: list[AbstractBacking | None] = [None]
+
+
+def back_abstract_builds(backing: AbstractBacking | None) -> None:
+    """Where abstract_module looks for a build this process has not made, and keeps the ones it
+    makes (None: nowhere). An engine opening with an executable store sets it (engine/opening.py)."""
+    _backing[0] = backing
+
+
 def abstract_module(build: Callable[[], B], key: Hashable) -> B:
     """`nnx.eval_shape(build)`, built once per `key` (everything the build depends on) in a
-    process: a run builds each model abstractly three times (its cost check, its loader, its
-    executables' specs), and a build checks every attribute it sets while a merge of the cached
-    graph and shapes does not. Each call returns a new module (callers may swap its children)."""
+    process, or read from the backing store: a run builds each model abstractly three times (its
+    cost check, its loader, its executables' specs), and a build checks every attribute it sets
+    while a merge of the cached graph and shapes does not. Each call returns a new module
+    (callers may swap its children)."""
     cached = _ABSTRACT.get(key)
     if cached is None:
-        cached = _ABSTRACT[key] = nnx.split(nnx.eval_shape(build))
+        backing = _backing[0]
+        cached = backing.get(key) if backing is not None else None
+        if cached is None:
+            cached = nnx.split(nnx.eval_shape(build))
+            if backing is not None:
+                backing.put(key, cached)
+        _ABSTRACT[key] = cached
         while len(_ABSTRACT) > _ABSTRACT_KEPT:
             _ABSTRACT.popitem(last=False)
     _ABSTRACT.move_to_end(key)
