@@ -315,3 +315,17 @@ def test_real_geometry(name: str) -> None:
     assert ignored == deep | {"model.norm.weight", "lm_head.weight"}
     assert all(plan.ignore(k) for k in ignored)
     assert not any(plan.ignore(k) for k in read)
+
+
+@pytest.mark.parametrize(("dtype", "feature_layers"), [(jnp.float32, FEATURE_LAYERS), (jnp.bfloat16, (0, 3)),
+                                                       (jnp.bfloat16, (5,))])
+def test_features_shape_is_what_the_call_returns(dtype: object, feature_layers: tuple[int, ...]) -> None:
+    # The executables' specs take the text features' shape from features_shape instead of a trace.
+    config = Qwen3Config.from_dict(qwen3_config(300))
+    model = nnx.eval_shape(lambda: Qwen3TextEncoder(config, feature_layers=feature_layers, dtype=dtype,
+                                                    rngs=nnx.Rngs(0)))
+    for batch, length in ((1, 16), (3, 40)):
+        ids = jax.ShapeDtypeStruct((batch, length), jnp.int32)
+        traced = jax.eval_shape(lambda m, i, a: m(i, a), model, ids, ids)
+        stated = model.features_shape(batch, length)
+        assert (stated.shape, stated.dtype) == (traced.shape, traced.dtype)

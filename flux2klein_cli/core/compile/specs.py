@@ -131,17 +131,15 @@ def _explicit(mesh: Mesh) -> bool:
 def denoise_fields(models: AbstractModels, run: RunShape, mesh: Mesh) -> dict[str, Any]:
     """Every DenoiseInputs field the pipeline fills for this run, as ShapeDtypeStructs: the
     pipeline's own builder (denoise.build_inputs) under `jax.eval_shape`, fed the abstract
-    outputs of the very programs that make them (text encoder, VAE encode, noise, the
-    references-only pass), then placed as the pipeline places them."""
+    outputs of the very programs that make them (the text encoder's as the model states it,
+    VAE encode, noise, the references-only pass), then placed as the pipeline places them."""
     from flux2klein_cli.core.pipeline.schedule import SchedulerConfig, make_schedule
 
     grid, t = run.grid, run.max_sequence_length
     trace = None  # shapes only: any platform's forms give the same
 
     def text_features(prompts: int) -> Any:
-        ids = jax.ShapeDtypeStruct((prompts, t), jnp.int32)
-        return jax.eval_shape(programs.jit_module_call(models.text_encoder, trace=trace),
-                              models.states["text_encoder"], ids, ids)
+        return models.text_encoder.features_shape(prompts, t)
 
     references, grids, kv = None, [], None
     if run.kv:  # references enter as their cached K / V, not as tokens

@@ -261,6 +261,11 @@ class Qwen3TextEncoder(nnx.Module):
         out = jnp.transpose(feats[:count], (1, 2, 0, 3)).reshape(b, n, count * self.config.hidden_size)
         return out.astype(self.dtype)
 
+    def features_shape(self, batch: int, length: int) -> jax.ShapeDtypeStruct:
+        """What `__call__` returns for (batch, length) ids, without tracing the model (the executables'
+        specs ask it in every process: a trace of the whole encoder was 0.17 s of a cold start)."""
+        return jax.ShapeDtypeStruct((batch, length, len(self.feature_layers) * self.config.hidden_size), self.dtype)
+
 
 def qwen3_key_plan(model: Qwen3TextEncoder) -> KeyPlan:
     """Where each parameter comes from in a transformers Qwen3ForCausalLM checkpoint: the tree
