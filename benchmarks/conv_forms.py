@@ -1,6 +1,8 @@
 """One float32 3x3 convolution of the VAE at each of the real decoder's widths, in a kernel plugin of the
-shim, beside the same channels at a size 2 less: a side that is a multiple of 4 takes Winograd's F(4x4, 3x3),
-one that is only even F(2x2, 3x3) (cpu_kernels.cc's winograd_form), so each pair compares the two forms.
+shim, beside the same channels at a size 2 less: a side that is a multiple of 4 takes Winograd's F(4x4, 3x3)
+(unless its kernel is past one chunk's worth and the host has more cores than the image has chunks: then
+F(2x2)), one that is only even F(2x2, 3x3) (cpu_kernels.cc's winograd_form), so each pair compares the two
+forms where the host's core count keeps F(4x4).
 
 Each figure is the best of three calls after a first one, in ms, with the GFLOP/s the nine-tap form's
 products would need for that time.
@@ -46,7 +48,7 @@ def main() -> None:
             start = time.perf_counter()
             jax.block_until_ready(call(module, x))
             best = min(best, time.perf_counter() - start)
-        form = "F(4x4)" if side % 4 == 0 else "F(2x2)"
+        form = "side 4k" if side % 4 == 0 else "side 4k + 2"
         direct_gflop = 2 * 9 * side * side * channels * channels / 1e9
         print(f"{side}x{side} {channels}->{channels} {form}: {best * 1000:.1f} ms, "
               f"{direct_gflop / best:.0f} GFLOP/s of the nine taps' work", flush=True)

@@ -137,14 +137,16 @@ def conv_bounds(h: int, w: int, c_in: int, c_out: int, size: int = 3) -> dict[st
 @pytest.mark.parametrize("shape, size", [((1, 20, 13, 16, 20), 3), ((2, 9, 30, 48, 32), 3), ((1, 16, 16, 64, 128), 3),
                                          ((1, 5, 40, 17, 33), 3), ((2, 10, 14, 17, 33), 3), ((1, 34, 22, 48, 40), 3),
                                          ((2, 12, 20, 17, 33), 3), ((1, 8, 36, 48, 40), 3), ((1, 8, 12, 344, 352), 3),
-                                         ((1, 4, 256, 256, 256), 3), ((2, 7, 5, 24, 40), 1), ((1, 33, 12, 128, 64), 1)])
+                                         ((1, 32, 48, 344, 352), 3), ((1, 4, 256, 256, 256), 3), ((2, 7, 5, 24, 40), 1),
+                                         ((1, 33, 12, 128, 64), 1)])
 def test_float32_convolutions_in_the_shim_are_as_close_to_float64_as_xlas(plugin: str, shape: tuple[int, ...],
                                                                            size: int) -> None:
     """A 3x3 convolution whose height and width are multiples of 4 runs in Winograd's F(4x4, 3x3) form, of
     other even sizes in F(2x2, 3x3) (its transforms only add, subtract and halve: the error stays XLA's), of
     odd ones in the nine taps: all three here, with channel counts off the panels' 32, blocks off whole groups
     of the products' rows, wide kernels (344 x 352: eleven panels, a 17 MB F(4x4) kernel packed on every
-    core) and a row of 64 blocks, more than one chunk (256 x 256: a 9 MB kernel, chunks of two groups)."""
+    core; at 8 x 12 too few blocks for a chunk per core, so F(2x2), at 32 x 48 on 2 cores enough for F(4x4))
+    and a row of 64 blocks, more than one chunk (256 x 256: a 9 MB kernel, chunks of two groups)."""
     b, h, w, c_in, c_out = shape
     module = f32_conv(c_in, c_out, size=size)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((b, h, w, c_in)), jnp.float32)

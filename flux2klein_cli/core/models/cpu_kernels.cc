@@ -1230,12 +1230,23 @@ enum class Winograd { kNone, kF2, kF4 };
 // A Winograd chunk of blocks (winograd_chunk_blocks): the packed kernel it reads, its scratch at most.
 constexpr int64_t kWinogradChunkKernelBytes = 4 << 20, kWinogradChunkScratchBytes = 8 << 20;
 
+static int64_t winograd_chunk_blocks(Winograd form, const ConvShape& s);
+
+// F(4x4) where the sides allow it, else F(2x2) where they allow that; except that a kernel too large for
+// one chunk's worth (its chunks then hold many blocks: 96-108 at 512 channels) takes F(2x2) unless every
+// core gets a whole chunk of F(4x4)'s blocks. Otherwise a small image has fewer chunks than a many-core
+// host has cores, each re-reading the 38 MB kernel: on 13 cores a 64x64 512-channel convolution took 32-39
+// ms in F(4x4) against 13-18 ms in F(2x2) (docs/benchmarks.md); on 2 cores F(4x4) is as fast or faster.
 static Winograd winograd_form(const ConvShape& s) {
   if (!s.f32 || s.products() != ConvProducts::kPanels) return Winograd::kNone;
-  if (s.h % 4 == 0 && s.w % 4 == 0) return Winograd::kF4;
   // An upsample in F(2x2) would take 16 products per four input pixels for each of its four phases: as
   // many as its merged taps do.
-  return s.h % 2 == 0 && s.w % 2 == 0 && !s.upsample ? Winograd::kF2 : Winograd::kNone;
+  const bool f2 = s.h % 2 == 0 && s.w % 2 == 0 && !s.upsample;
+  if (s.h % 4 == 0 && s.w % 4 == 0) {
+    const int64_t chunk = winograd_chunk_blocks(Winograd::kF4, s), blocks = s.batch * (s.h / 4) * (s.w / 4);
+    if (!f2 || chunk == kDotRows || blocks >= worker_count() * chunk) return Winograd::kF4;
+  }
+  return f2 ? Winograd::kF2 : Winograd::kNone;
 }
 
 // The packed kernel's phases: a nearest 2x upsample's output pixel (2r + a, 2c + b) is phase 2a + b of input
