@@ -14,11 +14,11 @@ products would need for that time.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cpu_dots import best  # benchmarks/: a first call, then the best of three
 from flax import nnx
 
 from flux2klein_cli.core.models import avx512_bf16, float32_kernels
@@ -42,16 +42,11 @@ def main() -> None:
     for side, channels in SHAPES[: opts.shapes]:
         module = conv(channels, channels, 3, dtype=jnp.float32, rngs=nnx.Rngs(0))
         x = jnp.asarray(np.random.default_rng(0).standard_normal((1, side, side, channels)), jnp.float32)
-        jax.block_until_ready(call(module, x))
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            jax.block_until_ready(call(module, x))
-            best = min(best, time.perf_counter() - start)
+        seconds = best(lambda module=module, x=x: jax.block_until_ready(call(module, x)))
         form = "side 4k" if side % 4 == 0 else "side 4k + 2"
         direct_gflop = 2 * 9 * side * side * channels * channels / 1e9
-        print(f"{side}x{side} {channels}->{channels} {form}: {best * 1000:.1f} ms, "
-              f"{direct_gflop / best:.0f} GFLOP/s of the nine taps' work", flush=True)
+        print(f"{side}x{side} {channels}->{channels} {form}: {seconds * 1000:.1f} ms, "
+              f"{direct_gflop / seconds:.0f} GFLOP/s of the nine taps' work", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ convolution does not depend on its values.
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from cpu_dots import best  # benchmarks/: a first call, then the best of three
 from flax import nnx
 
 from flux2klein_cli.core.models import float32_kernels
@@ -37,13 +37,8 @@ def main() -> None:
         grid = side // 16
         z = jnp.asarray(np.random.default_rng(0).standard_normal((1, grid, grid, vae.config.patched_channels)),
                         jnp.float32)
-        jax.block_until_ready(decode(vae, z))
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            jax.block_until_ready(decode(vae, z))
-            best = min(best, time.perf_counter() - start)
-        print(f"{side}x{side}: {best:.3f} s", flush=True)
+        seconds = best(lambda z=z: jax.block_until_ready(decode(vae, z)))
+        print(f"{side}x{side}: {seconds:.3f} s", flush=True)
 
 
 if __name__ == "__main__":
