@@ -167,3 +167,12 @@ def temporary_file(parent: Path, name: str, mode: int = 0o666) -> Iterator[tuple
         yield fd, path
     finally:
         _release(path)
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """`data` as the file `path`, whole or not at all (written beside it, then renamed over it), mode 0600
+    whatever the umask: a store's file others could write is refused on load (core/trust.py)."""
+    with temporary_file(path.parent, path.name, mode=0o600) as (fd, tmp):
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import pickle
 import platform
 import time
@@ -29,7 +28,7 @@ from typing import Any
 
 from flux2klein_cli.core import trust
 from flux2klein_cli.core.cache_paths import executables_dir
-from flux2klein_cli.core.temporaries import temporary_file
+from flux2klein_cli.core.temporaries import write_private
 
 DIRECTORY = "abstract-models"
 PAYLOAD, RECORD = ".pickle", ".json"
@@ -107,8 +106,8 @@ class AbstractModelStore:
             trust.make_private_dir(self.directory)
             # The payload first: a record found is never older than its payload (a reader of a
             # half-replaced pair sees a sha256 mismatch and builds).
-            _write_replacing(self.directory, f"{name}{PAYLOAD}", payload)
-            _write_replacing(self.directory, f"{name}{RECORD}", json.dumps(record, sort_keys=True).encode())
+            write_private(self.directory / f"{name}{PAYLOAD}", payload)
+            write_private(self.directory / f"{name}{RECORD}", json.dumps(record, sort_keys=True).encode())
             self._prune()
         except OSError:
             return
@@ -128,9 +127,3 @@ def _mtime(path: Path) -> float:
     except OSError:
         return 0.0
 
-
-def _write_replacing(directory: Path, name: str, data: bytes) -> None:
-    with temporary_file(directory, name, mode=0o600) as (fd, tmp):
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, directory / name)

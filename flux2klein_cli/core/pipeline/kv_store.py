@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 
 from flux2klein_cli.core import trust
 from flux2klein_cli.core.models.transformer import ReferenceKV
-from flux2klein_cli.core.temporaries import temporary_file
+from flux2klein_cli.core.temporaries import write_private
 
 FORMAT = "flux2klein-reference-kv-2"
 FIELDS = ("double_k", "double_v", "single_k", "single_v")
@@ -148,16 +147,9 @@ class ReferenceKVStore:
             sha256=hashlib.sha256(data).hexdigest(),
         ), store_key)
         try:
-            _write_atomic(self.root / f"{key}.bin", data)
-            _write_atomic(self.root / f"{key}.json", json.dumps(meta, indent=1).encode())
+            write_private(self.root / f"{key}.bin", data)
+            write_private(self.root / f"{key}.json", json.dumps(meta, indent=1).encode())
         except OSError as e:
             self.warn(f"cannot store the reference KV cache in {self.root} ({e.strerror or e}); continuing without")
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    # 0600 whatever the umask: a file others can write would be refused on load (core/trust.py).
-    with temporary_file(path.parent, path.name, mode=0o600) as (fd, tmp):
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
 
